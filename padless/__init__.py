@@ -1,0 +1,1 @@
+"""padless: padding-free training for Hugging Face causal language models."""

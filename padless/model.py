@@ -1,0 +1,191 @@
+"""Load models on a proven attention backend and run per-token forwards on packed batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from padless import tiny
+from padless.attention import (
+    assert_attention,
+    attention_in_use,
+    hf_name,
+    probe_attention,
+    require_backend,
+    runtime_context,
+)
+from padless.packing import IGNORE_INDEX, PackedBatch
+
+Task = Literal["causal-lm", "score"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# At most this many fp32 logits exist at once in forward_packed: 2**26 floats = 256 MiB.
+LOGIT_CHUNK_ELEMENTS = 2**26
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Tokenizer for an embedded name (``tiny-qwen2``), a local directory or a cached model id."""
+    if name_or_path in tiny.TINY_MODELS:
+        return tiny.tiny_tokenizer()
+    if isinstance(name_or_path, Path) or Path(name_or_path).exists():
+        return AutoTokenizer.from_pretrained(str(name_or_path))
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    task: Task = "causal-lm",
+    attn_implementation: str = "varlen",
+    dtype: str | torch.dtype = "float32",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    training: bool = False,
+    probe: bool = True,
+) -> PreTrainedModel:
+    """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
+
+    Embedded names build the tiny models from ``seed``; anything else goes through ``from_pretrained``,
+    which gives the model a config object of its own.
+    """
+    require_backend(attn_implementation, device, training)
+    torch_dtype = resolve_dtype(dtype)
+    kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
+    if name_or_path in tiny.TINY_MODELS:
+        model = tiny.build_tiny_model(name_or_path, seed=seed, task=task, **kwargs)
+    else:
+        auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+        if task == "score":
+            kwargs["num_labels"] = 1
+        model = auto.from_pretrained(str(name_or_path), **kwargs)
+    if task == "score" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    model.to(device)
+    model.train(training)
+    model.padless_attention = attn_implementation
+    if probe:
+        probe_attention(model, attn_implementation)
+    else:
+        assert_attention(model, attn_implementation)
+    return model
+
+
+@dataclass
+class TokenOutputs:
+    """Per-token results of a packed forward, each ``[T]`` in fp32; zero where the label is ignored."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+def backbone_hidden(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    """Last hidden states ``[T, H]`` of a packed batch: no attention mask, no KV cache, explicit bounds."""
+    backend = getattr(model, "padless_attention", None) or attention_in_use(model)
+    assert_attention(model, backend)
+    with runtime_context(backend, batch.input_ids.device):
+        out = model.get_decoder()(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            **batch.attention_kwargs(),
+        )
+    return out.last_hidden_state[0]
+
+
+def _chunk_logps(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    temperature: float,
+    softcap: float | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.log_softmax(-1)
+    picked = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)
+    return picked, entropy
+
+
+def forward_packed(
+    model: PreTrainedModel,
+    batch: PackedBatch,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> TokenOutputs:
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy), log-softmax in chunks.
+
+    With gradients on, each chunk is recomputed in backward, so the fp32 ``[T, vocab]`` logits never
+    exist at once: memory holds only one chunk of ``LOGIT_CHUNK_ELEMENTS`` floats.
+    """
+    hidden = backbone_hidden(model, batch)
+    head = model.get_output_embeddings()
+    labels = batch.labels[0]
+    vocab = head.weight.shape[0]
+    step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    logps, ents = [], []
+    for start in range(0, hidden.shape[0], step):
+        args = (
+            hidden[start : start + step],
+            head,
+            labels[start : start + step],
+            temperature,
+            softcap,
+            entropy,
+        )
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            picked, ent = checkpoint(_chunk_logps, *args, use_reentrant=False)
+        else:
+            picked, ent = _chunk_logps(*args)
+        logps.append(picked)
+        ents.append(ent)
+    keep = labels != IGNORE_INDEX
+    logp = torch.cat(logps) * keep
+    return TokenOutputs(logps=logp, entropy=torch.cat(ents) * keep if entropy else None)
+
+
+def score_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The scalar head of a reward / value model (``AutoModelForSequenceClassification`` with 1 label)."""
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no scalar head (score / classifier / v_head); load it with task='score'"
+    )
+
+
+def forward_scores(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    """Per-token scalars ``[T]`` (fp32) from a scalar head, on the packed path."""
+    hidden = backbone_hidden(model, batch)
+    return score_head(model)(hidden).float()[:, 0]
+
+
+def sequence_scores(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    """One score per sequence ``[N]``, read at each sequence's last token from ``cu_seqlens``."""
+    return forward_scores(model, batch)[batch.last_token_index]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,51 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from padless.config import SFTConfig, load_config
+    from padless.trainers.sft import run_sft
+
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
+        config, overrides = None, [config, *overrides]
+    metrics = run_sft(load_config(SFTConfig, config, overrides))
+    print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from padless.model import load_model, load_tokenizer
+    from padless.rollout import generate
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    messages = [{"role": "user", "content": p} for p in args.prompt]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template([m], add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        if tokenizer.chat_template and not args.raw
+        else tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+        for m in messages
+    ]
+    completions = generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.temperature > 0,
+        temperature=args.temperature or 1.0,
+    )
+    for message, c in zip(messages, completions, strict=True):
+        print(
+            f"> {message['content']}\n{tokenizer.decode(c.completion_ids, skip_special_tokens=True).strip()}\n"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padless", description="Post-training in which padding never changes a number."
@@ -65,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=float, help="max |delta log-prob| per token (default by dtype)")
     check.set_defaults(func=_check)
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
+    sft.add_argument("config", nargs="?", help="YAML config (omit to run every default)")
+    sft.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.learning_rate=1e-4")
+    sft.set_defaults(func=_sft)
+
+    gen = sub.add_parser("generate", help="answer prompts with a model or checkpoint")
+    gen.add_argument(
+        "--model", required=True, help="checkpoint directory, model directory, id or embedded name"
+    )
+    gen.add_argument("--prompt", action="append", required=True, help="a user message (repeat for several)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as it is")
+    gen.add_argument("--device", choices=["cpu", "cuda"])
+    gen.set_defaults(func=_generate)
+
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
     doctor.set_defaults(func=_doctor)
     return parser
@@ -74,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (AttentionError, ValueError, FileNotFoundError) as e:
+    except (AttentionError, ValueError, FileNotFoundError) as e:  # ConfigError and DataError are ValueErrors
         print(f"padless {args.command}: error: {e}", file=sys.stderr)
         return 2
 

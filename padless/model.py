@@ -25,7 +25,7 @@ from padless.attention import (
     require_backend,
     runtime_context,
 )
-from padless.packing import IGNORE_INDEX, PackedBatch
+from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,18 +96,47 @@ class TokenOutputs:
     entropy: torch.Tensor | None = None
 
 
-def backbone_hidden(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
-    """Last hidden states ``[T, H]`` of a packed batch: no attention mask, no KV cache, explicit bounds."""
-    backend = getattr(model, "padless_attention", None) or attention_in_use(model)
-    assert_attention(model, backend)
-    with runtime_context(backend, batch.input_ids.device):
-        out = model.get_decoder()(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            **batch.attention_kwargs(),
-        )
-    return out.last_hidden_state[0]
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The model inside a DDP / FSDP wrapper (PEFT wrappers forward attribute access themselves)."""
+    return getattr(model, "module", model)
+
+
+def checked_backend(model: torch.nn.Module) -> str:
+    """The backend the model was loaded with, after checking its config still dispatches to it."""
+    inner = unwrap(model)
+    backend = getattr(inner, "padless_attention", None) or attention_in_use(inner)
+    assert_attention(inner, backend)
+    return backend
+
+
+def _captured_forward(
+    model: torch.nn.Module, batch: PackedBatch, module: torch.nn.Module, **extra: Any
+) -> Any:
+    """Run the packed batch through ``model`` (so DDP / FSDP hooks fire) and return ``module``'s output.
+
+    No attention mask, no KV cache, explicit sequence bounds: the only way padless runs a model.
+    """
+    backend = checked_backend(model)
+    captured: list[Any] = []
+    handle = module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        with runtime_context(backend, batch.input_ids.device):
+            model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                **batch.attention_kwargs(),
+                **extra,
+            )
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def backbone_hidden(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Last hidden states ``[T, H]`` of a causal LM on a packed batch (logits only for one token)."""
+    decoder = unwrap(model).get_decoder()
+    return _captured_forward(model, batch, decoder, logits_to_keep=1).last_hidden_state[0]
 
 
 def _chunk_logps(
@@ -130,7 +159,7 @@ def _chunk_logps(
 
 
 def forward_packed(
-    model: PreTrainedModel,
+    model: torch.nn.Module,
     batch: PackedBatch,
     *,
     entropy: bool = False,
@@ -143,11 +172,11 @@ def forward_packed(
     exist at once: memory holds only one chunk of ``LOGIT_CHUNK_ELEMENTS`` floats.
     """
     hidden = backbone_hidden(model, batch)
-    head = model.get_output_embeddings()
+    head = unwrap(model).get_output_embeddings()
     labels = batch.labels[0]
     vocab = head.weight.shape[0]
     step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    softcap = getattr(unwrap(model).config.get_text_config(), "final_logit_softcapping", None)
     logps, ents = [], []
     for start in range(0, hidden.shape[0], step):
         args = (
@@ -169,6 +198,20 @@ def forward_packed(
     return TokenOutputs(logps=logp, entropy=torch.cat(ents) * keep if entropy else None)
 
 
+def forward_padded(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+    backend = checked_backend(model)
+    with runtime_context(backend, batch.input_ids.device):
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).logits
+    logps = logits.float().log_softmax(-1).gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    return logps * (batch.labels != IGNORE_INDEX)
+
+
 def score_head(model: PreTrainedModel) -> torch.nn.Module:
     """The scalar head of a reward / value model (``AutoModelForSequenceClassification`` with 1 label)."""
     for name in ("score", "classifier", "v_head"):
@@ -180,12 +223,11 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+def forward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Per-token scalars ``[T]`` (fp32) from a scalar head, on the packed path."""
-    hidden = backbone_hidden(model, batch)
-    return score_head(model)(hidden).float()[:, 0]
+    return _captured_forward(model, batch, score_head(unwrap(model)))[0, :, 0].float()
 
 
-def sequence_scores(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+def sequence_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """One score per sequence ``[N]``, read at each sequence's last token from ``cu_seqlens``."""
     return forward_scores(model, batch)[batch.last_token_index]

@@ -259,3 +259,21 @@ def padding_share(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> f
     real = sum(lengths[i] for b in batches for i in b)
     total = sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
     return 1.0 - real / total if total else 0.0
+
+
+def balance_ranks(tokens: Sequence[int], num_ranks: int, per_rank: int) -> list[list[int]]:
+    """Deal one step's micro-batches (given by token counts) to data-parallel ranks.
+
+    Longest first to the least-loaded rank that still has room for ``per_rank`` micro-batches, so
+    ranks finish their step at about the same time. Returns micro-batch indices per rank (a rank may get
+    fewer than ``per_rank`` on the last, partial step).
+    """
+    if len(tokens) > num_ranks * per_rank:
+        raise ValueError(f"{len(tokens)} micro-batches do not fit {num_ranks} ranks x {per_rank}")
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        r = min((r for r in range(num_ranks) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += tokens[i]
+    return ranks

@@ -1,0 +1,15 @@
+"""Loading raw data with provenance and turning it into tokenized :class:`~padless.packing.Example` s."""
+
+from padless.data.records import ACCEPTED_FORMATS, DataError, Row, load_rows
+from padless.data.sft import ChatTemplateError, SkipStats, detect_format, tokenize_sft
+
+__all__ = [
+    "ACCEPTED_FORMATS",
+    "ChatTemplateError",
+    "DataError",
+    "Row",
+    "SkipStats",
+    "detect_format",
+    "load_rows",
+    "tokenize_sft",
+]

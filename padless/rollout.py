@@ -1,0 +1,117 @@
+"""Generation: the one place padding exists. Prompts are left-padded here, whatever the tokenizer says.
+
+Decoding needs a KV cache, which packed attention kernels do not take: for ``varlen`` and
+``flex_attention`` models, decoding runs on ``sdpa`` (said in the log, restored afterwards). Completions
+come back as plain token lists, cut after the first EOS, ready to be packed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from padless.attention import attention_in_use, hf_name
+from padless.model import unwrap
+
+log = logging.getLogger(__name__)
+DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # up to and including the first EOS
+    finished: bool  # False when max_new_tokens ran out before an EOS
+
+
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, L]`` input ids and attention mask, prompts right-aligned so new tokens follow real ones."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+@contextlib.contextmanager
+def decoding_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Switch a packed-only backend to its decoding kernel for the duration of ``generate``."""
+    inner = unwrap(model)
+    backend = attention_in_use(inner)
+    decode = DECODE_BACKEND.get(backend)
+    if decode is None:
+        yield
+        return
+    log.info("decoding with %s: the %s backend runs whole sequences and keeps no KV cache", decode, backend)
+    inner.set_attn_implementation(decode)
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(hf_name(backend))
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS; trailing padding from ``generate`` dropped."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
+        tokens = tokens[:-1]
+    return tokens, False
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    do_sample: bool = False,
+    batch_size: int = 8,
+    num_return_sequences: int = 1,
+) -> list[Completion]:
+    """Complete each prompt (``num_return_sequences`` times, consecutive in the result)."""
+    inner = unwrap(model)
+    device = next(inner.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = inner.generation_config.eos_token_id or tokenizer.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    sampling = {"temperature": temperature, "top_p": top_p} if do_sample else {}
+    results: list[Completion] = []
+    was_training = inner.training
+    inner.eval()
+    try:
+        with decoding_attention(inner):
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                ids, mask = left_pad(chunk, pad_id, device)
+                out = inner.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    num_return_sequences=num_return_sequences,
+                    pad_token_id=pad_id,
+                    eos_token_id=sorted(eos_ids),
+                    use_cache=True,
+                    **sampling,
+                )
+                for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
+                    tokens, finished = cut_at_eos(row, eos_ids, pad_id)
+                    results.append(Completion(chunk[j // num_return_sequences], tokens, finished))
+    finally:
+        inner.train(was_training)
+    return results

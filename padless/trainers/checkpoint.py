@@ -1,0 +1,154 @@
+"""Checkpoints written atomically: a temporary directory renamed into place, never a half checkpoint.
+
+Layout of ``checkpoint-N/``: the model in Hugging Face format (safetensors; the adapter only for LoRA)
+with its tokenizer, so ``from_pretrained`` and ``padless generate`` load it directly; ``state/`` with
+optimizer, scheduler and RNG states from accelerate (model weights are not duplicated there);
+``trainer_state.json`` with the step and data position, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Where training stands: enough to continue exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    tokens_seen: int = 0
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(output_dir: str | Path, spec: str | None) -> Path | None:
+    """``None``, ``"latest"`` (the newest complete checkpoint in output_dir, if any) or a path."""
+    if spec is None:
+        return None
+    if spec == "latest":
+        found = checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(spec)
+    if not (path / STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={spec!r} is not a complete padless checkpoint (no {STATE_FILE}); "
+            f"use 'latest' or one of: {', '.join(str(p) for p in checkpoints(output_dir)) or 'none found'}"
+        )
+    return path
+
+
+def skip_model_weights_in_state(accelerator: Accelerator) -> None:
+    """Keep accelerate's state to optimizer / scheduler / RNG: weights live in the HF-format files."""
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    state: TrainState,
+    output_dir: str | Path,
+) -> Path:
+    root = Path(output_dir)
+    final = root / f"checkpoint-{state.step}"
+    tmp = root / f".tmp-checkpoint-{state.step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    accelerator.save_state(str(tmp / "state"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        if final.exists():  # a re-run reached the same step: replace it whole
+            trash = root / f".old-checkpoint-{state.step}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
+    """Delete the oldest checkpoints beyond ``keep`` (0 keeps all)."""
+    if keep <= 0:
+        return
+    for old in checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> TrainState:
+    """Restore weights (HF files), optimizer / scheduler / RNG (accelerate state) and the train state."""
+    unwrapped = accelerator.unwrap_model(model)
+    if (path / "adapter_model.safetensors").exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(unwrapped, load_file(path / "adapter_model.safetensors"))
+    else:
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(file))
+        missing, unexpected = unwrapped.load_state_dict(weights, strict=False)
+        tied = set(_tied_keys(unwrapped))
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(
+                f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}; resume with the same model settings it was trained with"
+            )
+    accelerator.load_state(str(path / "state"))
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def _tied_keys(model: torch.nn.Module) -> list[str]:
+    """Parameter names that share storage with an earlier one (dropped by save_pretrained)."""
+    seen: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.append(name)
+        else:
+            seen[id(param)] = name
+    return tied

@@ -1,0 +1,233 @@
+"""The one training loop every trainer shares.
+
+A trainer is a :class:`Recipe`: it plans the epoch's micro-batches (the same global list on every rank)
+and computes a micro-batch's loss as a share of the step's loss. The loop does the rest: sharding
+micro-batches across data-parallel ranks, the global normaliser, gradient accumulation, clipping,
+optimizer and schedule, logging, evaluation, checkpoints and exact resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from padless.packing import balance_ranks
+from padless.trainers.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    resolve_resume,
+    rotate_checkpoints,
+    save_checkpoint,
+    skip_model_weights_in_state,
+)
+from padless.trainers.reporting import Reporter
+
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+@dataclass
+class MicroBatch:
+    """One forward / backward. ``units`` count into the step's normaliser (target tokens, pairs, ...)."""
+
+    data: Any
+    units: float
+    tokens: int
+    scale: float = 1.0  # 0 for a filler that keeps a rank without data in step with the others
+
+
+class Recipe(Protocol):
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        """The epoch's micro-batches in order: the same global list on every rank, seeded by epoch."""
+
+    def loss(
+        self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of ``micro`` as its share of the step loss, plus metric shares that sum to step metrics."""
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        """Evaluation metrics (already reduced over ranks); may be empty."""
+
+
+@dataclass
+class Step:
+    micros: list[MicroBatch]  # this rank's share
+    normaliser: float  # loss units of the whole step, all ranks
+    tokens: int  # real tokens of the whole step, all ranks
+
+
+def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank: int) -> list[Step]:
+    """Group an epoch's micro-batches into optimizer steps and take this rank's share of each."""
+    per_step = accumulation * num_ranks
+    steps = []
+    for start in range(0, len(micros), per_step):
+        group = micros[start : start + per_step]
+        mine = [group[i] for i in balance_ranks([m.tokens for m in group], num_ranks, accumulation)[rank]]
+        if not mine:  # the last step is short: this rank still joins the gradient all-reduce
+            mine = [replace(group[0], scale=0.0)]
+        steps.append(Step(mine, max(sum(m.units for m in group), 1e-12), sum(m.tokens for m in group)))
+    return steps
+
+
+class Trainer:
+    def __init__(
+        self,
+        recipe: Recipe,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        settings: Any,
+        accelerator: Accelerator,
+    ):
+        self.recipe, self.tokenizer, self.cfg, self.acc = recipe, tokenizer, settings, accelerator
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": settings.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=settings.learning_rate,
+            betas=(settings.adam_beta1, settings.adam_beta2),
+            eps=settings.adam_epsilon,
+        )
+        self.epoch_steps: dict[int, list[Step]] = {}
+        self.total_steps, self.num_epochs = self._count_steps()
+        warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
+        # The scheduler is not passed to prepare(): accelerate would step it once per process.
+        self.scheduler = get_scheduler(
+            SCHEDULERS[settings.lr_scheduler],
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=self.total_steps,
+        )
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler)
+        skip_model_weights_in_state(accelerator)
+
+    def steps_of(self, epoch: int) -> list[Step]:
+        if epoch not in self.epoch_steps:
+            micros = self.recipe.plan(epoch)
+            self.epoch_steps[epoch] = plan_steps(
+                micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
+            )
+        return self.epoch_steps[epoch]
+
+    def _count_steps(self) -> tuple[int, int]:
+        """Total optimizer steps and epochs touched: max_steps if set, else num_epochs (may be fractional)."""
+        cfg = self.cfg
+        per_epoch = len(self.steps_of(0))
+        if per_epoch == 0:
+            raise ValueError("the training data produced no micro-batch: is the dataset empty?")
+        if cfg.max_steps > 0:
+            return cfg.max_steps, math.ceil(cfg.max_steps / per_epoch)
+        return max(1, math.ceil(cfg.num_epochs * per_epoch)), math.ceil(cfg.num_epochs)
+
+    def _train_step(self, step: Step) -> dict[str, float]:
+        sums: dict[str, float] = defaultdict(float)
+        world = self.acc.num_processes
+        for k, micro in enumerate(step.micros):
+            last = k == len(step.micros) - 1
+            sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
+            with sync, self.acc.autocast():
+                loss, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+                # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
+                self.acc.backward(loss * (micro.scale * world))
+            for key, value in metrics.items():
+                sums[key] += value * micro.scale
+        if self.cfg.max_grad_norm > 0:
+            sums["grad_norm"] = (
+                float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)) / world
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(sums)
+        totals = self.acc.reduce(torch.tensor([sums[k] for k in keys], device=self.acc.device), "sum")
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+    def train(self) -> dict[str, float]:
+        cfg, acc = self.cfg, self.acc
+        resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+        state = load_checkpoint(acc, self.model, resume) if resume else TrainState()
+        reporter = Reporter(
+            cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
+        )
+        bar = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            disable=not (cfg.progress_bar and acc.is_main_process),
+            desc="train",
+            dynamic_ncols=True,
+        )
+        window: dict[str, float] = defaultdict(float)
+        window_steps, window_tokens, window_time = 0, 0, 0.0
+        last: dict[str, float] = {}
+        self.model.train()
+        while state.step < self.total_steps:
+            steps = self.steps_of(state.epoch)
+            while state.step_in_epoch < len(steps) and state.step < self.total_steps:
+                started = time.perf_counter()
+                metrics = self._train_step(steps[state.step_in_epoch])
+                elapsed = time.perf_counter() - started
+                tokens = steps[state.step_in_epoch].tokens
+                state.step += 1
+                state.step_in_epoch += 1
+                state.tokens_seen += tokens
+                for key, value in metrics.items():
+                    window[key] += value
+                window_steps, window_tokens, window_time = (
+                    window_steps + 1,
+                    window_tokens + tokens,
+                    window_time + elapsed,
+                )
+                lr = self.scheduler.get_last_lr()[0]
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{metrics.get('loss', float('nan')):.4f}",
+                    lr=f"{lr:.2e}",
+                    tok_s=f"{tokens / elapsed:.0f}",
+                )
+                if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
+                    last = {f"train/{k}": v / window_steps for k, v in window.items()}
+                    last.update(
+                        {
+                            "train/lr": lr,
+                            "train/tokens_per_s": window_tokens / window_time,
+                            "train/epoch": state.epoch + state.step_in_epoch / len(steps),
+                        }
+                    )
+                    reporter.log(state.step, last)
+                    window, window_steps, window_tokens, window_time = defaultdict(float), 0, 0, 0.0
+                final = state.step == self.total_steps
+                if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
+                    self._evaluate(state.step, reporter, last)
+                if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
+                    save_checkpoint(acc, self.model, self.tokenizer, state, cfg.output_dir)
+                    if acc.is_main_process:
+                        rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
+            if state.step_in_epoch >= len(steps):
+                state.epoch += 1
+                state.step_in_epoch = 0
+        bar.close()
+        reporter.plot()
+        reporter.close()
+        return last
+
+    def _evaluate(self, step: int, reporter: Reporter, last: dict[str, float]) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.recipe.evaluate(self.model, step)
+        self.model.train()
+        if metrics:
+            metrics = {f"eval/{k}": v for k, v in metrics.items()}
+            reporter.log(step, metrics)
+            last.update(metrics)

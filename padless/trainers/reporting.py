@@ -1,0 +1,84 @@
+"""Metrics out of the loop: ``metrics.jsonl``, TensorBoard, and a loss-curve PNG in the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class Reporter:
+    """Writes on the main process only; other ranks get a reporter that does nothing."""
+
+    def __init__(
+        self, output_dir: str | Path, report_to: list[str], enabled: bool, resume_step: int | None = None
+    ):
+        self.dir = Path(output_dir)
+        self.enabled = enabled
+        self.jsonl = self.dir / "metrics.jsonl" if enabled and "jsonl" in report_to else None
+        self.tb = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.jsonl is not None:
+            self._truncate_after(resume_step)
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=resume_step)
+
+    def _truncate_after(self, step: int | None) -> None:
+        """A resumed run rewrites history from its checkpoint on: drop records of steps beyond it."""
+        if self.jsonl is None or not self.jsonl.exists():
+            return
+        if step is None:
+            self.jsonl.unlink()
+            return
+        kept = [
+            line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
+        self.jsonl.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self.jsonl is not None:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+
+    def records(self) -> list[dict[str, Any]]:
+        if self.jsonl is None or not self.jsonl.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
+
+    def plot(self, keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> Path | None:
+        """Loss curves to ``loss.png`` (from metrics.jsonl, so a resumed run plots its whole history)."""
+        records = self.records()
+        if not self.enabled or not records:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="." if len(points) < 50 else None, label=key)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = self.dir / "loss.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

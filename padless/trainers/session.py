@@ -1,0 +1,77 @@
+"""What every trainer does before its first step: accelerator, seeds, tokenizer, model, LoRA, saved config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from padless.attention import set_varlen_kernel
+from padless.config import ModelSettings, save_config
+from padless.model import Task, load_model, load_tokenizer
+
+
+@dataclass
+class Session:
+    accelerator: Accelerator
+    tokenizer: Any
+    model: torch.nn.Module
+
+
+def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA (where kernels are fast in it) and fp32 on CPU (exact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def start_session(
+    model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
+) -> Session:
+    """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
+    accelerator = Accelerator()
+    set_seed(seed)
+    set_varlen_kernel(model_cfg.varlen_kernel)
+    dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
+    tokenizer = load_tokenizer(model_cfg.name)
+    model = load_trainable(model_cfg, accelerator.device, dtype, task)
+    if accelerator.is_main_process:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        save_config(config, Path(output_dir) / "config.yaml")
+    return Session(accelerator, tokenizer, model)
+
+
+def load_trainable(
+    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task
+) -> torch.nn.Module:
+    model = load_model(
+        model_cfg.name,
+        task=task,
+        attn_implementation=model_cfg.attn_implementation,
+        dtype=dtype,
+        device=device,
+        seed=model_cfg.seed,
+        training=True,
+    )
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if model_cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model_cfg.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
+            ),
+        )
+    return model

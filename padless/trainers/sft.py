@@ -1,0 +1,196 @@
+"""Supervised fine-tuning: next-token NLL on target tokens, normalised over the whole step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from padless.config import SFTConfig, TrainSettings
+from padless.data import load_rows, tokenize_sft
+from padless.losses import sft_loss
+from padless.model import forward_packed, forward_padded, unwrap
+from padless.packing import (
+    Example,
+    PackedBatch,
+    budget_batches,
+    fixed_count_batches,
+    pack,
+    to_padded,
+)
+from padless.rollout import generate
+from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.session import start_session
+
+
+def loss_tokens(example: Example) -> int:
+    """Targets of an example: trained tokens after the first (a sequence's first token is never predicted)."""
+    mask = example.loss_mask
+    return len(example) - 1 if mask is None else sum(mask[1:])
+
+
+def group_examples(
+    examples: list[Example], cfg: TrainSettings, epoch: int, bins: list[list[int]] | None
+) -> list[list[int]]:
+    """Micro-batches for an epoch: token budget, fixed bins (offline packing), or fixed count (padded)."""
+    seed = cfg.seed + epoch
+    if cfg.batching == "tokens":
+        return budget_batches([len(e) for e in examples], cfg.max_tokens_per_batch, seed=seed)
+    if cfg.batching == "packing":
+        order = fixed_count_batches(len(bins), 1, seed=seed)
+        return [bins[i[0]] for i in order]
+    return fixed_count_batches(len(examples), cfg.batch_size, seed=seed)
+
+
+class SFTRecipe:
+    def __init__(
+        self,
+        examples: list[Example],
+        cfg: TrainSettings,
+        tokenizer: Any,
+        device: torch.device,
+        eval_examples: list[Example] | None = None,
+        eval_prompts: list[list[int]] | None = None,
+        num_ranks: int = 1,
+        rank: int = 0,
+    ):
+        self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
+        self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
+        self.num_ranks, self.rank = num_ranks, rank
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.bins = None
+        if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
+            self.bins = budget_batches(
+                [len(e) for e in examples], cfg.max_tokens_per_batch, seed=cfg.seed, shuffle=False
+            )
+
+    def collate(self, examples: list[Example]) -> Any:
+        batch = pack(examples, device=self.device)
+        if self.cfg.batching == "padded":
+            return to_padded(batch, self.cfg.padding_side, self.pad_id)
+        return batch
+
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        micros = []
+        for group in group_examples(self.examples, self.cfg, epoch, self.bins):
+            chosen = [self.examples[i] for i in group]
+            micros.append(
+                MicroBatch(
+                    chosen, units=sum(loss_tokens(e) for e in chosen), tokens=sum(len(e) for e in chosen)
+                )
+            )
+        return micros
+
+    def token_logps(
+        self, model: torch.nn.Module, examples: list[Example]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and target mask, flat, in whatever layout the config asks for."""
+        batch = self.collate(examples)
+        if isinstance(batch, PackedBatch):
+            return forward_packed(model, batch).logps, batch.loss_mask[0]
+        return forward_padded(model, batch).flatten(), (batch.labels != -100).flatten()
+
+    def loss(
+        self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        logps, mask = self.token_logps(model, micro.data)
+        loss = sft_loss(logps, mask, normaliser)
+        return loss, {"loss": loss.item()}
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.eval_examples:
+            groups = budget_batches(
+                [len(e) for e in self.eval_examples], self.cfg.max_tokens_per_batch, shuffle=False
+            )
+            nll, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+            for group in groups[self.rank :: self.num_ranks]:
+                logps, mask = self.token_logps(model, [self.eval_examples[i] for i in group])
+                nll -= (logps * mask).sum()
+                count += mask.sum()
+            totals = torch.stack([nll, count])
+            if self.num_ranks > 1:
+                torch.distributed.all_reduce(totals)
+            metrics["loss"] = (totals[0] / totals[1].clamp(min=1)).item()
+        if self.cfg.eval_generate and self.eval_prompts and self.rank == 0:
+            self.write_predictions(model, step)
+        return metrics
+
+    def write_predictions(self, model: torch.nn.Module, step: int) -> Path:
+        completions = generate(
+            unwrap(model),
+            self.tokenizer,
+            self.eval_prompts,
+            max_new_tokens=self.cfg.eval_max_new_tokens,
+            batch_size=self.cfg.eval_batch_size,
+        )
+        path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
+        with path.open("w") as f:
+            for c in completions:
+                record = {
+                    "prompt": self.tokenizer.decode(c.prompt_ids),
+                    "completion": self.tokenizer.decode(c.completion_ids, skip_special_tokens=True),
+                    "finished": c.finished,
+                }
+                f.write(json.dumps(record) + "\n")
+        return path
+
+
+def eval_prompt_ids(rows: list[Any], tokenizer: Any) -> list[list[int]]:
+    """Prompts for generation eval: the conversation up to its last assistant turn, or the prompt field."""
+    prompts = []
+    for row in rows:
+        data = row.data
+        if "messages" in data:
+            last = max(i for i, m in enumerate(data["messages"]) if m["role"] == "assistant")
+            ids = tokenizer.apply_chat_template(
+                data["messages"][:last], add_generation_prompt=True, tokenize=True
+            )
+            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+        elif "prompt" in data and isinstance(data["prompt"], str):
+            prompts.append(tokenizer(data["prompt"], add_special_tokens=False)["input_ids"])
+        else:
+            raise ValueError(
+                f"{row.where}: eval_generate needs prompts (messages or prompt/completion rows); "
+                "set train.eval_generate: false for text data"
+            )
+    return prompts
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, float]:
+    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    acc, tokenizer = session.accelerator, session.tokenizer
+    data = cfg.data
+
+    def tokenize(spec: str) -> tuple[list[Any], list[Example]]:
+        rows = load_rows(spec)
+        examples, _ = tokenize_sft(
+            rows,
+            tokenizer,
+            format=data.format,
+            max_length=data.max_length,
+            truncation=data.truncation,
+            completion_only_loss=data.completion_only_loss,
+            skip_bad_rows=data.skip_bad_rows,
+        )
+        return rows, examples
+
+    _, examples = tokenize(data.train)
+    eval_examples, eval_prompts = None, None
+    if data.eval:
+        eval_rows, eval_examples = tokenize(data.eval)
+        if cfg.train.eval_generate:
+            eval_prompts = eval_prompt_ids(eval_rows, tokenizer)
+    recipe = SFTRecipe(
+        examples,
+        cfg.train,
+        tokenizer,
+        acc.device,
+        eval_examples,
+        eval_prompts,
+        num_ranks=acc.num_processes,
+        rank=acc.process_index,
+    )
+    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()

@@ -1,0 +1,85 @@
+"""Shared fixtures: the embedded tokenizer, probe sequences of very different lengths, and a reference
+computation of per-token log-probs that runs each sequence alone through a plain ``model(...)`` call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from padless.attention import set_varlen_kernel
+
+# Very different lengths on purpose: a short sequence packed before a long one is where leaks show.
+PROBE_LENGTHS = (3, 20, 90)
+
+LogpsFn = Callable[[torch.nn.Module, list[list[int]]], list[torch.Tensor]]
+
+
+@pytest.fixture(autouse=True)
+def _reset_varlen_kernel() -> Iterator[None]:
+    """``set_varlen_kernel`` (and ``padless check --varlen-kernel``) set process-wide state: never leak it."""
+    yield
+    set_varlen_kernel("auto")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from padless.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id
+
+
+@pytest.fixture(scope="session")
+def probe_seqs(tokenizer) -> list[list[int]]:
+    """Real text from the embedded corpus, tokenized, cut to :data:`PROBE_LENGTHS`."""
+    from padless.check import probe_sequences
+
+    seqs = probe_sequences(tokenizer, PROBE_LENGTHS)
+    assert [len(s) for s in seqs] == list(PROBE_LENGTHS)
+    assert len({tuple(s) for s in seqs}) == len(seqs), "probe sequences must differ"
+    return seqs
+
+
+def next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log p(ids[t + 1] | ids[:t + 1])`` for every ``t < L - 1`` from logits ``[L, V]`` (fp32)."""
+    return torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def _alone_logps(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor(s, device=device)
+            logits = model(input_ids=ids[None], use_cache=False).logits[0]
+            out.append(next_token_logps(logits, ids))
+    return out
+
+
+@pytest.fixture(scope="session")
+def alone_logps() -> LogpsFn:
+    """Reference: each sequence run alone (batch of one, no padding, no packing), ``[L_i - 1]`` each."""
+    return _alone_logps
+
+
+def _per_token_delta(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    assert len(got) == len(want), f"{len(got)} sequences, expected {len(want)}"
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, f"sequence {i}: shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+        assert w.numel() > 0, f"sequence {i} has no predicted tokens: nothing would be compared"
+        assert torch.isfinite(g).all(), f"sequence {i}: non-finite log-probs"
+        worst = max(worst, (g.float().cpu() - w.float().cpu()).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="session")
+def per_token_delta() -> Callable[[list[torch.Tensor], list[torch.Tensor]], float]:
+    """Largest per-token |difference| over sequences, after checking every sequence has the same shape."""
+    return _per_token_delta

@@ -1,0 +1,296 @@
+"""SFT tokenization: targets are exactly what the model should learn to write, or the row is refused."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_sft
+from padless.tiny import EOS_TOKEN_ID, tiny_tokenizer
+
+TOK = tiny_tokenizer()
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "2 + 2 = 4."},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "3 + 3 = 6."},
+]
+
+
+def _rows(*data: dict[str, Any]) -> list[Row]:
+    return [Row(d, "mem.jsonl", i + 1, "line") for i, d in enumerate(data)]
+
+
+def _targets(tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
+    """Decoded runs of consecutive target tokens."""
+    runs, cur = [], []
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tokenizer.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tokenizer.decode(cur))
+    return runs
+
+
+def _without_generation_tags(tokenizer):
+    tokenizer.chat_template = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", tokenizer.chat_template)
+    assert (
+        "{% generation %}" not in tokenizer.chat_template
+        and "add_generation_prompt" in tokenizer.chat_template
+    )
+    return tokenizer
+
+
+def _sft(rows: list[Row], tokenizer=TOK, **kw: Any):
+    kw.setdefault("max_length", 2048)
+    return tokenize_sft(rows, tokenizer, **kw)
+
+
+# -- messages ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("marker_free", [False, True], ids=["generation-markers", "prefix-rendering"])
+def test_messages_targets_are_assistant_content_and_end_of_turn(marker_free: bool) -> None:
+    tok = _without_generation_tags(tiny_tokenizer()) if marker_free else TOK
+    (ex,), stats = _sft(_rows({"messages": CONVERSATION, "id": 7}), tok)
+    assert _targets(tok, ex.input_ids, ex.loss_mask) == ["2 + 2 = 4.<|im_end|>", "3 + 3 = 6.<|im_end|>"]
+    assert ex.input_ids == TOK.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"]
+    # No system/user token, and no header token, is ever a target.
+    non_targets = TOK.decode([t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if not m])
+    assert "Be brief." in non_targets and "What is 2 + 2?" in non_targets and "And 3 + 3?" in non_targets
+    assert non_targets.count("<|im_start|>assistant\n") == 2
+    assert ex.meta == {"row": 1, "source": "mem.jsonl"}
+    assert stats.skipped == 0 and stats.kept == 1
+
+
+def test_prefix_rendering_matches_generation_markers_on_whole_dataset() -> None:
+    rows = load_rows("tiny:sft")
+    marked, _ = _sft(rows)
+    rendered, _ = _sft(rows, _without_generation_tags(tiny_tokenizer()))
+    assert len(marked) == len(rendered) == len(rows)
+    for a, b in zip(marked, rendered, strict=True):
+        assert a.input_ids == b.input_ids
+        assert a.loss_mask == b.loss_mask
+
+
+def test_non_prefix_stable_template_is_refused() -> None:
+    # Like reasoning templates: earlier assistant turns lose their <think> part once a later turn exists.
+    tok = tiny_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    conv = [dict(m) for m in CONVERSATION]
+    conv[2]["content"] = "<think>add</think>2 + 2 = 4."
+    with pytest.raises(ChatTemplateError, match=r"mem\.jsonl row 1 .*not prefix-stable.*\{% generation %\}"):
+        _sft(_rows({"messages": conv}), tok)
+    # ... and skip_bad_rows does not hide it: the template, not the row, is at fault.
+    with pytest.raises(ChatTemplateError):
+        _sft(_rows({"messages": conv}), tok, skip_bad_rows=True)
+    # A single-turn conversation renders the same either way, so it is accepted.
+    (ex,), _ = _sft(_rows({"messages": conv[:3]}), tok)
+    assert _targets(tok, ex.input_ids, ex.loss_mask) == ["<think>add</think>2 + 2 = 4.<|im_end|>"]
+
+
+def test_messages_without_chat_template() -> None:
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
+        _sft(_rows({"messages": CONVERSATION}), tok)
+
+
+@pytest.mark.parametrize(
+    ("messages", "field", "message"),
+    [
+        ("hello", "messages", "must be a list of {role, content} dicts, got str"),
+        ([], "messages", "got an empty list"),
+        (["hi"], "messages[0]", "must be a {role, content} dict, got str"),
+        (
+            [{"role": "bot", "content": "x"}],
+            "messages[0].role",
+            "must be one of system, user, assistant, tool",
+        ),
+        ([{"content": "x"}], "messages[0].role", "is missing"),
+        ([{"role": "user", "content": 3}], "messages[0].content", "must be a string, got int"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+            "messages[1].content",
+            "empty",
+        ),
+        ([{"role": "user", "content": "q"}], "messages", "no assistant message"),
+    ],
+)
+def test_bad_messages_name_row_and_field(messages: Any, field: str, message: str) -> None:
+    rows = _rows({"messages": CONVERSATION}, {"messages": messages})
+    with pytest.raises(DataError) as info:
+        _sft(rows, format="messages")
+    text = str(info.value)
+    assert text.startswith(f"mem.jsonl row 2 (line 2): field '{field}' ")
+    assert message in text
+    assert "skip_bad_rows" in text
+    assert info.value.index == 2 and info.value.field == field
+
+
+def test_format_mismatch_names_missing_and_extra_fields() -> None:
+    rows = _rows({"messages": CONVERSATION}, {"prompt": "p", "completion": " c"})
+    with pytest.raises(
+        DataError, match=r"row 2 .*'messages' is missing.*detected from .*row 1.*'completion', 'prompt'"
+    ):
+        _sft(rows)
+    with pytest.raises(DataError, match=r"row 1 .*matches no SFT format.*\['question'\]"):
+        _sft(_rows({"question": "q"}))
+
+
+# -- prompt / completion ------------------------------------------------------------------------------------
+
+
+def test_prompt_completion_targets_are_completion_plus_eos() -> None:
+    row = {"prompt": "Question: What is 2 + 2?\nAnswer:", "completion": " 4."}
+    (ex,), _ = _sft(_rows(row))
+    prompt_ids = TOK(row["prompt"], add_special_tokens=False)["input_ids"]
+    completion_ids = TOK(row["completion"], add_special_tokens=False)["input_ids"]
+    assert ex.input_ids == prompt_ids + completion_ids + [EOS_TOKEN_ID]
+    assert ex.loss_mask == [False] * len(prompt_ids) + [True] * (len(completion_ids) + 1)
+    assert _targets(TOK, ex.input_ids, ex.loss_mask) == [" 4.<|im_end|>"]
+
+    (full,), _ = _sft(_rows(row), completion_only_loss=False)
+    assert full.input_ids == ex.input_ids and all(full.loss_mask)
+
+
+def test_prompt_completion_eos_not_doubled() -> None:
+    (ex,), _ = _sft(_rows({"prompt": "Q:", "completion": " A.<|im_end|>"}))
+    assert ex.input_ids[-1] == EOS_TOKEN_ID and ex.input_ids[-2] != EOS_TOKEN_ID
+
+
+@pytest.mark.parametrize("marker_free", [False, True], ids=["generation-markers", "prefix-rendering"])
+def test_conversational_prompt_completion(marker_free: bool) -> None:
+    tok = _without_generation_tags(tiny_tokenizer()) if marker_free else TOK
+    row = {"prompt": CONVERSATION[:4], "completion": [CONVERSATION[4]]}
+    (ex,), _ = _sft(_rows(row), tok)
+    assert ex.input_ids == TOK.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"]
+    # The earlier assistant turn is part of the prompt: only the completion is trained.
+    assert _targets(tok, ex.input_ids, ex.loss_mask) == ["3 + 3 = 6.<|im_end|>"]
+
+    (ex,), _ = _sft(_rows({"prompt": CONVERSATION[:2], "completion": " 4."}), tok)
+    assert tok.decode(ex.input_ids).endswith("<|im_start|>assistant\n 4.<|im_end|>")
+    assert _targets(tok, ex.input_ids, ex.loss_mask) == [" 4.<|im_end|>"]
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "message"),
+    [
+        ({"prompt": "", "completion": " a"}, "prompt", "is empty"),
+        ({"prompt": "q", "completion": "   "}, "completion", "is empty"),
+        ({"prompt": 5, "completion": " a"}, "prompt", "must be a string or a list of messages, got int"),
+        ({"prompt": "q", "completion": {"a": 1}}, "completion", "got dict"),
+        ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "completion", "string"),
+        (
+            {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
+            "completion",
+            "exactly one assistant message",
+        ),
+    ],
+)
+def test_bad_prompt_completion_rows(row: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(DataError) as info:
+        _sft(_rows({"prompt": "ok", "completion": " ok"}, row))
+    assert str(info.value).startswith(f"mem.jsonl row 2 (line 2): field '{field}' ")
+    assert message in str(info.value)
+
+
+# -- text ---------------------------------------------------------------------------------------------------
+
+
+def test_text_trains_every_token_and_ends_with_eos() -> None:
+    (ex,), _ = _sft(_rows({"text": "Once upon a time."}))
+    assert ex.input_ids == TOK("Once upon a time.", add_special_tokens=False)["input_ids"] + [EOS_TOKEN_ID]
+    assert all(ex.loss_mask)
+    with pytest.raises(DataError, match=r"field 'text' must be a string, got list"):
+        _sft(_rows({"text": ["a"]}))
+
+
+# -- length, skipping ---------------------------------------------------------------------------------------
+
+
+def test_too_long_row_error_names_row_and_lengths() -> None:
+    rows = _rows({"text": "short"}, {"text": "word " * 50})
+    n = len(_sft(rows[1:])[0][0])
+    with pytest.raises(DataError) as info:
+        _sft(rows, max_length=20)
+    text = str(info.value)
+    assert "row 2 (line 2)" in text and f"is {n} tokens long" in text and "max_length=20" in text
+    assert "data.max_length" in text and "data.truncation: truncate" in text
+    assert info.value.reason == "too long"
+
+
+def test_truncate_keeps_first_max_length_tokens() -> None:
+    rows = _rows({"messages": CONVERSATION})
+    (whole,), _ = _sft(rows)
+    n = whole.loss_mask.index(True) + 3  # mid-way through the first answer
+    (cut,), _ = _sft(rows, max_length=n, truncation="truncate")
+    assert len(cut) == n < len(whole)
+    assert cut.input_ids == whole.input_ids[:n] and cut.loss_mask == whole.loss_mask[:n]
+
+
+def test_truncation_that_leaves_nothing_to_train_is_a_bad_row() -> None:
+    rows = _rows({"prompt": "word " * 30, "completion": " end"})
+    with pytest.raises(DataError, match="no trainable token left after truncation to max_length=10"):
+        _sft(rows, max_length=10, truncation="truncate")
+
+
+def test_skip_bad_rows_counts_reasons() -> None:
+    rows = _rows(
+        {"messages": [{"role": "nobody", "content": "x"}]},  # first row bad: format comes from row 2
+        {"messages": CONVERSATION},
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]},
+        {"messages": CONVERSATION * 20},
+        {"text": "wrong format"},
+        {"messages": CONVERSATION[:3]},
+    )
+    examples, stats = _sft(rows, max_length=200, skip_bad_rows=True)
+    assert [e.meta["row"] for e in examples] == [2, 6]
+    assert stats.kept == 2 and stats.skipped == 4
+    assert stats.reasons == {"unknown role": 1, "empty content": 1, "too long": 1, "missing field": 1}
+    assert len(stats.examples_of) == 4 and stats.examples_of[0].startswith("mem.jsonl row 1 (line 1)")
+    assert "skipped 4 of 6 rows" in stats.summary()
+    with pytest.raises(DataError, match="row 1"):
+        _sft(rows, max_length=200)
+
+
+def test_argument_validation() -> None:
+    rows = _rows({"text": "x"})
+    with pytest.raises(ValueError, match="unknown SFT format"):
+        _sft(rows, format="chat")
+    with pytest.raises(ValueError, match="unknown truncation"):
+        _sft(rows, truncation="cut")
+    with pytest.raises(ValueError, match="max_length"):
+        _sft(rows, max_length=0)
+
+
+# -- embedded data ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sft", "sft_prompt_completion", "sft_eval"])
+def test_embedded_datasets_tokenize(name: str) -> None:
+    rows = load_rows(f"tiny:{name}")
+    examples, stats = _sft(rows)
+    assert len(examples) == len(rows) and stats.skipped == 0
+    for ex in examples:
+        assert 0 < len(ex) <= 2048 and len(ex.loss_mask) == len(ex)
+        assert any(ex.loss_mask[1:]) and not ex.loss_mask[0]
+        assert ex.input_ids[[i for i, m in enumerate(ex.loss_mask) if m][-1]] == EOS_TOKEN_ID
+    if name == "sft_prompt_completion":
+        # Completions start with a space: tokenizing prompt and completion apart keeps it in the target.
+        assert all(
+            TOK.decode([t for t, m in zip(e.input_ids, e.loss_mask, strict=True) if m])[0] == " "
+            for e in examples
+        )

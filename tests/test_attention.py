@@ -1,0 +1,485 @@
+"""Attention backends: the varlen kernel, KV-cache contamination, the load-time probe, and refusals.
+
+(The full model x backend x layout invariance matrix lives in test_check.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import padless.attention as attention
+from padless.attention import (
+    BACKENDS,
+    KERNEL_CALLS,
+    VARLEN_NAME,
+    AttentionError,
+    assert_attention,
+    attention_in_use,
+    available_backends,
+    backend_problem,
+    count_attention_calls,
+    hf_name,
+    probe_attention,
+    set_varlen_kernel,
+    validate_backend_name,
+    varlen_attention_forward,
+    varlen_kernel,
+)
+from padless.model import forward_packed, load_model
+from padless.packing import Example, pack, to_padded, unpad
+from padless.tiny import tiny_config
+
+FP32_TOL = 1e-5
+CONTAMINATED = 0.05  # packed sequences that attend to each other move log-probs far more than this
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    """tiny-qwen2 on the three cheap CPU backends, eval mode, built and probed once for the module."""
+    return {b: load_model("tiny-qwen2", attn_implementation=b) for b in ("varlen", "sdpa", "eager")}
+
+
+@pytest.fixture(scope="module")
+def reference(models, probe_seqs, alone_logps) -> list[torch.Tensor]:
+    return alone_logps(models["eager"], probe_seqs)
+
+
+def _packed_batch(seqs: list[list[int]]):
+    return pack([Example(s) for s in seqs])
+
+
+def _split_next_token_logps(logps: torch.Tensor, batch) -> list[torch.Tensor]:
+    """From per-position log-probs ``[T]`` of the packed labels, drop each sequence's last position."""
+    return [t[:-1] for t in batch.split(logps)]
+
+
+def _logits_to_logps(logits: torch.Tensor, batch) -> list[torch.Tensor]:
+    """Per-sequence next-token log-probs from full packed logits ``[T, V]``."""
+    out = []
+    for part, ids in zip(batch.split(logits), batch.split(batch.input_ids[0]), strict=True):
+        out.append(torch.log_softmax(part[:-1].float(), -1).gather(-1, ids[1:, None])[:, 0])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV-cache contamination (transformers 5.x): the bug padless exists to prevent
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train_mode", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_default_kv_cache_contaminates_packed_batch(
+    models, reference, probe_seqs, per_token_delta, backend, train_mode
+):
+    model = models[backend]
+    assert model.config.use_cache, "precondition: the config default builds a KV cache"
+    batch = _packed_batch(probe_seqs)
+    model.train(train_mode)
+    try:
+        with torch.no_grad():
+            # What a user (or a trainer) writes for padding-free: restarting positions, no mask, defaults.
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[0]
+            naive = _logits_to_logps(logits, batch)
+            ours = _split_next_token_logps(forward_packed(model, batch).logps, batch)
+    finally:
+        model.eval()
+    # The first sequence has nothing before it to attend to; the later ones see their predecessors.
+    assert per_token_delta(naive[:1], reference[:1]) <= FP32_TOL
+    assert per_token_delta(naive, reference) > CONTAMINATED, (
+        "the transformers KV-cache contamination no longer reproduces; padless's guard is still right, "
+        "but update DESIGN.md"
+    )
+    assert per_token_delta(ours, reference) <= FP32_TOL
+
+
+def test_varlen_is_immune_to_the_default_kv_cache(models, reference, probe_seqs, per_token_delta):
+    model = models["varlen"]
+    batch = _packed_batch(probe_seqs)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[0]
+    assert per_token_delta(_logits_to_logps(logits, batch), reference) <= FP32_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The probe: the requested kernel runs, and it isolates packed sequences
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "kernel"), [("varlen", "sdpa"), ("sdpa", "sdpa"), ("eager", "eager")])
+def test_probe_passes_and_reports_kernel(models, backend, kernel):
+    info = probe_attention(models[backend], backend)
+    assert info["backend"] == backend
+    assert info["kernel"] == kernel
+    assert 0.0 <= info["max_delta_hidden"] <= 1e-4  # fp32 round-off, far from a leak
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="probe_attention returns 'calls' summed over the packed forward AND the two alone reference "
+    "forwards (3 x num_hidden_layers), not the calls of one packed forward",
+)
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])
+def test_probe_reports_one_call_per_layer(models, backend):
+    info = probe_attention(models[backend], backend)
+    assert info["calls"] == models[backend].config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_packed_forward_calls_varlen_once_per_layer(name, probe_seqs):
+    model = load_model(name, attn_implementation="varlen")
+    layers = model.config.num_hidden_layers
+    before = KERNEL_CALLS["varlen:sdpa"]
+    with torch.no_grad(), count_attention_calls() as counts:
+        forward_packed(model, _packed_batch(probe_seqs))
+    assert dict(counts) == {VARLEN_NAME: layers}
+    assert KERNEL_CALLS["varlen:sdpa"] - before == layers
+    # The counting wrappers are removed afterwards.
+    assert ALL_ATTENTION_FUNCTIONS[VARLEN_NAME] is varlen_attention_forward
+
+
+def test_shared_config_switch_is_caught(probe_seqs):
+    cfg = tiny_config("tiny-qwen2")
+    first = AutoModelForCausalLM.from_config(cfg, attn_implementation=VARLEN_NAME)
+    first.padless_attention = "varlen"
+    assert_attention(first, "varlen")
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")  # same config object
+    assert attention_in_use(first) == "eager", "precondition: transformers writes the kernel into cfg"
+    with pytest.raises(AttentionError, match="same config object"):
+        assert_attention(first, "varlen")
+    with pytest.raises(AttentionError, match="same config object"):
+        forward_packed(first, _packed_batch(probe_seqs))
+    with pytest.raises(AttentionError, match="same config object"):
+        probe_attention(first, "varlen")
+
+
+def test_config_mismatch_raises(monkeypatch, probe_seqs):
+    model = load_model("tiny-qwen2", attn_implementation="varlen")
+    assert model.padless_attention == "varlen"
+    monkeypatch.setattr(model.config, "_attn_implementation", "sdpa")
+    with pytest.raises(AttentionError, match=r"loaded with attention 'varlen'.*dispatches to 'sdpa'"):
+        forward_packed(model, _packed_batch(probe_seqs))
+    with pytest.raises(AttentionError, match="dispatches to 'sdpa'"):
+        assert_attention(model, "varlen")
+
+
+def test_probe_catches_a_layer_running_another_kernel():
+    model = load_model("tiny-qwen2", attn_implementation="varlen")
+    layer = model.model.layers[1].self_attn
+    layer.config = copy.deepcopy(layer.config)
+    layer.config._attn_implementation = "sdpa"
+    assert attention_in_use(model) == "varlen"  # the top-level config still says varlen
+    with pytest.raises(AttentionError, match=r"requested attention 'varlen' but a packed forward called"):
+        probe_attention(model, "varlen")
+
+
+def _leaky_varlen(module, query, key, value, attention_mask, **kwargs):
+    """The varlen function with the sequence boundaries dropped: one causal attention over the whole row."""
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids"):
+        kwargs.pop(k, None)
+    return varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_probe_catches_a_leaking_kernel(monkeypatch):
+    model = load_model("tiny-qwen2", attn_implementation="varlen")
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, VARLEN_NAME, _leaky_varlen)
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        probe_attention(model, "varlen")
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        load_model("tiny-qwen2", attn_implementation="varlen")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The varlen function itself, against attention written out by hand
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _naive_causal(q, k, v, scale, window=None):
+    """One sequence: q ``[H, L, D]``, k/v ``[Hkv, L, D]`` -> ``[L, H, D]``, softmax written out in fp64."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0).double(), v.repeat_interleave(rep, 0).double()
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    i = torch.arange(q.shape[1])
+    allowed = i[:, None] >= i[None]
+    if window is not None:
+        allowed &= i[:, None] - i[None] < window
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return (scores.softmax(-1) @ v).transpose(0, 1).float()
+
+
+def _qkv(batch, length, heads=4, kv_heads=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    return q, k, v
+
+
+MODULE = torch.nn.Module()
+LENS = (3, 9, 1, 6)
+
+
+def _expected_packed(q, k, v, scale, window=None):
+    out, start = [], 0
+    for n in LENS:
+        out.append(
+            _naive_causal(
+                q[0, :, start : start + n],
+                k[0, :, start : start + n],
+                v[0, :, start : start + n],
+                scale,
+                window,
+            )
+        )
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bounds", ["cu_seqlens", "position_ids"])
+def test_varlen_function_packed_row(bounds):
+    q, k, v = _qkv(1, sum(LENS))
+    scale = 0.3
+    if bounds == "cu_seqlens":
+        cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+        kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 9, "max_length_k": 9}
+    else:
+        kwargs = {"position_ids": torch.cat([torch.arange(n) for n in LENS])[None]}
+    out, weights = varlen_attention_forward(MODULE, q, k, v, None, scaling=scale, **kwargs)
+    assert weights is None
+    assert out.shape == (1, sum(LENS), 4, 8)
+    torch.testing.assert_close(out[0], _expected_packed(q, k, v, scale), rtol=0, atol=1e-5)
+
+
+def test_varlen_function_sliding_window():
+    q, k, v = _qkv(1, sum(LENS), seed=1)
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = varlen_attention_forward(MODULE, q, k, v, None, scaling=0.5, sliding_window=4, cu_seq_lens_q=cu)
+    want = _expected_packed(q, k, v, 0.5, window=4)
+    torch.testing.assert_close(out[0], want, rtol=0, atol=1e-5)
+    # The window matters here: without it the 9- and 6-token sequences come out different.
+    assert (want - _expected_packed(q, k, v, 0.5)).abs().max() > 1e-2
+
+
+def test_varlen_function_padded_rows():
+    q, k, v = _qkv(2, 7, seed=2)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]])  # left- and right-padded rows
+    out, _ = varlen_attention_forward(MODULE, q, k, v, mask.bool(), scaling=0.25)
+    torch.testing.assert_close(
+        out[0, 3:], _naive_causal(q[0, :, 3:], k[0, :, 3:], v[0, :, 3:], 0.25), rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        out[1, :5], _naive_causal(q[1, :, :5], k[1, :, :5], v[1, :, :5], 0.25), rtol=0, atol=1e-5
+    )
+    assert (out[0, :3] == 0).all() and (out[1, 5:] == 0).all()
+
+
+def test_varlen_function_refusals():
+    q, k, v = _qkv(2, 6)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(AttentionError, match="one packed row"):
+        varlen_attention_forward(MODULE, q, k, v, None, cu_seq_lens_q=cu)
+    with pytest.raises(AttentionError, match="holes"):
+        varlen_attention_forward(MODULE, q, k, v, torch.tensor([[1, 1, 0, 1, 1, 1]] * 2).bool())
+    with pytest.raises(AttentionError, match="no KV cache"):
+        varlen_attention_forward(MODULE, q[:, :, :1], k, v, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The varlen backend in a model
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_varlen_model_padded_batch_matches_alone(
+    models, reference, probe_seqs, pad_id, per_token_delta, side
+):
+    batch = _packed_batch(probe_seqs)
+    padded = to_padded(batch, side, pad_id)
+    with torch.no_grad():
+        logits = models["varlen"](
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            position_ids=padded.position_ids,
+            use_cache=False,
+        ).logits
+    real_logits = unpad(logits, padded.attention_mask)  # [T, V] in packed order
+    assert per_token_delta(_logits_to_logps(real_logits, batch), reference) <= FP32_TOL
+
+
+def test_varlen_model_refuses_holey_mask(models, probe_seqs):
+    ids = torch.tensor(probe_seqs[1])[None]
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0
+    with pytest.raises(AttentionError, match="attention mask has holes"), torch.no_grad():
+        models["varlen"](input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def test_varlen_model_refuses_kv_cache_decode(models, probe_seqs):
+    model = models["varlen"]
+    ids = torch.tensor(probe_seqs[1])[None]
+    with torch.no_grad():
+        prefill = model(input_ids=ids, use_cache=True)  # the prefill itself runs whole sequences: fine
+        with pytest.raises(AttentionError, match="takes no KV cache"):
+            model(input_ids=ids[:, -1:], past_key_values=prefill.past_key_values, use_cache=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Names, availability and refusals
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("typo", "suggestion"), [("sdpaa", "sdpa"), ("varln", "varlen"), ("eagre", "eager")])
+def test_unknown_backend_suggests_close_match(typo, suggestion):
+    with pytest.raises(
+        AttentionError, match=f"unknown attention backend '{typo}'.*Did you mean '{suggestion}'"
+    ):
+        validate_backend_name(typo)
+    with pytest.raises(AttentionError, match=f"Did you mean '{suggestion}'"):
+        load_model("tiny-qwen2", attn_implementation=typo)
+
+
+def test_unknown_backend_without_close_match():
+    with pytest.raises(AttentionError, match="unknown attention backend 'nope'") as err:
+        hf_name("nope")
+    assert "Did you mean" not in str(err.value)
+    for b in BACKENDS:
+        assert b in str(err.value)
+
+
+def test_hf_names():
+    assert hf_name("varlen") == VARLEN_NAME
+    assert [hf_name(b) for b in BACKENDS[1:]] == list(BACKENDS[1:])
+
+
+def test_flash_attention_2_refused_on_cpu():
+    problem = backend_problem("flash_attention_2", "cpu")
+    assert problem is not None and "CUDA" in problem
+    with pytest.raises(AttentionError, match="needs a CUDA device"):
+        load_model("tiny-qwen2", attn_implementation="flash_attention_2")
+
+
+def test_flash_attention_2_without_flash_attn_names_the_install(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
+    problem = backend_problem("flash_attention_2", "cuda")
+    assert problem is not None and "pip install 'padless[flash]'" in problem
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    assert backend_problem("flash_attention_2", "cuda") is None
+
+
+def test_flex_attention_training_refused_on_cpu():
+    assert backend_problem("flex_attention", "cpu") is None  # forward only is fine
+    problem = backend_problem("flex_attention", "cpu", training=True)
+    assert problem is not None and "no backward pass on CPU" in problem and "varlen" in problem
+    assert backend_problem("flex_attention", "cuda", training=True) is None
+    with pytest.raises(AttentionError, match="no backward pass on CPU"):
+        load_model("tiny-qwen2", attn_implementation="flex_attention", training=True)
+
+
+def test_available_backends_on_cpu():
+    assert available_backends("cpu") == ["varlen", "sdpa", "eager", "flex_attention"]
+    assert available_backends("cpu", training=True) == ["varlen", "sdpa", "eager"]
+
+
+def test_varlen_torch_kernel_refused_on_cpu(models, probe_seqs):
+    set_varlen_kernel("torch")  # the autouse fixture in conftest.py resets it to "auto"
+    problem = backend_problem("varlen", "cpu")
+    assert problem is not None and "needs a CUDA device" in problem and "sdpa" in problem
+    with pytest.raises(AttentionError, match="varlen kernel 'torch' needs a CUDA device"):
+        load_model("tiny-qwen2", attn_implementation="varlen")
+    # An already loaded model refuses at its next forward rather than silently running another kernel.
+    with pytest.raises(AttentionError, match="needs a CUDA device"), torch.no_grad():
+        forward_packed(models["varlen"], _packed_batch(probe_seqs))
+    set_varlen_kernel("auto")
+    assert backend_problem("varlen", "cpu") is None
+
+
+def test_set_varlen_kernel_rejects_unknown_name():
+    with pytest.raises(AttentionError, match="unknown varlen kernel 'triton'"):
+        set_varlen_kernel("triton")
+    assert varlen_kernel(torch.device("cpu"), torch.float32) == "sdpa"  # choice unchanged: auto
+
+
+def test_varlen_kernel_choice(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # device objects only: no CUDA needed
+    assert varlen_kernel(cpu, torch.float32) == "sdpa"
+    assert varlen_kernel(cpu, torch.bfloat16) == "sdpa"
+    assert varlen_kernel(cuda, torch.float32) == "sdpa"  # the fused kernels take no fp32
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    assert varlen_kernel(cuda, torch.bfloat16) == "flash_attn"
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
+    assert varlen_kernel(cuda, torch.float16) == "torch"
+    monkeypatch.setattr(attention, "torch_varlen_available", lambda: True)
+    set_varlen_kernel("torch")
+    assert varlen_kernel(cuda, torch.bfloat16) == "torch"
+    with pytest.raises(AttentionError, match="fp16/bf16 only"):
+        varlen_kernel(cuda, torch.float32)
+    set_varlen_kernel("flash_attn")
+    with pytest.raises(AttentionError, match=r"pip install 'padless\[flash\]'"):
+        varlen_kernel(cuda, torch.bfloat16)
+    monkeypatch.setattr(attention, "torch_varlen_available", lambda: False)
+    set_varlen_kernel("torch")
+    with pytest.raises(AttentionError, match="upgrade torch"):
+        varlen_kernel(cuda, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA: the fused varlen kernels in bf16
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _kernel_params():
+    return [
+        pytest.param(
+            "torch",
+            marks=pytest.mark.skipif(
+                not attention.torch_varlen_available(), reason="needs torch.nn.attention.varlen"
+            ),
+        ),
+        pytest.param(
+            "flash_attn",
+            marks=pytest.mark.skipif(not attention.flash_attn_installed(), reason="flash-attn not installed"),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("kernel", _kernel_params())
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_fused_kernel_bf16_matches_alone(name, kernel, probe_seqs, pad_id, per_token_delta):
+    from padless.check import layout_logps, tolerance
+
+    set_varlen_kernel(kernel)
+    model = load_model(name, attn_implementation="varlen", dtype="bfloat16", device="cuda")
+    info = probe_attention(model, "varlen")
+    assert info["kernel"] == kernel
+    before = KERNEL_CALLS[f"varlen:{kernel}"]
+    with torch.no_grad():
+        alone = layout_logps(model, probe_seqs, "alone", pad_id)
+        for layout in ("left", "right", "packed"):
+            got = layout_logps(model, probe_seqs, layout, pad_id)
+            assert per_token_delta(got, alone) <= tolerance(torch.bfloat16), layout
+    assert KERNEL_CALLS[f"varlen:{kernel}"] > before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_auto_kernel_on_cuda():
+    model = load_model("tiny-qwen2", attn_implementation="varlen", dtype="bfloat16", device="cuda")
+    expected = "flash_attn" if attention.flash_attn_installed() else "torch"
+    assert probe_attention(model, "varlen")["kernel"] == expected
+    model32 = load_model("tiny-qwen2", attn_implementation="varlen", device="cuda")
+    assert probe_attention(model32, "varlen")["kernel"] == "sdpa"
+
+
+def test_sdpa_reference_agrees_with_naive():
+    """Sanity of the hand-written reference used above (so a wrong reference cannot pass silently)."""
+    q, k, v = _qkv(1, 5, heads=2, kv_heads=2)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.4)[0].transpose(0, 1)
+    torch.testing.assert_close(_naive_causal(q[0], k[0], v[0], 0.4), want, rtol=0, atol=1e-5)

@@ -1,0 +1,409 @@
+"""Config loading: YAML + overrides give the right typed values, and every mistake is a clear ConfigError."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import yaml
+
+from padless.config import (
+    ConfigError,
+    DataSettings,
+    LoraSettings,
+    ModelSettings,
+    SFTConfig,
+    TrainSettings,
+    from_dict,
+    invalid,
+    load_config,
+    parse_override,
+    save_config,
+    to_dict,
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error(cls: type, path: Path | None, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(cls, path, list(overrides))
+    return str(info.value)
+
+
+# ---- merging and types
+
+
+def test_defaults_without_file_or_overrides() -> None:
+    assert load_config(SFTConfig, None) == SFTConfig()
+
+
+def test_yaml_and_overrides_merge_with_right_types(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "model:\n  name: my-model\n  dtype: bfloat16\n"
+        "train:\n  learning_rate: 1e-4\n  num_epochs: 2\n  max_steps: 50\n  report_to: [jsonl]\n",
+    )
+    cfg = load_config(
+        SFTConfig,
+        path,
+        ["train.learning_rate=3e-5", "train.report_to=[tensorboard,jsonl]", "data.max_length=512"],
+    )
+    assert cfg.model.name == "my-model"
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.train.learning_rate == pytest.approx(3e-5)
+    assert type(cfg.train.learning_rate) is float
+    assert cfg.train.num_epochs == 2.0 and type(cfg.train.num_epochs) is float  # int accepted for float
+    assert cfg.train.max_steps == 50
+    assert cfg.train.report_to == ["tensorboard", "jsonl"]
+    assert cfg.data.max_length == 512
+    assert cfg.data.train == "tiny:sft"  # untouched keys keep defaults
+
+
+def test_exponent_floats_from_file_and_quoted_strings(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  learning_rate: 2e-5\n  adam_epsilon: '1e-6'\n  weight_decay: 1E+0\n")
+    train = load_config(SFTConfig, path).train
+    assert train.learning_rate == pytest.approx(2e-5)
+    assert train.adam_epsilon == pytest.approx(1e-6)
+    assert train.weight_decay == 1.0
+    assert all(type(v) is float for v in (train.learning_rate, train.adam_epsilon, train.weight_decay))
+
+
+def test_later_override_wins() -> None:
+    cfg = load_config(SFTConfig, None, ["train.max_steps=5", "train.max_steps=7"])
+    assert cfg.train.max_steps == 7
+
+
+def test_nested_override_creates_missing_lora_section(tmp_path: Path) -> None:
+    cfg = load_config(SFTConfig, None, ["model.lora.r=8"])
+    assert cfg.model.lora == LoraSettings(r=8)
+    # also when the file says null explicitly
+    path = write(tmp_path, "model:\n  lora: null\n")
+    cfg = load_config(SFTConfig, path, ["model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.model.lora == LoraSettings(r=4, target_modules=["q_proj", "v_proj"])
+
+
+def test_lora_section_from_file_null_override_and_empty_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  lora:\n    r: 32\n    target_modules: all-linear\n")
+    assert load_config(SFTConfig, path).model.lora == LoraSettings(r=32)
+    assert load_config(SFTConfig, path, ["model.lora=null"]).model.lora is None
+    assert load_config(SFTConfig, None, ["model.lora={}"]).model.lora == LoraSettings()
+
+
+def test_empty_section_and_empty_file_mean_defaults(tmp_path: Path) -> None:
+    assert load_config(SFTConfig, write(tmp_path, "")) == SFTConfig()
+    assert load_config(SFTConfig, write(tmp_path, "model:\ntrain:\n")) == SFTConfig()
+
+
+def test_string_fields_keep_override_text_and_yes_no_are_not_bools(tmp_path: Path) -> None:
+    cfg = load_config(SFTConfig, None, ["train.output_dir=007", "data.eval=no", "model.name=1.5"])
+    assert cfg.train.output_dir == "007"
+    assert cfg.data.eval == "no"
+    assert cfg.model.name == "1.5"
+    path = write(tmp_path, "data:\n  train: on\n  eval: 2024-01-01\n")
+    cfg = load_config(SFTConfig, path)
+    assert cfg.data.train == "on"
+    assert cfg.data.eval == "2024-01-01"
+    assert load_config(SFTConfig, None, ["data.eval=null"]).data.eval is None
+
+
+def test_bool_overrides_accept_true_false() -> None:
+    cfg = load_config(SFTConfig, None, ["train.progress_bar=false", "model.gradient_checkpointing=True"])
+    assert cfg.train.progress_bar is False
+    assert cfg.model.gradient_checkpointing is True
+
+
+def test_override_value_may_contain_equals() -> None:
+    assert parse_override("data.train=a=b.jsonl") == ("data.train", "a=b.jsonl")
+    assert parse_override(" train.seed = 3") == ("train.seed", 3)
+
+
+# ---- errors
+
+
+def test_unknown_key_names_file_key_and_close_match(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  learnig_rate: 1e-4\n")
+    msg = error(SFTConfig, path)
+    assert "unknown key 'train.learnig_rate'" in msg
+    assert "run.yaml" in msg
+    assert "did you mean 'learning_rate'?" in msg
+    assert "valid keys under 'train':" in msg and "max_grad_norm" in msg
+
+
+def test_unknown_top_level_key_and_unknown_override(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "trian:\n  seed: 1\n"))
+    assert "unknown key 'trian'" in msg and "did you mean 'train'?" in msg and "valid top-level keys" in msg
+    msg = error(SFTConfig, None, "model.nmae=x")
+    assert "unknown key 'model.nmae'" in msg and "command line" in msg and "'name'" in msg
+
+
+def test_wrong_type_names_key_expected_and_got(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "train:\n  max_steps: ten\n"))
+    assert msg.startswith("train.max_steps in ")
+    assert "run.yaml: expected int, got str 'ten'" in msg
+    assert "fix:" in msg
+
+
+def test_int_rejects_bool_and_float(tmp_path: Path) -> None:
+    assert "expected int, got bool true" in error(SFTConfig, write(tmp_path, "train:\n  max_steps: true\n"))
+    msg = error(SFTConfig, None, "train.max_steps=1e3")
+    assert "expected int, got float 1000.0" in msg and "1000" in msg and "command line" in msg
+
+
+def test_float_rejects_non_numbers() -> None:
+    assert "expected float, got str 'fast'" in error(SFTConfig, None, "train.learning_rate=fast")
+    assert "expected float, got bool true" in error(SFTConfig, None, "train.learning_rate=true")
+
+
+def test_str_field_from_file_rejects_number_and_says_quote_it(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "model:\n  name: 1234\n"))
+    assert "model.name" in msg and "expected str, got int 1234" in msg and "quote it" in msg
+
+
+def test_literal_error_lists_allowed_values() -> None:
+    msg = error(SFTConfig, None, "model.dtype=bf16")
+    assert "model.dtype" in msg
+    for value in ("'auto'", "'float32'", "'bfloat16'", "'float16'"):
+        assert value in msg
+    assert "got str 'bf16'" in msg
+    assert "did you mean 'bfloat16'" in msg
+
+
+def test_bool_is_strict() -> None:
+    for text in ("maybe", "yes", "1", "on"):
+        msg = error(SFTConfig, None, f"train.progress_bar={text}")
+        assert "train.progress_bar" in msg and "expected bool" in msg and "true or false" in msg
+
+
+def test_list_items_are_checked() -> None:
+    msg = error(SFTConfig, None, "train.report_to=[tensorboard, 3]")
+    assert "train.report_to[1]" in msg and "expected str, got int 3" in msg
+    assert "expected list of str" in error(SFTConfig, None, "train.report_to={a: 1}")
+
+
+def test_section_of_wrong_shape(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "train: [1, 2]\n"))
+    assert "train in" in msg and "expected mapping (TrainSettings), got list" in msg
+    msg = error(SFTConfig, None, "model.lora=true")
+    assert "model.lora" in msg and "mapping (LoraSettings) or null" in msg
+
+
+@pytest.mark.parametrize("item", ["train.max_steps", "train.max_steps:5", "=5", "a..b=1", "--train.seed=1"])
+def test_malformed_override(item: str) -> None:
+    msg = error(SFTConfig, None, item)
+    assert "malformed override" in msg and "key=value" in msg and repr(item) in msg
+
+
+def test_override_value_with_bad_yaml() -> None:
+    msg = error(SFTConfig, None, "train.report_to=[jsonl,")
+    assert "not valid YAML" in msg and "train.report_to" in msg
+
+
+def test_missing_file_names_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "missing.yaml"
+    msg = error(SFTConfig, missing)
+    assert "not found" in msg and str(missing) in msg
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  seed: 1\n  max_steps: [1, 2\n  lr: 3\n", name="broken.yaml")
+    msg = error(SFTConfig, path)
+    assert "broken.yaml line " in msg and "YAML syntax error" in msg
+    msg = error(SFTConfig, write(tmp_path, "train:\n  seed: 1\n   max_steps: 2\n"))
+    assert "run.yaml line 3" in msg
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "train:\n  seed: 1\n  seed: 2\n"))
+    assert "duplicate key 'seed'" in msg and "run.yaml line 3" in msg
+
+
+def test_top_level_must_be_mapping(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "- model\n- train\n"))
+    assert "run.yaml" in msg and "top level must be a mapping" in msg
+
+
+# ---- cross-field checks
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.max_length=0", "data.max_length"),
+        ("train.max_tokens_per_batch=0", "train.max_tokens_per_batch"),
+        ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps"),
+        ("train.batch_size=-1", "train.batch_size"),
+        ("train.learning_rate=0", "train.learning_rate"),
+        ("train.warmup_ratio=1.0", "train.warmup_ratio"),
+        ("train.warmup_ratio=-0.1", "train.warmup_ratio"),
+        ("train.report_to=[wandb]", "train.report_to"),
+        ("model.lora.r=0", "model.lora.r"),
+    ],
+)
+def test_value_checks_name_the_key_and_source(override: str, key: str) -> None:
+    msg = error(SFTConfig, None, override)
+    assert msg.startswith(key + " on the command line")
+    assert repr(override) in msg and "fix:" in msg
+
+
+def test_no_training_steps_names_both_keys(tmp_path: Path) -> None:
+    msg = error(SFTConfig, write(tmp_path, "train:\n  num_epochs: 0\n"))
+    assert "train.num_epochs, train.max_steps in" in msg and "run.yaml" in msg
+    cfg = load_config(SFTConfig, None, ["train.num_epochs=0", "train.max_steps=10"])
+    assert cfg.train.max_steps == 10
+
+
+def test_eval_without_eval_data(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  eval_steps: 5\n")
+    msg = error(SFTConfig, path)
+    assert "train.eval_steps, data.eval" in msg and "run.yaml" in msg
+    assert load_config(SFTConfig, path, ["data.eval=tiny:sft"]).train.eval_steps == 5
+    assert "train.eval_generate" in error(SFTConfig, None, "train.eval_generate=true")
+
+
+def test_sources_of_a_combination_from_file_and_command_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  varlen_kernel: flash_attn\n")
+    msg = error(SFTConfig, path, "model.attn_implementation=sdpa")
+    assert "model.varlen_kernel, model.attn_implementation" in msg
+    assert "run.yaml" in msg and "'model.attn_implementation=sdpa'" in msg
+
+
+def test_allowed_combinations() -> None:
+    cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            "model.attn_implementation=flex_attention",
+            "model.gradient_checkpointing=true",
+            "train.max_tokens_per_batch=16",  # smaller than max_length: checked at batching time
+            "train.report_to=[]",
+            "model.varlen_kernel=torch",
+            "model.attn_implementation=varlen",
+        ],
+    )
+    assert cfg.train.max_tokens_per_batch < cfg.data.max_length
+    assert cfg.train.report_to == []
+    assert (
+        load_config(
+            SFTConfig, None, ["model.attn_implementation=flex_attention"]
+        ).model.gradient_checkpointing
+        is False
+    )
+
+
+def test_direct_construction_is_checked_too() -> None:
+    with pytest.raises(ConfigError, match=r"^warmup_ratio: must be in \[0, 1\), got 2"):
+        TrainSettings(warmup_ratio=2)
+    with pytest.raises(ConfigError, match="max_length"):
+        DataSettings(max_length=0)
+    err = invalid(("a", "b"), "cannot both be set", "unset one")
+    assert str(err) == "a, b: cannot both be set; fix: unset one" and err.keys == ("a", "b")
+
+
+# ---- saving
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(
+        SFTConfig,
+        None,
+        [
+            "model.lora.target_modules=[q_proj,v_proj]",
+            "model.name=yes",
+            "data.eval=1e3",
+            "train.output_dir=007",
+            "train.learning_rate=3e-5",
+            "train.adam_epsilon=1e-12",
+            "train.resume_from_checkpoint=latest",
+        ],
+    )
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert path.exists()
+    assert load_config(SFTConfig, path) == cfg
+    # a standard YAML reader sees the same values (strings like 'yes' and '007' are quoted)
+    plain = yaml.safe_load(path.read_text())
+    assert plain == to_dict(cfg)
+    assert (
+        save_config(SFTConfig(), tmp_path / "d.yaml")
+        and load_config(SFTConfig, tmp_path / "d.yaml") == SFTConfig()
+    )
+
+
+def test_to_dict_is_plain_and_unshared() -> None:
+    cfg = SFTConfig(model=ModelSettings(lora=LoraSettings()))
+    d = to_dict(cfg)
+    assert d["model"]["lora"]["r"] == 16 and d["train"]["report_to"] == ["tensorboard", "jsonl"]
+    d["train"]["report_to"].append("x")
+    assert cfg.train.report_to == ["tensorboard", "jsonl"]
+    assert from_dict(SFTConfig, to_dict(cfg)) == cfg
+    with pytest.raises(TypeError):
+        to_dict(SFTConfig)
+
+
+# ---- the generic machinery on other dataclasses
+
+
+@dataclass
+class Inner:
+    size: int = 1
+    tags: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Demo:
+    name: str
+    weights: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    mode: Literal["a", "b"] | None = None
+    inner: Inner = field(default_factory=lambda: Inner(size=5, tags=[1]))
+    maybe: Inner | None = None
+
+
+def test_from_dict_generic_types() -> None:
+    demo = from_dict(
+        Demo,
+        {"name": "x", "weights": {"a": 1, "b": "2.5"}, "extra": {"k": [1, {"z": None}]}, "mode": "b"},
+    )
+    assert demo.weights == {"a": 1.0, "b": 2.5} and all(type(v) is float for v in demo.weights.values())
+    assert demo.extra == {"k": [1, {"z": None}]}
+    assert demo.mode == "b"
+    assert demo.inner == Inner(size=5, tags=[1])
+    assert demo.maybe is None
+
+
+def test_from_dict_partial_section_keeps_nondefault_factory_values() -> None:
+    demo = from_dict(Demo, {"name": "x", "inner": {"tags": [2, 3]}, "maybe": {}})
+    assert demo.inner == Inner(size=5, tags=[2, 3])  # size from the field's default_factory, not Inner's
+    assert demo.maybe == Inner()
+
+
+def test_from_dict_errors_name_where_and_required_keys() -> None:
+    with pytest.raises(ConfigError, match="missing required key 'name'"):
+        from_dict(Demo, {})
+    with pytest.raises(ConfigError, match=r"^weights\.a in sweep\.json: expected float, got str 'heavy'"):
+        from_dict(Demo, {"name": "x", "weights": {"a": "heavy"}}, "sweep.json")
+    with pytest.raises(ConfigError, match=r"inner\.tags\[0\]: expected int"):
+        from_dict(Demo, {"name": "x", "inner": {"tags": ["a"]}})
+    with pytest.raises(ConfigError, match=r"mode: expected one of 'a', 'b' or null"):
+        from_dict(Demo, {"name": "x", "mode": "c"})
+    with pytest.raises(ConfigError, match=r"^sec\.name: expected str"):
+        from_dict(Demo, {"name": None}, prefix="sec")
+
+
+def test_config_dataclasses_have_the_agreed_fields() -> None:
+    names = {f.name for f in dataclasses.fields(TrainSettings)}
+    assert {
+        "max_tokens_per_batch",
+        "batching",
+        "padding_side",
+        "report_to",
+        "resume_from_checkpoint",
+    } <= names
+    assert [f.name for f in dataclasses.fields(SFTConfig)] == ["model", "data", "train"]

@@ -166,24 +166,38 @@ def _spans(
 
 
 def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window) -> torch.Tensor:
-    """Exact attention, one SDPA call per sequence: cost sum of L_i^2, never a [T, T] mask."""
-    out = torch.zeros_like(q)
+    """Exact attention, one SDPA call per sequence: cost sum of L_i^2, never a [T, T] mask.
+
+    Outputs are concatenated (zeros where a row is padding) rather than written into a preallocated
+    tensor, whose backward would copy the whole tensor once per sequence.
+    """
+    batch, heads, length, dim = q.shape
+    rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    ends = [0] * batch
     for row, s, e in spans:
+        if s > ends[row]:
+            rows[row].append(q.new_zeros(heads, s - ends[row], dim))
         mask = None
         if sliding_window is not None and e - s > sliding_window:
             i = torch.arange(e - s, device=q.device)
             mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window)
-        out[row, :, s:e] = F.scaled_dot_product_attention(
-            q[row : row + 1, :, s:e],
-            k[row : row + 1, :, s:e],
-            v[row : row + 1, :, s:e],
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )[0]
-    return out.transpose(1, 2)
+        rows[row].append(
+            F.scaled_dot_product_attention(
+                q[row, :, s:e],
+                k[row, :, s:e],
+                v[row, :, s:e],
+                attn_mask=mask,
+                is_causal=mask is None,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=heads != k.shape[1],
+            )
+        )
+        ends[row] = e
+    for row in range(batch):
+        if ends[row] < length:
+            rows[row].append(q.new_zeros(heads, length - ends[row], dim))
+    return torch.stack([torch.cat(pieces, dim=1) for pieces in rows]).transpose(1, 2)
 
 
 def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window) -> torch.Tensor:

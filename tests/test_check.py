@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from padless.attention import VARLEN_NAME, attention_in_use, runtime_context, varlen_attention_forward
+from padless.attention import (
+    VARLEN_NAME,
+    attention_in_use,
+    count_attention_calls,
+    hf_name,
+    runtime_context,
+    varlen_attention_forward,
+)
 from padless.check import (
     LAYOUTS,
     BackendRow,
@@ -48,16 +55,18 @@ def references(alone_logps, probe_seqs) -> dict[str, list[torch.Tensor]]:
 @pytest.fixture(scope="module")
 def layout_results(probe_seqs, pad_id):
     """Computes every layout of one (model, backend) once, on first request, for the whole module."""
-    cache: dict[tuple[str, str], dict[str, list[torch.Tensor]]] = {}
+    cache: dict[tuple[str, str], tuple[dict[str, list[torch.Tensor]], dict[str, int]]] = {}
 
-    def get(name: str, backend: str) -> dict[str, list[torch.Tensor]]:
+    def get(name: str, backend: str) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
+        """Per-layout log-probs, and the attention functions called (by name) while computing them."""
         if (name, backend) not in cache:
             flex = backend == "flex_attention"
-            # The probe runs three more shapes (each a compile for flex); the flex cells prove isolation.
+            # The probe runs three more shapes (each a compile for flex); the call counts below stand in.
             model = load_model(name, attn_implementation=backend, probe=not flex)
             layouts = ("left", "right", "packed") if flex else ("alone", "left", "right", "packed")
-            with torch.no_grad(), runtime_context(backend, "cpu"):
-                cache[name, backend] = {lay: layout_logps(model, probe_seqs, lay, pad_id) for lay in layouts}
+            with torch.no_grad(), runtime_context(backend, "cpu"), count_attention_calls() as calls:
+                logps = {lay: layout_logps(model, probe_seqs, lay, pad_id) for lay in layouts}
+            cache[name, backend] = logps, dict(calls)
         return cache[name, backend]
 
     return get
@@ -65,7 +74,10 @@ def layout_results(probe_seqs, pad_id):
 
 @pytest.mark.parametrize(("name", "backend", "layout"), list(_cells()))
 def test_invariance_matrix_fp32(name, backend, layout, layout_results, references, per_token_delta):
-    got = layout_results(name, backend)[layout]
+    results, calls = layout_results(name, backend)
+    # The requested kernel ran, and only it (eager is the built-in default: no registered function).
+    assert set(calls) == (set() if backend == "eager" else {hf_name(backend)}), calls
+    got = results[layout]
     delta = per_token_delta(got, references[name])
     assert delta <= FP32_TOL, f"{name} / {backend} / {layout}: max |delta log-prob| {delta:.3g}"
 

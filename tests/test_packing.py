@@ -11,6 +11,7 @@ import torch
 from padless.packing import (
     IGNORE_INDEX,
     Example,
+    balance_ranks,
     budget_batches,
     fixed_count_batches,
     from_padded,
@@ -271,3 +272,19 @@ def test_fixed_count_batches():
     assert fixed_count_batches(5, 2, shuffle=False) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="must be positive"):
         fixed_count_batches(3, 0)
+
+
+def test_balance_ranks():
+    tokens = [900, 100, 500, 500, 300, 700, 200]
+    ranks = balance_ranks(tokens, num_ranks=2, per_rank=4)
+    assert sorted(i for r in ranks for i in r) == list(range(len(tokens)))
+    assert all(len(r) <= 4 for r in ranks)
+    loads = [sum(tokens[i] for i in r) for r in ranks]
+    assert sum(loads) == sum(tokens) and max(loads) - min(loads) <= 100
+    # A rank that is full takes nothing more, even if it is the least loaded.
+    ranks = balance_ranks([1000, 10, 10, 10], num_ranks=2, per_rank=2)
+    assert sorted(len(r) for r in ranks) == [2, 2]
+    # Fewer micro-batches than slots (the last, partial step).
+    assert sorted(len(r) for r in balance_ranks([5, 5, 5], num_ranks=4, per_rank=1)) == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="5 micro-batches do not fit 2 ranks x 2"):
+        balance_ranks([1] * 5, num_ranks=2, per_rank=2)

@@ -33,7 +33,7 @@ def start_session(
     model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
 ) -> Session:
     """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True lets `accelerate launch` use gloo
     set_seed(seed)
     set_varlen_kernel(model_cfg.varlen_kernel)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)

@@ -1,0 +1,98 @@
+"""``padless doctor`` and ``padless check``, run in-process through ``padless.cli.main``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from padless.attention import BACKENDS, VARLEN_NAME, varlen_attention_forward, varlen_kernel
+from padless.check import LAYOUTS
+from padless.cli import main
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a CPU-only machine reports")
+
+
+def test_doctor_lists_every_backend(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("attention backends on"))
+    section = lines[start + 1 : start + 1 + len(BACKENDS)]
+    assert [line.split()[0] for line in section] == list(BACKENDS)
+    for line in section:
+        assert line.split()[1] in ("ok", "missing:")
+    for name in ("torch", "transformers", "python"):
+        assert any(line.split()[:1] == [name] for line in lines), name
+    assert "settings known to break packed training elsewhere" in out
+
+
+@cpu_only
+def test_doctor_on_cpu(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+    assert rows["varlen"].split()[1] == "ok"
+    assert rows["sdpa"].split()[1] == "ok"
+    assert "missing: flex_attention has no backward pass on CPU" in rows["flex_attention"]
+    assert "missing: flash_attention_2 needs a CUDA device" in rows["flash_attention_2"]
+    assert f"auto picks      {varlen_kernel(torch.device('cpu'), torch.float32)} for float32 on cpu" in out
+
+
+def test_check_passes_on_cpu(capsys):
+    assert main(["check", "--device", "cpu", "--backends", "varlen,sdpa,eager"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: every cell within tolerance" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("backend"))
+    assert header.split()[-len(LAYOUTS) :] == list(LAYOUTS)
+    rows = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line.split()[:1] in (["varlen"], ["sdpa"], ["eager"])
+    }
+    assert list(rows) == ["varlen", "sdpa", "eager"]
+    assert rows["varlen"][1] == "sdpa" and rows["sdpa"][1] == "sdpa" and rows["eager"][1] == "eager"
+    for backend, cells in rows.items():
+        deltas = [float(c) for c in cells[-len(LAYOUTS) :]]
+        assert all(0.0 <= d <= 1e-5 for d in deltas), (backend, deltas)
+    assert "dtype float32" in out and "tolerance 1e-05" in out
+
+
+def test_check_unknown_backend(capsys):
+    assert main(["check", "--device", "cpu", "--backends", "varlen,nope"]) != 0
+    captured = capsys.readouterr()
+    assert "unknown attention backend 'nope'" in captured.err
+    assert "OK" not in captured.out
+
+
+def test_check_typo_suggests_backend(capsys):
+    assert main(["check", "--device", "cpu", "--backends", "sdpaa"]) != 0
+    assert "Did you mean 'sdpa'" in capsys.readouterr().err
+
+
+def test_check_varlen_kernel_on_wrong_device(capsys):
+    # conftest.py resets the process-wide kernel choice that this command sets.
+    assert main(["check", "--device", "cpu", "--varlen-kernel", "torch", "--backends", "varlen"]) == 2
+    assert "varlen kernel 'torch' needs a CUDA device" in capsys.readouterr().err
+
+
+def _leaky_varlen(module, query, key, value, attention_mask, **kwargs):
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids"):
+        kwargs.pop(k, None)
+    return varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_check_refuses_a_leaking_kernel(capsys, monkeypatch):
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, VARLEN_NAME, _leaky_varlen)
+    assert main(["check", "--device", "cpu", "--backends", "varlen"]) != 0
+    assert "leaks between packed sequences" in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_command_and_options(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["frobnicate"])
+    assert err.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["check", "--device", "tpu"])
+    assert "invalid choice" in capsys.readouterr().err

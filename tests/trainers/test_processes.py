@@ -1,0 +1,118 @@
+"""Whole processes: a run killed with SIGKILL resumes to the same loss, and 2 data-parallel CPU processes
+give the same losses as 1 process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BASE = [
+    "model.name=tiny-llama",
+    "data.max_length=1024",
+    "train.logging_steps=1",
+    "train.max_tokens_per_batch=1024",
+    "train.progress_bar=false",
+    "train.report_to=[jsonl]",
+]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def sft_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "padless.cli", "sft", *BASE, f"train.output_dir={run_dir}", *overrides]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+    steps = ["train.max_steps=12", "train.save_steps=2"]
+    straight = tmp_path / "straight"
+    subprocess.run(sft_cmd(straight, *steps), check=True, env=ENV, capture_output=True, timeout=600)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        sft_cmd(killed, *steps), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 600
+    while not (killed / "checkpoint-4" / "trainer_state.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoint-12").exists(), "the run finished before it was killed"
+
+    resumed = subprocess.run(
+        sft_cmd(killed, *steps, "train.resume_from_checkpoint=latest"),
+        env=ENV,
+        capture_output=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    a, b = losses(straight), losses(killed)
+    assert sorted(b) == list(range(1, 13))
+    assert b[12] == pytest.approx(a[12], rel=1e-6, abs=0)
+    for step in range(1, 13):
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=0), step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_same_global_batch(tmp_path):
+    one = tmp_path / "one"
+    subprocess.run(
+        sft_cmd(one, "train.max_steps=3", "train.gradient_accumulation_steps=2"),
+        check=True,
+        env=ENV,
+        capture_output=True,
+        timeout=600,
+    )
+    two = tmp_path / "two"
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "padless.cli",
+        "sft",
+        *BASE,
+        f"train.output_dir={two}",
+        "train.max_steps=3",
+        "train.gradient_accumulation_steps=1",
+    ]
+    result = subprocess.run(launch, env=ENV, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    # only the main process writes: one record per step, not two
+    assert len((two / "metrics.jsonl").read_text().splitlines()) == 3

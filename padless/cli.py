@@ -84,9 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature or 1.0,
     )
     for message, c in zip(messages, completions, strict=True):
-        print(
-            f"> {message['content']}\n{tokenizer.decode(c.completion_ids, skip_special_tokens=True).strip()}\n"
-        )
+        answer = tokenizer.decode(c.completion_ids, skip_special_tokens=True).strip()
+        print(f"> {message['content']}\n{answer}\n")
     return 0
 
 

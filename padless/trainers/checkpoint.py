@@ -136,7 +136,7 @@ def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path
         if unexpected or set(missing) - tied:
             raise RuntimeError(
                 f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}; resume with the same model settings it was trained with"
+                f"unexpected {sorted(unexpected)[:5]}; resume with the model settings it was trained with"
             )
     accelerator.load_state(str(path / "state"))
     return TrainState(**json.loads((path / STATE_FILE).read_text()))

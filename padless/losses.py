@@ -8,8 +8,72 @@ into micro-batches or processes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def sft_loss(logps: torch.Tensor, mask: torch.Tensor, normaliser: float) -> torch.Tensor:
     """Summed NLL of the target tokens divided by the global number of target tokens."""
     return -(logps * mask).sum() / normaliser
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO-family losses and implicit rewards from summed completion log-probs ``[P]``.
+
+    ``sigmoid`` (with conservative label smoothing) and ``hinge`` use summed log-ratios; ``ipo`` uses
+    log-probs averaged per token, as in the IPO paper; ``simpo`` is reference-free and length-normalised
+    with a target margin ``simpo_gamma``. Returns ``(losses, chosen_rewards, rejected_rewards)``.
+    """
+    if loss_type in ("ipo", "simpo"):
+        chosen_logps = chosen_logps / chosen_lengths
+        rejected_logps = rejected_logps / rejected_lengths
+    if loss_type == "simpo":
+        chosen_ratio, rejected_ratio = chosen_logps, rejected_logps
+    else:
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            raise ValueError(f"loss_type={loss_type!r} needs reference log-probs")
+        if loss_type == "ipo":
+            ref_chosen_logps = ref_chosen_logps / chosen_lengths
+            ref_rejected_logps = ref_rejected_logps / rejected_lengths
+        chosen_ratio = chosen_logps - ref_chosen_logps
+        rejected_ratio = rejected_logps - ref_rejected_logps
+    logits = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = (
+            -F.logsigmoid(beta * logits) * (1 - label_smoothing)
+            - F.logsigmoid(-beta * logits) * label_smoothing
+        )
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    elif loss_type == "simpo":
+        margin = logits - simpo_gamma / beta
+        losses = (
+            -F.logsigmoid(beta * margin) * (1 - label_smoothing)
+            - F.logsigmoid(-beta * margin) * label_smoothing
+        )
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, ipo, hinge or simpo")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-pair ``-log sigmoid(r_chosen - r_rejected - margin)``."""
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)

@@ -74,6 +74,11 @@ class PackedBatch:
             torch.arange(self.num_sequences, device=self.cu_seqlens.device), self.cu_seqlens.diff().long()
         )
 
+    def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums ``[N]`` of per-token values ``[T]``."""
+        out = values.new_zeros(self.num_sequences)
+        return out.index_add(0, self.sequence_index, values)
+
     def attention_kwargs(self) -> dict[str, Any]:
         """Boundary kwargs that transformers forwards to varlen-capable attention functions."""
         return {

@@ -53,8 +53,11 @@ class Recipe(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of ``micro`` as its share of the step loss, plus metric shares that sum to step metrics."""
 
-    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """Evaluation metrics (already reduced over ranks); may be empty."""
+    def eval_plan(self) -> list[MicroBatch]:
+        """Evaluation micro-batches (the loop sums ``loss`` metrics over them); may be empty."""
+
+    def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        """Evaluation beyond the loss metrics (e.g. generation), run on every rank; may return nothing."""
 
 
 @dataclass
@@ -222,10 +225,27 @@ class Trainer:
         reporter.close()
         return last
 
+    def _eval_losses(self) -> dict[str, float]:
+        """The recipe's loss metrics over the whole eval set: one big step, sharded over ranks."""
+        micros = self.recipe.eval_plan()
+        if not micros:
+            return {}
+        world = self.acc.num_processes
+        step = plan_steps(micros, math.ceil(len(micros) / world), world, self.acc.process_index)[0]
+        sums: dict[str, float] = defaultdict(float)
+        for micro in step.micros:
+            _, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+            for key, value in metrics.items():
+                sums[key] += value * micro.scale
+        keys = sorted(sums)
+        totals = self.acc.reduce(torch.tensor([sums[k] for k in keys], device=self.acc.device), "sum")
+        return dict(zip(keys, totals.tolist(), strict=True))
+
     def _evaluate(self, step: int, reporter: Reporter, last: dict[str, float]) -> None:
         self.model.eval()
         with torch.no_grad():
-            metrics = self.recipe.evaluate(self.model, step)
+            metrics = self._eval_losses()
+            metrics.update(self.recipe.on_evaluate(self.model, step))
         self.model.train()
         if metrics:
             metrics = {f"eval/{k}": v for k, v in metrics.items()}

@@ -53,12 +53,11 @@ class SFTRecipe:
         device: torch.device,
         eval_examples: list[Example] | None = None,
         eval_prompts: list[list[int]] | None = None,
-        num_ranks: int = 1,
-        rank: int = 0,
+        main_process: bool = True,
     ):
         self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
         self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
-        self.num_ranks, self.rank = num_ranks, rank
+        self.main_process = main_process  # generation eval runs on the main process only
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
@@ -73,15 +72,13 @@ class SFTRecipe:
         return batch
 
     def plan(self, epoch: int) -> list[MicroBatch]:
-        micros = []
-        for group in group_examples(self.examples, self.cfg, epoch, self.bins):
-            chosen = [self.examples[i] for i in group]
-            micros.append(
-                MicroBatch(
-                    chosen, units=sum(loss_tokens(e) for e in chosen), tokens=sum(len(e) for e in chosen)
-                )
-            )
-        return micros
+        groups = group_examples(self.examples, self.cfg, epoch, self.bins)
+        return [self.micro([self.examples[i] for i in g]) for g in groups]
+
+    @staticmethod
+    def micro(examples: list[Example]) -> MicroBatch:
+        units = sum(loss_tokens(e) for e in examples)
+        return MicroBatch(examples, units=units, tokens=sum(len(e) for e in examples))
 
     def token_logps(
         self, model: torch.nn.Module, examples: list[Example]
@@ -99,24 +96,15 @@ class SFTRecipe:
         loss = sft_loss(logps, mask, normaliser)
         return loss, {"loss": loss.item()}
 
-    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        if self.eval_examples:
-            groups = budget_batches(
-                [len(e) for e in self.eval_examples], self.cfg.max_tokens_per_batch, shuffle=False
-            )
-            nll, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-            for group in groups[self.rank :: self.num_ranks]:
-                logps, mask = self.token_logps(model, [self.eval_examples[i] for i in group])
-                nll -= (logps * mask).sum()
-                count += mask.sum()
-            totals = torch.stack([nll, count])
-            if self.num_ranks > 1:
-                torch.distributed.all_reduce(totals)
-            metrics["loss"] = (totals[0] / totals[1].clamp(min=1)).item()
-        if self.cfg.eval_generate and self.eval_prompts and self.rank == 0:
+    def eval_plan(self) -> list[MicroBatch]:
+        lengths = [len(e) for e in self.eval_examples]
+        groups = budget_batches(lengths, self.cfg.max_tokens_per_batch, shuffle=False) if lengths else []
+        return [self.micro([self.eval_examples[i] for i in g]) for g in groups]
+
+    def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        if self.cfg.eval_generate and self.eval_prompts and self.main_process:
             self.write_predictions(model, step)
-        return metrics
+        return {}
 
     def write_predictions(self, model: torch.nn.Module, step: int) -> Path:
         completions = generate(
@@ -190,7 +178,6 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         acc.device,
         eval_examples,
         eval_prompts,
-        num_ranks=acc.num_processes,
-        rank=acc.process_index,
+        main_process=acc.is_main_process,
     )
     return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,15 +47,47 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sft(args: argparse.Namespace) -> int:
-    from padless.config import SFTConfig, load_config
-    from padless.trainers.sft import run_sft
+TRAINERS = {
+    "sft": ("padless.config:SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
+    "dpo": ("padless.config:DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
+    "rm": ("padless.config:RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
+}
 
+
+def _load(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from padless.config import load_config
+
+    config_target, run_target, _ = TRAINERS[args.command]
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
         config, overrides = None, [config, *overrides]
-    metrics = run_sft(load_config(SFTConfig, config, overrides))
+    metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    """``padless rm CONFIG`` trains; ``padless rm score --model M --data FILE`` scores."""
+    if args.config != "score":
+        return _train(args)
+    parser = argparse.ArgumentParser(prog="padless rm score", description="score prompt/response rows")
+    parser.add_argument("--model", required=True, help="reward model checkpoint or directory")
+    parser.add_argument("--data", required=True, help="jsonl/json/parquet with prompt and response fields")
+    parser.add_argument("--out", help="write scored rows here (default: print them)")
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    opts = parser.parse_args(args.overrides)
+    from padless.trainers.rm import score_file
+
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = score_file(opts.model, opts.data, opts.out, opts.max_length, device)
+    if path:
+        print(f"wrote {path}")
     return 0
 
 
@@ -110,10 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=float, help="max |delta log-prob| per token (default by dtype)")
     check.set_defaults(func=_check)
 
-    sft = sub.add_parser("sft", help="supervised fine-tuning from a YAML config")
-    sft.add_argument("config", nargs="?", help="YAML config (omit to run every default)")
-    sft.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.learning_rate=1e-4")
-    sft.set_defaults(func=_sft)
+    for name, (_, _, title) in TRAINERS.items():
+        trainer = sub.add_parser(
+            name, help=f"{title} from a YAML config" + (" (or: rm score ...)" if name == "rm" else "")
+        )
+        trainer.add_argument("config", nargs="?", help="YAML config (omit to run every default)")
+        trainer.add_argument(
+            "overrides", nargs=argparse.REMAINDER, help="key=value overrides, e.g. train.learning_rate=1e-4"
+        )
+        trainer.set_defaults(func=_rm if name == "rm" else _train)
 
     gen = sub.add_parser("generate", help="answer prompts with a model or checkpoint")
     gen.add_argument(

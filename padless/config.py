@@ -28,9 +28,14 @@ T = TypeVar("T")
 
 __all__ = [
     "ConfigError",
+    "DPOConfig",
+    "DPOSettings",
     "DataSettings",
     "LoraSettings",
     "ModelSettings",
+    "PreferenceDataSettings",
+    "RMConfig",
+    "RMSettings",
     "SFTConfig",
     "TrainSettings",
     "from_dict",
@@ -737,3 +742,135 @@ class SFTConfig:
                 "eval_generate samples completions for eval prompts, but data.eval is not set",
                 "set data.eval, or train.eval_generate to false",
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference training: DPO (and its reference-free variants) and reward models
+
+
+@dataclass
+class PreferenceDataSettings:
+    train: str = "tiny:preference"  # same sources as DataSettings.train
+    eval: str | None = None
+    max_length: int = 2048  # per side: prompt + chosen, and prompt + rejected
+    truncation: Literal["error", "truncate"] = "error"  # truncate cuts the completion, never the prompt
+    skip_bad_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.train:
+            raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
+        _require_positive(self, "max_length")
+
+
+@dataclass
+class DPOSettings:
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    label_smoothing: float = 0.0  # sigmoid only, in [0, 0.5): conservative DPO for noisy labels
+    rpo_alpha: float | None = None  # weight of an NLL term on chosen (RPO); null: none
+    simpo_gamma: float = 0.5  # SimPO target reward margin; used as gamma / beta inside the sigmoid, like TRL
+    reference: Literal["model", "adapters"] = "model"  # adapters: the policy with its LoRA adapters disabled
+    ref_model: str | None = None  # null: a frozen copy of model.name
+    precompute_ref_logps: bool = False
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "beta")
+        _require_non_negative(self, "simpo_gamma")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise invalid(
+                "label_smoothing",
+                f"must be in [0, 0.5), got {self.label_smoothing!r} (0.5 would make chosen and rejected "
+                "interchangeable)",
+                "set label_smoothing to at least 0 and below 0.5, e.g. 0.1",
+            )
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise invalid(
+                ("label_smoothing", "loss_type"),
+                f"label_smoothing={self.label_smoothing} only applies to loss_type 'sigmoid', but loss_type "
+                f"is {self.loss_type!r}, so it would be ignored",
+                "set label_smoothing to 0, or loss_type to sigmoid",
+            )
+        if self.rpo_alpha is not None and not self.rpo_alpha >= 0:
+            raise invalid("rpo_alpha", f"must be >= 0, got {self.rpo_alpha!r}", "set rpo_alpha >= 0, or null")
+        if self.ref_model == "":
+            raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
+        if self.ref_model is not None and self.reference == "adapters":
+            raise invalid(
+                ("ref_model", "reference"),
+                f"reference 'adapters' uses the policy itself with adapters disabled, so ref_model="
+                f"{self.ref_model!r} would be ignored",
+                "set ref_model to null, or reference to model",
+            )
+        if self.loss_type == "simpo":
+            given = [
+                (name, text)
+                for name, text, used in (
+                    ("ref_model", f"ref_model={self.ref_model!r}", self.ref_model is not None),
+                    ("reference", "reference='adapters'", self.reference == "adapters"),
+                    ("precompute_ref_logps", "precompute_ref_logps=true", self.precompute_ref_logps),
+                )
+                if used
+            ]
+            if given:
+                name, text = given[0]
+                raise invalid(
+                    (name, "loss_type"),
+                    f"simpo is reference-free (it scores length-normalized policy log-probs only), so "
+                    f"{text} would be ignored",
+                    f"unset {name}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
+                )
+
+
+def _check_preference_run(data: PreferenceDataSettings, train: TrainSettings) -> None:
+    """Cross-section checks shared by DPO and reward-model configs."""
+    if train.eval_generate:
+        raise invalid(
+            "train.eval_generate",
+            "eval_generate is an SFT option (DPO and reward-model evaluation report preference metrics on "
+            "data.eval instead)",
+            "set train.eval_generate to false",
+        )
+    if data.eval is None and train.eval_steps > 0:
+        raise invalid(
+            ("train.eval_steps", "data.eval"),
+            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
+            "set data.eval to an eval data set (e.g. tiny:preference_eval), or train.eval_steps to 0",
+        )
+
+
+@dataclass
+class DPOConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = field(default_factory=PreferenceDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/dpo", learning_rate=5e-6)
+    )
+    dpo: DPOSettings = field(default_factory=DPOSettings)
+
+    def __post_init__(self) -> None:
+        _check_preference_run(self.data, self.train)
+        if self.dpo.reference == "adapters" and self.model.lora is None:
+            raise invalid(
+                ("dpo.reference", "model.lora"),
+                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+                "not set, so there are no adapters",
+                "add a model.lora section (e.g. model.lora.r=16), or set dpo.reference to model",
+            )
+
+
+@dataclass
+class RMSettings:
+    margin: bool = False  # add each row's "margin" field to the Bradley-Terry loss (every row must have one)
+
+
+@dataclass
+class RMConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = field(default_factory=PreferenceDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/rm", learning_rate=1e-4)
+    )
+    rm: RMSettings = field(default_factory=RMSettings)
+
+    def __post_init__(self) -> None:
+        _check_preference_run(self.data, self.train)

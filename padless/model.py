@@ -109,25 +109,30 @@ def checked_backend(model: torch.nn.Module) -> str:
     return backend
 
 
-def _captured_forward(
-    model: torch.nn.Module, batch: PackedBatch, module: torch.nn.Module, **extra: Any
-) -> Any:
-    """Run the packed batch through ``model`` (so DDP / FSDP hooks fire) and return ``module``'s output.
+def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
+    """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask."""
+    if isinstance(batch, PackedBatch):
+        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **batch.attention_kwargs()}
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+    }
 
-    No attention mask, no KV cache, explicit sequence bounds: the only way padless runs a model.
+
+def _captured_forward(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, module: torch.nn.Module, **extra: Any
+) -> Any:
+    """Run ``batch`` through ``model`` (so DDP / FSDP hooks fire) and return ``module``'s output.
+
+    Never a KV cache: with one, transformers drops its per-sequence mask.
     """
     backend = checked_backend(model)
     captured: list[Any] = []
     handle = module.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
         with runtime_context(backend, batch.input_ids.device):
-            model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                use_cache=False,
-                **batch.attention_kwargs(),
-                **extra,
-            )
+            model(**model_inputs(batch), use_cache=False, **extra)
     finally:
         handle.remove()
     return captured[0]
@@ -202,12 +207,7 @@ def forward_padded(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
     backend = checked_backend(model)
     with runtime_context(backend, batch.input_ids.device):
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-        ).logits
+        logits = model(**model_inputs(batch), use_cache=False).logits
     logps = logits.float().log_softmax(-1).gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
     return logps * (batch.labels != IGNORE_INDEX)
 
@@ -231,3 +231,11 @@ def forward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 def sequence_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """One score per sequence ``[N]``, read at each sequence's last token from ``cu_seqlens``."""
     return forward_scores(model, batch)[batch.last_token_index]
+
+
+def padded_scores(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+    """One score per row ``[N]`` of a padded batch, read at its last real token (comparison mode only)."""
+    scores = _captured_forward(model, batch, score_head(unwrap(model)))[..., 0].float()
+    positions = torch.arange(batch.input_ids.shape[1], device=scores.device)
+    last = (positions * batch.attention_mask).argmax(1)
+    return scores.gather(1, last[:, None])[:, 0]

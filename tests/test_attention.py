@@ -120,11 +120,6 @@ def test_probe_passes_and_reports_kernel(models, backend, kernel):
     assert 0.0 <= info["max_delta_hidden"] <= 1e-4  # fp32 round-off, far from a leak
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="probe_attention returns 'calls' summed over the packed forward AND the two alone reference "
-    "forwards (3 x num_hidden_layers), not the calls of one packed forward",
-)
 @pytest.mark.parametrize("backend", ["varlen", "sdpa"])
 def test_probe_reports_one_call_per_layer(models, backend):
     info = probe_attention(models[backend], backend)

@@ -407,3 +407,148 @@ def test_config_dataclasses_have_the_agreed_fields() -> None:
         "resume_from_checkpoint",
     } <= names
     assert [f.name for f in dataclasses.fields(SFTConfig)] == ["model", "data", "train"]
+
+
+# ---- preference configs: DPO and reward models
+
+from padless.config import DPOConfig, PreferenceDataSettings, RMConfig  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("cls", "output_dir", "lr"), [(DPOConfig, "runs/dpo", 5e-6), (RMConfig, "runs/rm", 1e-4)]
+)
+def test_preference_config_defaults_from_empty_yaml(
+    tmp_path: Path, cls: type, output_dir: str, lr: float
+) -> None:
+    cfg = load_config(cls, write(tmp_path, ""))
+    assert cfg == cls() and cfg.data == PreferenceDataSettings()
+    assert (
+        cfg.data.train == "tiny:preference" and cfg.data.max_length == 2048 and cfg.data.truncation == "error"
+    )
+    assert (cfg.train.output_dir, cfg.train.learning_rate) == (output_dir, lr)
+    # A partial train section keeps the config's own defaults, not TrainSettings'.
+    partial = load_config(cls, write(tmp_path, "train:\n  max_steps: 10\n"))
+    assert (partial.train.output_dir, partial.train.learning_rate, partial.train.max_steps) == (
+        output_dir,
+        lr,
+        10,
+    )
+    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+
+
+def test_dpo_defaults_and_overrides(tmp_path: Path) -> None:
+    dpo = DPOConfig().dpo
+    assert (dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.rpo_alpha, dpo.simpo_gamma) == (
+        0.1,
+        "sigmoid",
+        0.0,
+        None,
+        0.5,
+    )
+    assert (dpo.reference, dpo.ref_model, dpo.precompute_ref_logps) == ("model", None, False)
+    path = write(tmp_path, "dpo:\n  beta: 0.25\n  loss_type: ipo\ndata:\n  eval: tiny:preference_eval\n")
+    cfg = load_config(
+        DPOConfig,
+        path,
+        [
+            "dpo.loss_type=sigmoid",
+            "dpo.label_smoothing=0.1",
+            "dpo.rpo_alpha=1",
+            "dpo.precompute_ref_logps=true",
+            "dpo.ref_model=other-model",
+            "data.truncation=truncate",
+            "data.skip_bad_rows=true",
+            "train.eval_steps=5",
+            "train.batching=padded",
+        ],
+    )
+    assert (cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing, cfg.dpo.rpo_alpha) == (
+        0.25,
+        "sigmoid",
+        0.1,
+        1.0,
+    )
+    assert cfg.dpo.ref_model == "other-model" and cfg.dpo.precompute_ref_logps
+    assert (
+        cfg.data.eval == "tiny:preference_eval"
+        and cfg.data.truncation == "truncate"
+        and cfg.data.skip_bad_rows
+    )
+    assert load_config(DPOConfig, save_config(cfg, tmp_path / "saved.yaml")) == cfg
+    lora = load_config(DPOConfig, None, ["model.lora.r=8", "dpo.reference=adapters"])
+    assert lora.dpo.reference == "adapters" and lora.model.lora is not None
+    simpo = load_config(DPOConfig, None, ["dpo.loss_type=simpo", "dpo.simpo_gamma=1.0", "dpo.beta=2"])
+    assert (simpo.dpo.loss_type, simpo.dpo.simpo_gamma) == ("simpo", 1.0)
+
+
+def test_rm_overrides(tmp_path: Path) -> None:
+    assert RMConfig().rm.margin is False
+    cfg = load_config(
+        RMConfig, write(tmp_path, "rm:\n  margin: true\n"), ["data.max_length=512", "model.lora.r=4"]
+    )
+    assert cfg.rm.margin and cfg.data.max_length == 512 and cfg.model.lora is not None
+    assert "rm.margin" in error(RMConfig, None, "rm.margin=1") and "true or false" in error(
+        RMConfig, None, "rm.margin=1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "fragment"),
+    [
+        (["dpo.reference=adapters"], "dpo.reference, model.lora", "no adapters"),
+        (
+            ["dpo.loss_type=simpo", "dpo.ref_model=big"],
+            "dpo.ref_model, dpo.loss_type",
+            "simpo is reference-free",
+        ),
+        (
+            ["dpo.loss_type=simpo", "dpo.precompute_ref_logps=true"],
+            "dpo.precompute_ref_logps, dpo.loss_type",
+            "simpo is reference-free",
+        ),
+        (
+            ["model.lora.r=8", "dpo.loss_type=simpo", "dpo.reference=adapters"],
+            "dpo.reference, dpo.loss_type",
+            "simpo is reference-free",
+        ),
+        (
+            ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"],
+            "dpo.label_smoothing, dpo.loss_type",
+            "only applies",
+        ),
+        (["dpo.label_smoothing=0.5"], "dpo.label_smoothing", "[0, 0.5)"),
+        (["dpo.beta=0"], "dpo.beta", "must be > 0"),
+        (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha", "must be >= 0"),
+        (["dpo.simpo_gamma=-1"], "dpo.simpo_gamma", "must be >= 0"),
+        (["dpo.ref_model=''"], "dpo.ref_model", "empty"),
+        (
+            ["model.lora.r=8", "dpo.reference=adapters", "dpo.ref_model=x"],
+            "dpo.ref_model, dpo.reference",
+            "ignored",
+        ),
+        (["dpo.loss_type=orpo"], "dpo.loss_type", "one of 'sigmoid', 'ipo', 'hinge', 'simpo'"),
+        (["dpo.betta=0.2"], "unknown key 'dpo.betta'", "did you mean 'beta'"),
+    ],
+)
+def test_dpo_cross_field_errors_name_their_keys(overrides: list[str], keys: str, fragment: str) -> None:
+    msg = error(DPOConfig, None, *overrides)
+    assert msg.startswith(keys), msg
+    assert fragment in msg and "on the command line" in msg
+
+
+@pytest.mark.parametrize("cls", [DPOConfig, RMConfig])
+@pytest.mark.parametrize(
+    ("overrides", "keys", "fragment"),
+    [
+        (["train.eval_steps=5"], "train.eval_steps, data.eval", "data.eval is not set"),
+        (["train.eval_generate=true"], "train.eval_generate", "eval_generate is an SFT option"),
+        (["data.eval=tiny:preference_eval", "train.eval_generate=true"], "train.eval_generate", "SFT option"),
+        (["data.max_length=0"], "data.max_length", "must be > 0"),
+        (["data.train=''"], "data.train", "is empty"),
+        (["data.truncation=cut"], "data.truncation", "one of 'error', 'truncate'"),
+    ],
+)
+def test_preference_data_and_eval_errors(cls: type, overrides: list[str], keys: str, fragment: str) -> None:
+    msg = error(cls, None, *overrides)
+    assert msg.startswith(keys + " on the command line"), msg
+    assert fragment in msg and "fix:" in msg

@@ -1,5 +1,6 @@
 """Loading raw data with provenance and turning it into tokenized :class:`~padless.packing.Example` s."""
 
+from padless.data.preference import PairExample, tokenize_preference, tokenize_scoring
 from padless.data.records import ACCEPTED_FORMATS, DataError, Row, load_rows
 from padless.data.sft import ChatTemplateError, SkipStats, detect_format, tokenize_sft
 
@@ -7,9 +8,12 @@ __all__ = [
     "ACCEPTED_FORMATS",
     "ChatTemplateError",
     "DataError",
+    "PairExample",
     "Row",
     "SkipStats",
     "detect_format",
     "load_rows",
+    "tokenize_preference",
+    "tokenize_scoring",
     "tokenize_sft",
 ]

@@ -1,0 +1,420 @@
+"""Preference rows → :class:`PairExample` s whose two sides share exactly the same prompt token ids.
+
+DPO and reward models compare the chosen and rejected completion *of the same prompt*, so the prompt is
+tokenized once and both completions are appended to those very ids; nothing is re-tokenized across the
+boundary. Accepted row forms (extra fields are ignored):
+
+* explicit string prompt: ``prompt``, ``chosen``, ``rejected`` strings. Like TRL's "standard" format the text
+  is a raw continuation: no chat template, even when the tokenizer has one. Prompt and completion are
+  tokenized separately and concatenated, and the eos token is appended to the completion unless present.
+* explicit conversational prompt: ``prompt`` a list of messages, ``chosen``/``rejected`` lists of one
+  assistant message. The prompt is rendered with the generation prompt; a completion is what rendering the
+  assistant turn adds, up to its last end-of-turn token (trailing template glue such as ``"\\n"`` is left
+  out, so the sequence ends where generation stops and where a reward head is read).
+* implicit conversational prompt: ``chosen``/``rejected`` whole conversations. The prompt is their longest
+  common prefix of messages; after it each side must be exactly one (different) assistant message.
+* implicit string prompt: ``chosen``/``rejected`` whole texts. Each text is tokenized whole and the prompt is
+  their longest common *token* prefix (TRL cuts at the longest common character prefix, which can split a
+  word and tokenize both halves unnaturally; a token prefix keeps each side exactly the tokenization of its
+  full text).
+
+Whether prompts are explicit is decided by the first row (the first with 'chosen' and 'rejected' when
+skipping bad rows): once it has a ``prompt``, a row without one is an error rather than silently read as an
+implicit pair.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from padless.data.records import DataError, Row
+from padless.data.sft import (
+    ChatTemplateError,
+    SkipStats,
+    Truncation,
+    _Encoder,
+    _messages,
+    _nonempty_str,
+    _present,
+    _type_name,
+)
+from padless.packing import Example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+SIDES = ("chosen", "rejected")
+_ASSISTANT_LIST = '[{"role": "assistant", "content": ...}]'
+
+
+@dataclass
+class PairExample:
+    """A preference pair: both sides start with the same prompt ids, and only completions are targets.
+
+    ``meta`` holds ``row`` and ``source`` (where the row came from) and ``margin`` when the row has one.
+    """
+
+    chosen: Example
+    rejected: Example
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of leading prompt tokens, shared by both sides (none of them a target)."""
+        assert self.chosen.loss_mask is not None
+        return self.chosen.loss_mask.index(True)
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _PairEncoder(_Encoder):
+    """Prompt and completion rendering shared by preference pairs and scoring rows."""
+
+    def prompt(self, row: Row, value: Any) -> tuple[list[int], list[dict[str, Any]] | None]:
+        """Prompt ids, and the validated messages when the prompt is conversational."""
+        if isinstance(value, list):
+            messages = _messages(row, "prompt", value)
+            return self.chat_prompt(row, messages), messages
+        if isinstance(value, str):
+            return self.leading_specials + self.encode(_nonempty_str(row, "prompt", value)), None
+        raise row.error(
+            "prompt", f"must be a string or a list of messages, got {_type_name(value)}", reason="wrong type"
+        )
+
+    def chat_prompt(self, row: Row, messages: list[dict[str, Any]]) -> list[int]:
+        self.require_template(row)
+        return self.render(row, messages, generation_prompt=True)
+
+    def text_completion(self, row: Row, name: str, value: str) -> list[int]:
+        ids = self.encode(_nonempty_str(row, name, value))
+        return ids if ids[-1:] == [self.eos] else [*ids, self.eos]
+
+    def completion(
+        self,
+        row: Row,
+        name: str,
+        value: Any,
+        prompt_ids: list[int],
+        prompt_messages: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        """The ids ``name`` adds after ``prompt_ids``, rendered the way the prompt was (text or chat)."""
+        if prompt_messages is None:
+            if isinstance(value, str):
+                return self.text_completion(row, name, value)
+            problem = (
+                "is a list of messages but the prompt is a string; a conversational completion continues a "
+                "conversational prompt (a list of messages)"
+                if isinstance(value, list)
+                else f"must be a string, got {_type_name(value)}"
+            )
+            raise row.error(name, problem, reason="wrong type")
+        if not isinstance(value, list):
+            raise row.error(
+                name,
+                f"must be a list with one assistant message ({_ASSISTANT_LIST}) because the prompt is a list "
+                f"of messages, got {_type_name(value)}",
+                reason="wrong type",
+            )
+        done = _messages(row, name, value)
+        if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
+            raise row.error(
+                name,
+                f"must be a list with exactly one assistant message with content, got {len(done)} message(s) "
+                f"with role(s) {[m['role'] for m in done]}",
+                reason="wrong type",
+            )
+        full = self.render(row, prompt_messages + done, generation_prompt=False)
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise self._unstable(row, "the prompt plus the generation prompt", prompt_ids, full)
+        segment = full[len(prompt_ids) :]
+        if not segment:
+            raise ChatTemplateError(
+                f"{row.where}: rendering the assistant message of '{name}' added no token after the "
+                "generation prompt, so the completion cannot be located. Check the chat template."
+            )
+        ends = [k for k, t in enumerate(segment) if t in self.end_of_turn_ids]
+        return segment[: ends[-1] + 1] if ends else [*segment, self.eos]
+
+    # -- row forms -------------------------------------------------------------------------------------------
+
+    def explicit(self, row: Row) -> tuple[list[int], list[list[int]], str]:
+        prompt_ids, messages = self.prompt(row, row.data["prompt"])
+        completions = [self.completion(row, s, row.data[s], prompt_ids, messages) for s in SIDES]
+        return prompt_ids, completions, "prompt"
+
+    def implicit(self, row: Row) -> tuple[list[int], list[list[int]], str]:
+        chosen, rejected = row.data["chosen"], row.data["rejected"]
+        if not isinstance(chosen, (str, list)):
+            raise row.error(
+                "chosen",
+                f"must be a string or a list of messages, got {_type_name(chosen)}",
+                reason="wrong type",
+            )
+        if isinstance(chosen, str) != isinstance(rejected, str) or not isinstance(rejected, (str, list)):
+            kind = "a string" if isinstance(chosen, str) else "a list of messages"
+            raise row.error(
+                "rejected",
+                f"must be {kind} like 'chosen', got {_type_name(rejected)}",
+                reason="wrong type",
+            )
+        where = "the prompt (the prefix 'chosen' and 'rejected' share)"
+        if isinstance(chosen, str):
+            return (*self._implicit_text(row, chosen, rejected), where)
+        return (*self._implicit_chat(row, chosen, rejected), where)
+
+    def _implicit_text(self, row: Row, chosen: str, rejected: str) -> tuple[list[int], list[list[int]]]:
+        full = [
+            self.leading_specials + self.encode(_nonempty_str(row, s, v))
+            for s, v in zip(SIDES, (chosen, rejected), strict=True)
+        ]
+        if chosen == rejected:
+            raise _equal(row)
+        k = _common_prefix(*full)
+        if k <= len(self.leading_specials):
+            raise _no_shared_prompt(row, "do not start with the same token")
+        for side, ids in zip(SIDES, full, strict=True):
+            if len(ids) == k:
+                other = "rejected" if side == "chosen" else "chosen"
+                raise row.error(
+                    side,
+                    f"adds no token after the prefix it shares with '{other}' (the implicit prompt), so it "
+                    "has no completion",
+                    reason="empty content",
+                )
+        return full[0][:k], [ids[k:] if ids[-1] == self.eos else [*ids[k:], self.eos] for ids in full]
+
+    def _implicit_chat(
+        self, row: Row, chosen: list[Any], rejected: list[Any]
+    ) -> tuple[list[int], list[list[int]]]:
+        convs = [_messages(row, s, v) for s, v in zip(SIDES, (chosen, rejected), strict=True)]
+        if convs[0] == convs[1]:
+            raise _equal(row)
+        k = _common_prefix(*convs)
+        if k == 0:
+            raise _no_shared_prompt(row, "differ from their first message on")
+        for side, conv in zip(SIDES, convs, strict=True):
+            rest = conv[k:]
+            if len(rest) != 1 or rest[0]["role"] != "assistant":
+                raise row.error(
+                    side,
+                    "must be the prompt messages followed by exactly one assistant message, but after the "
+                    f"{k} leading message(s) it shares with the other side it has {len(rest)} message(s), "
+                    f"role(s) {[m['role'] for m in rest]}",
+                    reason="wrong type",
+                    fix="Make 'chosen' and 'rejected' identical up to their final assistant message (or give "
+                    "an explicit 'prompt'), or set data.skip_bad_rows: true to skip it.",
+                )
+        prompt_ids = self.chat_prompt(row, convs[0][:k])
+        completions = [
+            self.completion(row, s, conv[k:], prompt_ids, convs[0][:k])
+            for s, conv in zip(SIDES, convs, strict=True)
+        ]
+        return prompt_ids, completions
+
+
+def _equal(row: Row, after: str = "") -> DataError:
+    return row.error(
+        "rejected",
+        f"equals 'chosen'{after}, so the pair carries no preference",
+        reason="chosen equals rejected",
+    )
+
+
+def _no_shared_prompt(row: Row, how: str) -> DataError:
+    return row.error(
+        None,
+        f"'chosen' and 'rejected' {how}, so they share no prompt (a row without 'prompt' takes the prefix "
+        "both share as its prompt)",
+        reason="no shared prompt",
+        fix="Add a 'prompt' field, or set data.skip_bad_rows: true to skip it.",
+    )
+
+
+def _fit_prompt(row: Row, prompt_ids: list[int], prompt_field: str, max_length: int) -> None:
+    if len(prompt_ids) >= max_length:
+        subject = "field 'prompt'" if prompt_field == "prompt" else prompt_field
+        raise DataError(
+            f"{row.where}: {subject} is {len(prompt_ids)} tokens, which leaves no room for a completion "
+            f"within max_length={max_length} (the prompt is never truncated). Raise data.max_length, shorten "
+            "the prompt, or set data.skip_bad_rows: true to skip it.",
+            source=row.source,
+            index=row.index,
+            field="prompt",
+            reason="prompt too long",
+        )
+
+
+def _fit_completion(
+    row: Row, name: str, prompt_len: int, ids: list[int], max_length: int, truncation: Truncation
+) -> list[int]:
+    total = prompt_len + len(ids)
+    if total <= max_length:
+        return ids
+    if truncation == "error":
+        raise row.error(
+            name,
+            f"makes a sequence of {total} tokens (prompt {prompt_len} + completion {len(ids)}), more than "
+            f"max_length={max_length}",
+            reason="too long",
+            fix="Raise data.max_length, set data.truncation: truncate to cut the completion (the prompt is "
+            "kept whole), or set data.skip_bad_rows: true to skip it.",
+        )
+    # _fit_prompt ran first, so at least one completion token always survives.
+    return ids[: max_length - prompt_len]
+
+
+def _margin(row: Row, required: bool) -> float | None:
+    value = row.data.get("margin")
+    if value is None:
+        if required:
+            raise row.error(
+                "margin",
+                "is missing, but rm.margin: true trains with a per-row margin",
+                reason="missing field",
+                fix="Add a numeric 'margin' to every row, set rm.margin: false, or set data.skip_bad_rows: "
+                "true to skip it.",
+            )
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise row.error(
+            "margin", f"must be a finite number, got {_type_name(value)} {value!r}", reason="wrong type"
+        )
+    return float(value)
+
+
+def _check_args(max_length: int, truncation: str) -> None:
+    if truncation not in ("error", "truncate"):
+        raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
+    if not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+
+
+def _require(row: Row, names: Sequence[str], how: str) -> None:
+    present = _present(row)
+    for name in names:
+        if name not in present:
+            found = sorted(present) or "no non-null fields"
+            raise row.error(
+                name,
+                f"is missing: {how} need {', '.join(repr(n) for n in names)}; found {found}",
+                reason="missing field",
+                fix="Give every row these fields, or set data.skip_bad_rows: true to skip it.",
+            )
+
+
+def tokenize_preference(
+    rows: Sequence[Row],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    truncation: Truncation = "error",
+    skip_bad_rows: bool = False,
+    require_margin: bool = False,
+) -> tuple[list[PairExample], SkipStats]:
+    """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
+
+    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is a
+    bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
+    ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
+    ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
+    unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
+    :class:`ChatTemplateError` regardless.
+    """
+    _check_args(max_length, truncation)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    first = next((r for r in rows if set(SIDES) <= _present(r)), rows[0]) if skip_bad_rows else rows[0]
+    explicit = "prompt" in _present(first)
+    if explicit:
+        needed, how = ("prompt", *SIDES), f"rows with explicit prompts (as {first.where} has)"
+    else:
+        needed, how = SIDES, "preference rows"
+
+    enc = _PairEncoder(tokenizer)
+    pairs = []
+    for row in rows:
+        try:
+            _require(row, needed, how)
+            if "prompt" in _present(row):
+                prompt_ids, completions, prompt_field = enc.explicit(row)
+            else:
+                prompt_ids, completions, prompt_field = enc.implicit(row)
+            if completions[0] == completions[1]:
+                raise _equal(row)
+            _fit_prompt(row, prompt_ids, prompt_field, max_length)
+            fitted = [
+                _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
+                for s, ids in zip(SIDES, completions, strict=True)
+            ]
+            if fitted[0] == fitted[1]:
+                raise _equal(row, f" once both are truncated to max_length={max_length}")
+            meta: dict[str, Any] = {"row": row.index, "source": row.source}
+            margin = _margin(row, require_margin)
+            if margin is not None:
+                meta["margin"] = margin
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            stats.record(e)
+            continue
+        chosen, rejected = (
+            Example(
+                prompt_ids + ids,
+                [False] * len(prompt_ids) + [True] * len(ids),
+                {"row": row.index, "source": row.source, "side": side},
+            )
+            for side, ids in zip(SIDES, fitted, strict=True)
+        )
+        pairs.append(PairExample(chosen, rejected, meta))
+        stats.kept += 1
+    return pairs, stats
+
+
+def tokenize_scoring(
+    rows: Sequence[Row],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    truncation: Truncation = "error",
+    skip_bad_rows: bool = False,
+    stats: SkipStats | None = None,
+) -> list[Example]:
+    """Sequences for scoring ``{"prompt", "response"}`` rows with a reward model (``loss_mask`` is None).
+
+    A response is rendered exactly like a preference completion, so a row scores the same sequence a reward
+    model was trained on. ``meta`` keeps ``row`` and ``source`` so scores map back to their rows, also when
+    ``skip_bad_rows`` leaves some out (counted in ``stats`` when one is given).
+    """
+    _check_args(max_length, truncation)
+    stats = stats if stats is not None else SkipStats()
+    enc = _PairEncoder(tokenizer)
+    out = []
+    for row in rows:
+        try:
+            _require(row, ("prompt", "response"), "scoring rows")
+            prompt_ids, messages = enc.prompt(row, row.data["prompt"])
+            response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
+            _fit_prompt(row, prompt_ids, "prompt", max_length)
+            response = _fit_completion(row, "response", len(prompt_ids), response, max_length, truncation)
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            stats.record(e)
+            continue
+        out.append(Example(prompt_ids + response, None, {"row": row.index, "source": row.source}))
+        stats.kept += 1
+    return out

@@ -1,0 +1,141 @@
+"""Direct preference optimisation (sigmoid, IPO, hinge, SimPO) on packed pairs: one policy forward per
+micro-batch, reference log-probs from a frozen model, the policy without its adapters, or precomputed."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from padless.config import DPOConfig, DPOSettings, TrainSettings
+from padless.data import PairExample, load_rows, tokenize_preference
+from padless.losses import dpo_loss
+from padless.model import load_model, unwrap
+from padless.packing import budget_batches
+from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.pairs import PairRecipe, sequence_logps, shares, split_pairs
+from padless.trainers.session import start_session
+
+
+class DPORecipe(PairRecipe):
+    def __init__(
+        self,
+        pairs: list[PairExample],
+        cfg: TrainSettings,
+        dpo: DPOSettings,
+        pad_id: int,
+        device: torch.device,
+        ref_model: torch.nn.Module | None = None,
+        eval_pairs: list[PairExample] | None = None,
+    ):
+        super().__init__(pairs, cfg, pad_id, device, eval_pairs)
+        self.dpo, self.ref_model = dpo, ref_model
+        self.reference_free = dpo.loss_type == "simpo"
+
+    def reference_logps(
+        self, model: torch.nn.Module, pairs: list[PairExample], batch: Any
+    ) -> torch.Tensor | None:
+        """``[2P]`` reference log-probs: stored, or one no-grad forward of the reference."""
+        if self.reference_free:
+            return None
+        if "ref_logps" in pairs[0].meta:
+            return torch.tensor([x for p in pairs for x in p.meta["ref_logps"]], device=self.device)
+        adapters_off = self.dpo.reference == "adapters"
+        reference = model if adapters_off else self.ref_model
+        with torch.no_grad(), unwrap(model).disable_adapter() if adapters_off else contextlib.nullcontext():
+            return sequence_logps(reference, batch)[0]
+
+    def precompute_reference(self, model: torch.nn.Module) -> None:
+        """Store reference log-probs in each pair's meta once, so training needs no reference forward."""
+        for pairs in (self.pairs, self.eval_pairs):
+            groups = (
+                budget_batches([len(p) for p in pairs], self.cfg.max_tokens_per_batch, shuffle=False)
+                if pairs
+                else []
+            )
+            for g in groups:
+                chunk = [pairs[i] for i in g]
+                ref = self.reference_logps(model, chunk, self.collate(chunk)).tolist()
+                for k, p in enumerate(chunk):
+                    p.meta["ref_logps"] = (ref[2 * k], ref[2 * k + 1])
+
+    def loss(
+        self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        pairs = micro.data
+        batch = self.collate(pairs)
+        logps, lengths = sequence_logps(model, batch)
+        ref = self.reference_logps(model, pairs, batch)
+        chosen, rejected = split_pairs(logps)
+        chosen_len, rejected_len = split_pairs(lengths)
+        ref_chosen, ref_rejected = split_pairs(ref) if ref is not None else (None, None)
+        d = self.dpo
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            chosen_len,
+            rejected_len,
+            beta=d.beta,
+            loss_type=d.loss_type,
+            label_smoothing=d.label_smoothing,
+            simpo_gamma=d.simpo_gamma,
+        )
+        metrics = {
+            "rewards/chosen": chosen_rewards,
+            "rewards/rejected": rejected_rewards,
+            "rewards/margins": chosen_rewards - rejected_rewards,
+            "rewards/accuracies": chosen_rewards > rejected_rewards,
+            "logps/chosen": chosen.detach(),
+            "logps/rejected": rejected.detach(),
+        }
+        if d.rpo_alpha:
+            nll = (
+                -chosen / chosen_len
+            )  # mean NLL per chosen token, per pair: independent of batch composition
+            losses = losses + d.rpo_alpha * nll
+            metrics["nll"] = nll.detach()
+        loss = losses.sum() / normaliser
+        return loss, {"loss": loss.item(), **shares(metrics, normaliser)}
+
+
+def run_dpo(cfg: DPOConfig) -> dict[str, float]:
+    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    acc, tokenizer = session.accelerator, session.tokenizer
+    data = cfg.data
+
+    def tokenize(spec: str) -> list[PairExample]:
+        pairs, _ = tokenize_preference(
+            load_rows(spec),
+            tokenizer,
+            max_length=data.max_length,
+            truncation=data.truncation,
+            skip_bad_rows=data.skip_bad_rows,
+        )
+        return pairs
+
+    ref_model = None
+    if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
+        ref_model = load_model(
+            cfg.dpo.ref_model or cfg.model.name,
+            attn_implementation=cfg.model.attn_implementation,
+            dtype=next(session.model.parameters()).dtype,
+            device=acc.device,
+            seed=cfg.model.seed,
+        ).requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    recipe = DPORecipe(
+        tokenize(data.train),
+        cfg.train,
+        cfg.dpo,
+        pad_id,
+        acc.device,
+        ref_model,
+        tokenize(data.eval) if data.eval else None,
+    )
+    if cfg.dpo.precompute_ref_logps:
+        recipe.precompute_reference(session.model)
+        recipe.ref_model = None  # no longer needed: free its memory
+    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()

@@ -1,0 +1,77 @@
+"""Losses against hand computations on toy numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from padless.losses import bradley_terry_loss, dpo_loss, sft_loss
+
+
+def logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+# two pairs: summed completion log-probs of policy and reference, and completion lengths
+PC, PR = torch.tensor([-10.0, -7.0]), torch.tensor([-12.0, -6.0])
+RC, RR = torch.tensor([-11.0, -6.5]), torch.tensor([-11.5, -6.2])
+LC, LR = torch.tensor([4.0, 2.0]), torch.tensor([5.0, 3.0])
+
+
+def test_sft_loss_is_sum_over_global_count():
+    logps = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert sft_loss(logps, mask, normaliser=6).item() == pytest.approx((1 + 3 + 4) / 6)
+
+
+def test_dpo_sigmoid_matches_hand_computation():
+    beta = 0.1
+    losses, chosen_r, rejected_r = dpo_loss(PC, PR, RC, RR, LC, LR, beta=beta)
+    # pair 1: (-10 - -11) - (-12 - -11.5) = 1.5
+    # pair 2: (-7 - -6.5) - (-6 - -6.2) = -0.7
+    expected = [-logsig(beta * 1.5), -logsig(beta * -0.7)]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert chosen_r.tolist() == pytest.approx([0.1, -0.05], rel=1e-6)
+    assert rejected_r.tolist() == pytest.approx([-0.05, 0.02], rel=1e-5)
+
+
+def test_dpo_label_smoothing_hinge_ipo_simpo():
+    beta, eps = 0.5, 0.2
+    smooth, _, _ = dpo_loss(PC, PR, RC, RR, LC, LR, beta=beta, label_smoothing=eps)
+    logits = [1.5, -0.7]
+    assert smooth.tolist() == pytest.approx(
+        [-(1 - eps) * logsig(beta * z) - eps * logsig(-beta * z) for z in logits], rel=1e-6
+    )
+    hinge, _, _ = dpo_loss(PC, PR, RC, RR, LC, LR, beta=beta, loss_type="hinge")
+    assert hinge.tolist() == pytest.approx([max(0.0, 1 - beta * z) for z in logits], rel=1e-6)
+    ipo, _, _ = dpo_loss(PC, PR, RC, RR, LC, LR, beta=beta, loss_type="ipo")
+    # IPO on per-token averages: pair 1: (-10/4 - -11/4) - (-12/5 - -11.5/5) = 0.25 + 0.1 = 0.35
+    ipo_logits = [(-10 / 4 + 11 / 4) - (-12 / 5 + 11.5 / 5), (-7 / 2 + 6.5 / 2) - (-6 / 3 + 6.2 / 3)]
+    assert ipo.tolist() == pytest.approx([(z - 1 / (2 * beta)) ** 2 for z in ipo_logits], rel=1e-5)
+    gamma = 0.5
+    simpo, chosen_r, _ = dpo_loss(PC, PR, None, None, LC, LR, beta=beta, loss_type="simpo", simpo_gamma=gamma)
+    simpo_logits = [-10 / 4 + 12 / 5, -7 / 2 + 6 / 3]
+    assert simpo.tolist() == pytest.approx(
+        [-logsig(beta * (z - gamma / beta)) for z in simpo_logits], rel=1e-5
+    )
+    assert chosen_r.tolist() == pytest.approx([beta * -10 / 4, beta * -7 / 2], rel=1e-6)
+
+
+def test_dpo_needs_reference_unless_simpo():
+    with pytest.raises(ValueError, match="reference"):
+        dpo_loss(PC, PR, None, None, LC, LR, beta=0.1, loss_type="sigmoid")
+    with pytest.raises(ValueError, match="unknown DPO loss_type"):
+        dpo_loss(PC, PR, RC, RR, LC, LR, beta=0.1, loss_type="kto")
+
+
+def test_bradley_terry_with_and_without_margin():
+    chosen, rejected = torch.tensor([1.0, -0.5]), torch.tensor([0.0, 0.5])
+    assert bradley_terry_loss(chosen, rejected).tolist() == pytest.approx(
+        [-logsig(1.0), -logsig(-1.0)], rel=1e-6
+    )
+    margin = torch.tensor([0.5, 1.0])
+    assert bradley_terry_loss(chosen, rejected, margin).tolist() == pytest.approx(
+        [-logsig(0.5), -logsig(-2.0)], rel=1e-6
+    )

@@ -835,7 +835,8 @@ def preference_row(rng: random.Random, long: bool) -> dict:
     if rejected is None:
         rejected = qa.wrong
     assert rejected != qa.answer, qa
-    return {"prompt": qa.question, "chosen": qa.answer, "rejected": rejected}
+    # Plain-text pairs: the prompt ends where an answer starts, and completions begin with a space.
+    return {"prompt": f"Question: {qa.question}\nAnswer:", "chosen": " " + qa.answer, "rejected": " " + rejected}
 
 
 def rl_row(rng: random.Random, long: bool) -> dict:

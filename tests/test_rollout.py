@@ -1,0 +1,52 @@
+"""Generation: prompts left-padded by padless whatever the tokenizer says, on every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from padless.attention import attention_in_use
+from padless.model import load_model
+from padless.rollout import cut_at_eos, decoding_attention, generate, left_pad
+
+
+def test_left_pad_right_aligns_prompts():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        left_pad([[1], []], 0, torch.device("cpu"))
+
+
+def test_cut_at_eos_keeps_first_eos_and_drops_padding():
+    assert cut_at_eos([4, 5, 2, 7, 2], {2}, 0) == ([4, 5, 2], True)
+    assert cut_at_eos([4, 5, 0, 0], {2}, 0) == ([4, 5], False)
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_batched_generation_equals_one_by_one(tokenizer, backend, side):
+    model = load_model("tiny-qwen2", attn_implementation=backend)
+    tokenizer.padding_side = side  # must not matter: padless pads prompts itself
+    messages = ["What is 2 + 2?", "Write a long, gentle story about a kite and a small dog.", "Hi"]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for m in messages
+    ]
+    batched = generate(model, tokenizer, prompts, max_new_tokens=6, batch_size=3)
+    alone = [generate(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+    assert [c.completion_ids for c in batched] == [c.completion_ids for c in alone]
+    assert all(len(c.completion_ids) >= 1 for c in batched)
+    assert attention_in_use(model) == backend  # decoding switched kernels and switched back
+
+
+def test_decoding_attention_restores_backend_on_error():
+    model = load_model("tiny-llama")
+    with pytest.raises(RuntimeError), decoding_attention(model):
+        assert attention_in_use(model) == "sdpa"
+        raise RuntimeError("boom")
+    assert attention_in_use(model) == "varlen"

@@ -77,3 +77,30 @@ def bradley_terry_loss(
     if margin is not None:
         diff = diff - margin
     return -F.logsigmoid(diff)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO: each reward minus its group's mean (optionally over the group's std); groups are consecutive."""
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(1, keepdim=True) + eps)
+    return centred.flatten()
+
+
+def clipped_policy_loss(
+    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO surrogate ``-min(r A, clip(r) A)`` and whether the clip was active."""
+    ratio = torch.exp(logps - old_logps)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token unbiased, non-negative KL(policy || ref) estimator ``e^d - d - 1``, d = ref - policy."""
+    d = ref_logps - logps
+    return torch.exp(d) - d - 1

@@ -29,6 +29,11 @@ class Example:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def num_targets(self) -> int:
+        """Trained predictions: target tokens after the first (the first token is never predicted)."""
+        return len(self.input_ids) - 1 if self.loss_mask is None else sum(self.loss_mask[1:])
+
 
 @dataclass
 class PackedBatch:

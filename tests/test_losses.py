@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from padless.losses import bradley_terry_loss, dpo_loss, sft_loss
+from padless.losses import (
+    bradley_terry_loss,
+    clipped_policy_loss,
+    dpo_loss,
+    group_advantages,
+    kl_k3,
+    sft_loss,
+)
 
 
 def logsig(x: float) -> float:
@@ -75,3 +82,32 @@ def test_bradley_terry_with_and_without_margin():
     assert bradley_terry_loss(chosen, rejected, margin).tolist() == pytest.approx(
         [-logsig(0.5), -logsig(-2.0)], rel=1e-6
     )
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0])  # three groups of two
+    centred = group_advantages(rewards, group_size=2, scale=False)
+    assert centred.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
+    scaled = group_advantages(rewards, group_size=2, scale=True, eps=0.0 + 1e-4)
+    std = math.sqrt(0.5)  # unbiased std of (1, 0)
+    assert scaled.tolist() == pytest.approx(
+        [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.5 / (std + 1e-4), 0.0, 0.0], rel=1e-6
+    )
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(4)
+    logps = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))  # ratios 1.5, 0.5, 1.1, 0.7
+    adv = torch.tensor([1.0, 1.0, -2.0, -2.0])
+    loss, clipped = clipped_policy_loss(logps, old, adv, eps_low=0.2, eps_high=0.3)
+    # -min(r A, clip(r) A): 1.5 -> clip 1.3 -> -1.3; 0.5 -> clip 0.8 -> -min(0.5, 0.8) = -0.5;
+    # A<0: 1.1 -> -min(-2.2, -2.2) = 2.2; 0.7 -> clip 0.8 -> -min(-1.4, -1.6) = 1.6
+    assert loss.tolist() == pytest.approx([-1.3, -0.5, 2.2, 1.6], rel=1e-5)
+    assert clipped.tolist() == [True, False, False, True]
+
+
+def test_kl_k3_by_hand():
+    logps, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.0, -1.0, -1.5])
+    d = [0.0, 1.0, -1.0]
+    assert kl_k3(logps, ref).tolist() == pytest.approx([math.exp(x) - x - 1 for x in d], rel=1e-6)
+    assert (kl_k3(logps, ref) >= 0).all()

@@ -9,6 +9,7 @@ optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections import defaultdict
@@ -42,6 +43,7 @@ class MicroBatch:
     units: float
     tokens: int
     scale: float = 1.0  # 0 for a filler that keeps a rank without data in step with the others
+    step: int | None = None  # set by recipes whose steps are fixed sets of data (RL mini-batches)
 
 
 class Recipe(Protocol):
@@ -68,12 +70,20 @@ class Step:
 
 
 def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank: int) -> list[Step]:
-    """Group an epoch's micro-batches into optimizer steps and take this rank's share of each."""
-    per_step = accumulation * num_ranks
+    """Group an epoch's micro-batches into optimizer steps and take this rank's share of each.
+
+    Steps hold ``accumulation`` micro-batches per rank, unless the recipe numbered its micro-batches'
+    ``step`` itself (then each numbered group is one step, whatever its size).
+    """
+    if micros and micros[0].step is not None:
+        groups = [list(g) for _, g in itertools.groupby(micros, key=lambda m: m.step)]
+    else:
+        per_step = accumulation * num_ranks
+        groups = [micros[i : i + per_step] for i in range(0, len(micros), per_step)]
     steps = []
-    for start in range(0, len(micros), per_step):
-        group = micros[start : start + per_step]
-        mine = [group[i] for i in balance_ranks([m.tokens for m in group], num_ranks, accumulation)[rank]]
+    for group in groups:
+        per_rank = math.ceil(len(group) / num_ranks)
+        mine = [group[i] for i in balance_ranks([m.tokens for m in group], num_ranks, per_rank)[rank]]
         if not mine:  # the last step is short: this rank still joins the gradient all-reduce
             mine = [replace(group[0], scale=0.0)]
         steps.append(Step(mine, max(sum(m.units for m in group), 1e-12), sum(m.tokens for m in group)))
@@ -177,6 +187,9 @@ class Trainer:
         self.model.train()
         while state.step < self.total_steps:
             steps = self.steps_of(state.epoch)
+            plan_metrics = getattr(self.recipe, "plan_metrics", None)
+            if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
+                reporter.log(state.step + 1, plan_metrics(state.epoch))
             while state.step_in_epoch < len(steps) and state.step < self.total_steps:
                 started = time.perf_counter()
                 metrics = self._train_step(steps[state.step_in_epoch])

@@ -25,12 +25,6 @@ from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.session import start_session
 
 
-def loss_tokens(example: Example) -> int:
-    """Targets of an example: trained tokens after the first (a sequence's first token is never predicted)."""
-    mask = example.loss_mask
-    return len(example) - 1 if mask is None else sum(mask[1:])
-
-
 def group_examples(
     examples: list[Example], cfg: TrainSettings, epoch: int, bins: list[list[int]] | None
 ) -> list[list[int]]:
@@ -77,7 +71,7 @@ class SFTRecipe:
 
     @staticmethod
     def micro(examples: list[Example]) -> MicroBatch:
-        units = sum(loss_tokens(e) for e in examples)
+        units = sum(e.num_targets for e in examples)
         return MicroBatch(examples, units=units, tokens=sum(len(e) for e in examples))
 
     def token_logps(

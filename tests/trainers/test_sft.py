@@ -15,7 +15,7 @@ from padless.data import load_rows, tokenize_sft
 from padless.model import load_model
 from padless.packing import budget_batches
 from padless.trainers.loop import MicroBatch
-from padless.trainers.sft import SFTRecipe, loss_tokens, run_sft
+from padless.trainers.sft import SFTRecipe, run_sft
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def examples(tokenizer):
 def step_loss_and_grads(model, recipe, groups, examples) -> tuple[float, list[torch.Tensor]]:
     """One step's loss and gradients, accumulated over ``groups`` of example indices."""
     model.zero_grad(set_to_none=True)
-    normaliser = sum(loss_tokens(e) for e in examples)
+    normaliser = sum(e.num_targets for e in examples)
     total = 0.0
     for group in groups:
         chosen = [examples[i] for i in group]
@@ -68,9 +68,9 @@ def test_loss_is_token_mean_not_mean_of_sequence_means(examples, tokenizer):
     recipe = SFTRecipe(examples, TrainSettings(), tokenizer, torch.device("cpu"))
     with torch.no_grad():
         logps, mask = recipe.token_logps(model, examples)
-        loss, _ = recipe.loss(model, MicroBatch(examples, 0, 0), sum(loss_tokens(e) for e in examples))
+        loss, _ = recipe.loss(model, MicroBatch(examples, 0, 0), sum(e.num_targets for e in examples))
     assert loss.item() == pytest.approx((-(logps * mask).sum() / mask.sum()).item(), rel=1e-6)
-    assert mask.sum().item() == sum(loss_tokens(e) for e in examples)
+    assert mask.sum().item() == sum(e.num_targets for e in examples)
 
 
 def tiny_config(tmp_path, eval_data: str | None = None, **train) -> SFTConfig:

@@ -120,28 +120,32 @@ def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
     }
 
 
-def _captured_forward(
-    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, module: torch.nn.Module, **extra: Any
-) -> Any:
-    """Run ``batch`` through ``model`` (so DDP / FSDP hooks fire) and return ``module``'s output.
+def captured_forward(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, modules: list[torch.nn.Module], **extra: Any
+) -> list[Any]:
+    """Run ``batch`` through ``model`` (so DDP / FSDP hooks fire) and return each of ``modules``' output.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
     backend = checked_backend(model)
-    captured: list[Any] = []
-    handle = module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    captured: dict[int, Any] = {}
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out, k=k: captured.setdefault(k, out))
+        for k, m in enumerate(modules)
+    ]
     try:
         with runtime_context(backend, batch.input_ids.device):
             model(**model_inputs(batch), use_cache=False, **extra)
     finally:
-        handle.remove()
-    return captured[0]
+        for handle in handles:
+            handle.remove()
+    return [captured[k] for k in range(len(modules))]
 
 
 def backbone_hidden(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Last hidden states ``[T, H]`` of a causal LM on a packed batch (logits only for one token)."""
     decoder = unwrap(model).get_decoder()
-    return _captured_forward(model, batch, decoder, logits_to_keep=1).last_hidden_state[0]
+    return captured_forward(model, batch, [decoder], logits_to_keep=1)[0].last_hidden_state[0]
 
 
 def _chunk_logps(
@@ -177,11 +181,30 @@ def forward_packed(
     exist at once: memory holds only one chunk of ``LOGIT_CHUNK_ELEMENTS`` floats.
     """
     hidden = backbone_hidden(model, batch)
-    head = unwrap(model).get_output_embeddings()
-    labels = batch.labels[0]
+    return logps_from_hidden(
+        unwrap(model),
+        hidden,
+        batch.labels[0],
+        entropy=entropy,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def logps_from_hidden(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> TokenOutputs:
+    """The LM head and log-softmax over hidden states ``[T, H]``, chunked (see :func:`forward_packed`)."""
+    head = model.get_output_embeddings()
     vocab = head.weight.shape[0]
     step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    softcap = getattr(unwrap(model).config.get_text_config(), "final_logit_softcapping", None)
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     logps, ents = [], []
     for start in range(0, hidden.shape[0], step):
         args = (
@@ -225,7 +248,7 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
 
 def forward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Per-token scalars ``[T]`` (fp32) from a scalar head, on the packed path."""
-    return _captured_forward(model, batch, score_head(unwrap(model)))[0, :, 0].float()
+    return captured_forward(model, batch, [score_head(unwrap(model))])[0][0, :, 0].float()
 
 
 def sequence_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -235,7 +258,7 @@ def sequence_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 
 def padded_scores(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
     """One score per row ``[N]`` of a padded batch, read at its last real token (comparison mode only)."""
-    scores = _captured_forward(model, batch, score_head(unwrap(model)))[..., 0].float()
+    scores = captured_forward(model, batch, [score_head(unwrap(model))])[0][..., 0].float()
     positions = torch.arange(batch.input_ids.shape[1], device=scores.device)
     last = (positions * batch.attention_mask).argmax(1)
     return scores.gather(1, last[:, None])[:, 0]

@@ -123,23 +123,29 @@ def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
 def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> TrainState:
     """Restore weights (HF files), optimizer / scheduler / RNG (accelerate state) and the train state."""
     unwrapped = accelerator.unwrap_model(model)
+    custom = getattr(unwrapped, "load_hf_weights", None)  # models made of several HF models load themselves
+    custom(path) if custom is not None else load_hf_weights(unwrapped, path)
+    accelerator.load_state(str(path / "state"))
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
+    """Weights written by ``save_pretrained`` (a LoRA adapter, or the full model) back into ``model``."""
     if (path / "adapter_model.safetensors").exists():
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(unwrapped, load_file(path / "adapter_model.safetensors"))
-    else:
-        weights: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(file))
-        missing, unexpected = unwrapped.load_state_dict(weights, strict=False)
-        tied = set(_tied_keys(unwrapped))
-        if unexpected or set(missing) - tied:
-            raise RuntimeError(
-                f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}; resume with the model settings it was trained with"
-            )
-    accelerator.load_state(str(path / "state"))
-    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+        set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        return
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(_tied_keys(model))
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; resume with the model settings it was trained with"
+        )
 
 
 def _tied_keys(model: torch.nn.Module) -> list[str]:

@@ -104,3 +104,33 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Per-token unbiased, non-negative KL(policy || ref) estimator ``e^d - d - 1``, d = ref - policy."""
     d = ref_logps - logps
     return torch.exp(d) - d - 1
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over one sequence's targets ``[n]``; the value after the end is 0.
+
+    Returns ``(advantages, returns)`` with ``returns = advantages + values``.
+    """
+    advantages = torch.zeros_like(rewards)
+    running = rewards.new_zeros(())
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        next_value = values[t + 1] if t + 1 < rewards.shape[0] else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """Per-token ``0.5 max((v - R)^2, (v_clipped - R)^2)``, v clipped to ``old +- clip``."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero mean, unit variance (PPO advantages over a whole rollout)."""
+    return (values - values.mean()) / (values.std() + eps) if values.numel() > 1 else values - values.mean()

@@ -10,10 +10,13 @@ import torch
 from padless.losses import (
     bradley_terry_loss,
     clipped_policy_loss,
+    clipped_value_loss,
     dpo_loss,
+    gae,
     group_advantages,
     kl_k3,
     sft_loss,
+    whiten,
 )
 
 
@@ -111,3 +114,29 @@ def test_kl_k3_by_hand():
     d = [0.0, 1.0, -1.0]
     assert kl_k3(logps, ref).tolist() == pytest.approx([math.exp(x) - x - 1 for x in d], rel=1e-6)
     assert (kl_k3(logps, ref) >= 0).all()
+
+
+def test_gae_by_hand():
+    rewards, values = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.6, 0.7])
+    gamma, lam = 0.9, 0.8
+    d2 = 1.0 + 0 - 0.7
+    d1 = 0.0 + gamma * 0.7 - 0.6
+    d0 = 0.0 + gamma * 0.6 - 0.5
+    a2 = d2
+    a1 = d1 + gamma * lam * a2
+    a0 = d0 + gamma * lam * a1
+    adv, ret = gae(rewards, values, gamma, lam)
+    assert adv.tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
+    assert ret.tolist() == pytest.approx([a0 + 0.5, a1 + 0.6, a2 + 0.7], rel=1e-6)
+    # gamma = lam = 1: advantages are reward-to-go minus value
+    adv, _ = gae(rewards, values, 1.0, 1.0)
+    assert adv.tolist() == pytest.approx([1 - 0.5, 1 - 0.6, 1 - 0.7], rel=1e-6)
+
+
+def test_clipped_value_loss_and_whiten_by_hand():
+    values, old, returns = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([2.0, 0.0])
+    # token 0: unclipped (1-2)^2 = 1, clipped v = 0.5+0.2 = 0.7 -> (0.7-2)^2 = 1.69 -> 0.5*1.69
+    # token 1: unclipped 0, clipped v = 0.5-0.2 = 0.3 -> 0.09 -> 0.5*0.09
+    assert clipped_value_loss(values, old, returns, 0.2).tolist() == pytest.approx([0.845, 0.045], rel=1e-5)
+    w = whiten(torch.tensor([1.0, 2.0, 3.0]))
+    assert w.tolist() == pytest.approx([-1.0, 0.0, 1.0], rel=1e-6)

@@ -51,6 +51,8 @@ TRAINERS = {
     "sft": ("padless.config:SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
     "dpo": ("padless.config:DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
     "rm": ("padless.config:RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
+    "grpo": ("padless.config:GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
+    "ppo": ("padless.config:PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
 }
 
 

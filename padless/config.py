@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import types
@@ -31,11 +32,18 @@ __all__ = [
     "DPOConfig",
     "DPOSettings",
     "DataSettings",
+    "GRPOConfig",
+    "GRPOSettings",
     "LoraSettings",
     "ModelSettings",
+    "PPOConfig",
+    "PPOSettings",
     "PreferenceDataSettings",
+    "RLDataSettings",
     "RMConfig",
     "RMSettings",
+    "RewardSettings",
+    "RolloutSettings",
     "SFTConfig",
     "TrainSettings",
     "from_dict",
@@ -874,3 +882,253 @@ class RMConfig:
 
     def __post_init__(self) -> None:
         _check_preference_run(self.data, self.train)
+
+
+# --------------------------------------------------------------------------------------------------
+# Online RL: GRPO and PPO
+
+
+@dataclass
+class RLDataSettings:
+    train: str = "tiny:rl"  # rows {"prompt": str | messages, ...}; other columns go to the reward functions
+    eval: str | None = None
+    max_prompt_length: int = 512  # prompts are never truncated: a longer one is a bad row
+    chat_template: bool | None = None  # string prompts as a user message; None: when the tokenizer has one
+    skip_bad_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.train:
+            raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
+        _require_positive(self, "max_prompt_length")
+
+
+@dataclass
+class RolloutSettings:
+    engine: Literal["hf", "vllm"] = "hf"  # vllm: checked to be installed when the run starts
+    prompts_per_step: int = 16  # prompts per rollout batch
+    num_generations: int = 4  # samples per prompt (GRPO group size; PPO usually 1)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generation_batch_size: int = 32  # sequences per generate() call
+    mask_truncated: bool = True  # completions that hit max_new_tokens without EOS: out of the loss, or kept
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            self, "prompts_per_step", "num_generations", "max_new_tokens", "generation_batch_size"
+        )
+        if not self.temperature > 0:
+            raise invalid(
+                "temperature",
+                f"must be > 0, got {self.temperature!r}: RL samples completions, and greedy decoding would "
+                "give every sample of a prompt the same completion",
+                "set temperature to e.g. 1.0 (or 0.7 for less random samples)",
+            )
+        if not 0 < self.top_p <= 1:
+            raise invalid("top_p", f"must be in (0, 1], got {self.top_p!r}", "set top_p to 1.0 or e.g. 0.9")
+
+
+@dataclass
+class RewardSettings:
+    """The reward: a weighted sum of ``functions`` (see :mod:`padless.rewards`) and a reward model's score."""
+
+    functions: list[str] = field(default_factory=lambda: ["arithmetic"])  # bundled, module:fn or file.py:fn
+    weights: list[float] | None = None  # default 1.0 each; one per function, in order
+    model: str | None = None  # a padless reward model checkpoint (score at each sequence's last token)
+    model_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.functions and self.model is None:
+            raise invalid(
+                ("functions", "model"),
+                "no reward: functions is empty and model is not set",
+                "list reward functions (e.g. [arithmetic]) or set model to a reward model checkpoint",
+            )
+        for i, spec in enumerate(self.functions):
+            if not spec.strip():
+                raise invalid(
+                    "functions",
+                    f"item {i} is an empty string",
+                    "write 'package.module:function', 'path/to/file.py:function' or a bundled name",
+                )
+        repeated = sorted({s for s in self.functions if self.functions.count(s) > 1})
+        if repeated:
+            raise invalid(
+                "functions",
+                f"{repeated[0]!r} is listed more than once, so it would count twice",
+                "list it once and raise its weight instead",
+            )
+        if self.weights is not None:
+            if len(self.weights) != len(self.functions):
+                raise invalid(
+                    ("weights", "functions"),
+                    f"{len(self.weights)} weight(s) for {len(self.functions)} function(s)",
+                    "give one weight per function, in the same order, or null for 1.0 each",
+                )
+            bad = [w for w in self.weights if not math.isfinite(w)]
+            if bad:
+                raise invalid("weights", f"must be finite numbers, got {bad[0]!r}", "give finite weights")
+        if self.model == "":
+            raise invalid("model", "is an empty string", "give a reward model checkpoint, or null for none")
+        if not math.isfinite(self.model_weight):
+            raise invalid(
+                "model_weight", f"must be finite, got {self.model_weight!r}", "give a finite number"
+            )
+        if self.model is None and self.model_weight != 1.0:
+            raise invalid(
+                ("model_weight", "model"),
+                f"model_weight={self.model_weight} weights a reward model's score, but model is not set, so "
+                "it would be ignored",
+                "set model to a reward model checkpoint, or leave model_weight at 1.0",
+            )
+
+
+@dataclass
+class GRPOSettings:
+    beta: float = 0.04  # KL (k3) coefficient; 0 disables the reference model
+    epsilon: float = 0.2  # clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # asymmetric upper clip (DAPO); default = epsilon
+    scale_rewards: bool = True  # divide group-centred rewards by the group std
+    loss_normalisation: Literal["token", "sequence"] = "token"
+    updates_per_rollout: int = 1  # policy passes over each rollout batch (ratios from stored old log-probs)
+    mini_batches_per_rollout: int = 1  # optimizer steps per pass
+
+    def __post_init__(self) -> None:
+        _require_non_negative(self, "beta")
+        _require_positive(self, "updates_per_rollout", "mini_batches_per_rollout")
+        if not 0 < self.epsilon < 1:
+            raise invalid(
+                "epsilon",
+                f"must be in (0, 1), got {self.epsilon!r} (the lower clip bound 1 - epsilon must stay > 0)",
+                "set epsilon to e.g. 0.2",
+            )
+        if self.epsilon_high is not None and not self.epsilon_high >= self.epsilon:
+            raise invalid(
+                ("epsilon_high", "epsilon"),
+                f"epsilon_high={self.epsilon_high!r} is below epsilon={self.epsilon!r}; it is the upper clip "
+                "range, meant to be at least as wide as the lower one (DAPO's clip-higher: 0.28 with 0.2)",
+                "set epsilon_high >= epsilon, or null for a symmetric clip",
+            )
+
+
+@dataclass
+class PPOSettings:
+    value_model: str | None = None  # default: model.name with a fresh scalar head
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05  # per-token KL penalty folded into the reward
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    whiten_advantages: bool = True
+    critic_warmup_steps: int = 0  # rollouts that update only the value model first
+    updates_per_rollout: int = 1
+    mini_batches_per_rollout: int = 1
+    value_learning_rate: float | None = None  # default: train.learning_rate
+
+    def __post_init__(self) -> None:
+        if self.value_model == "":
+            raise invalid(
+                "value_model", "is an empty string", "name a model, or null for model.name with a fresh head"
+            )
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise invalid(name, f"must be in [0, 1], got {value!r}", f"set {name} to e.g. 1.0 or 0.95")
+        for name in ("cliprange", "cliprange_value"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise invalid(name, f"must be in (0, 1), got {value!r}", f"set {name} to e.g. 0.2")
+        _require_non_negative(self, "kl_coef", "critic_warmup_steps")
+        _require_positive(self, "vf_coef", "updates_per_rollout", "mini_batches_per_rollout")
+        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
+            raise invalid(
+                "value_learning_rate",
+                f"must be > 0, got {self.value_learning_rate!r}",
+                "set a positive learning rate, or null to use train.learning_rate",
+            )
+
+
+def _check_rl_run(
+    data: RLDataSettings, train: TrainSettings, rollout: RolloutSettings, mini_batches: str, n_mini: int
+) -> None:
+    """Cross-section checks shared by GRPO and PPO configs."""
+    if train.batching == "padded":
+        raise invalid(
+            "train.batching",
+            "'padded' is a comparison mode for SFT and preference training; RL scoring always runs packed",
+            "set train.batching to tokens or packing",
+        )
+    if train.eval_generate:
+        raise invalid(
+            "train.eval_generate",
+            "eval_generate is an SFT option (RL evaluation samples completions for data.eval and reports "
+            "their rewards instead)",
+            "set train.eval_generate to false",
+        )
+    if data.eval is None and train.eval_steps > 0:
+        raise invalid(
+            ("train.eval_steps", "data.eval"),
+            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
+            "set data.eval to a prompt data set, or train.eval_steps to 0",
+        )
+    samples = rollout.prompts_per_step * rollout.num_generations
+    if samples % n_mini:
+        raise invalid(
+            (mini_batches, "rollout.prompts_per_step", "rollout.num_generations"),
+            f"a rollout of {rollout.prompts_per_step} prompts x {rollout.num_generations} generations = "
+            f"{samples} samples does not split into {n_mini} equal mini-batches",
+            f"choose {mini_batches.rpartition('.')[2]} dividing {samples}, or change prompts_per_step",
+        )
+
+
+@dataclass
+class GRPOConfig:
+    """Group Relative Policy Optimization: ``num_generations`` samples per prompt, advantages within groups.
+
+    ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout of
+    ``rollout.prompts_per_step`` prompts gives ``grpo.updates_per_rollout x grpo.mini_batches_per_rollout``
+    of them, so a run makes ``max_steps / (updates x mini-batches)`` rollouts.
+    """
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: RLDataSettings = field(default_factory=RLDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/grpo", learning_rate=1e-5, max_steps=100)
+    )
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+
+    def __post_init__(self) -> None:
+        if self.rollout.num_generations < 2:
+            raise invalid(
+                "rollout.num_generations",
+                f"is {self.rollout.num_generations}, but GRPO's advantages compare the samples of one prompt "
+                "with each other, so every group needs at least 2",
+                "set rollout.num_generations to 2 or more (e.g. 4 or 8)",
+            )
+        n_mini = self.grpo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, "grpo.mini_batches_per_rollout", n_mini)
+
+
+@dataclass
+class PPOConfig:
+    """Proximal Policy Optimization with a learned value model (GAE advantages, per-token KL penalty).
+
+    ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout gives
+    ``ppo.updates_per_rollout x ppo.mini_batches_per_rollout`` of them (critic warm-up rollouts included).
+    """
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: RLDataSettings = field(default_factory=RLDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/ppo", learning_rate=1e-5, max_steps=100)
+    )
+    rollout: RolloutSettings = field(default_factory=lambda: RolloutSettings(num_generations=1))
+    reward: RewardSettings = field(default_factory=RewardSettings)
+    ppo: PPOSettings = field(default_factory=PPOSettings)
+
+    def __post_init__(self) -> None:
+        n_mini = self.ppo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, "ppo.mini_batches_per_rollout", n_mini)

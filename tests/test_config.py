@@ -552,3 +552,168 @@ def test_preference_data_and_eval_errors(cls: type, overrides: list[str], keys: 
     msg = error(cls, None, *overrides)
     assert msg.startswith(keys + " on the command line"), msg
     assert fragment in msg and "fix:" in msg
+
+
+# ---- online RL configs: GRPO and PPO
+
+from padless.config import (  # noqa: E402
+    GRPOConfig,
+    GRPOSettings,
+    PPOConfig,
+    PPOSettings,
+    RewardSettings,
+    RLDataSettings,
+    RolloutSettings,
+)
+
+
+@pytest.mark.parametrize(
+    ("cls", "output_dir", "generations"), [(GRPOConfig, "runs/grpo", 4), (PPOConfig, "runs/ppo", 1)]
+)
+def test_rl_config_defaults(tmp_path: Path, cls: type, output_dir: str, generations: int) -> None:
+    cfg = load_config(cls, write(tmp_path, ""))
+    assert cfg == cls() and cfg.data == RLDataSettings() and cfg.reward == RewardSettings()
+    assert (cfg.data.train, cfg.data.max_prompt_length, cfg.data.chat_template) == ("tiny:rl", 512, None)
+    assert (cfg.train.output_dir, cfg.train.learning_rate, cfg.train.max_steps) == (output_dir, 1e-5, 100)
+    assert cfg.rollout.num_generations == generations and cfg.rollout.engine == "hf"
+    assert cfg.reward.functions == ["arithmetic"] and cfg.reward.weights is None
+    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+    partial = load_config(cls, write(tmp_path, "train:\n  max_steps: 10\nrollout:\n  max_new_tokens: 8\n"))
+    assert (partial.train.output_dir, partial.train.max_steps) == (output_dir, 10)
+    assert (partial.rollout.num_generations, partial.rollout.max_new_tokens) == (generations, 8)
+    assert load_config(cls, save_config(partial, tmp_path / "saved.yaml")) == partial
+    assert cls.__doc__ is not None and "max_steps" in cls.__doc__ and "optimizer steps" in cls.__doc__
+
+
+def test_grpo_and_ppo_settings_defaults() -> None:
+    g = GRPOSettings()
+    assert (g.beta, g.epsilon, g.epsilon_high, g.scale_rewards, g.loss_normalisation) == (
+        0.04,
+        0.2,
+        None,
+        True,
+        "token",
+    )
+    assert (g.updates_per_rollout, g.mini_batches_per_rollout) == (1, 1)
+    p = PPOSettings()
+    assert (p.value_model, p.gamma, p.lam, p.kl_coef, p.cliprange, p.cliprange_value, p.vf_coef) == (
+        None,
+        1.0,
+        0.95,
+        0.05,
+        0.2,
+        0.2,
+        0.1,
+    )
+    assert p.whiten_advantages and p.critic_warmup_steps == 0 and p.value_learning_rate is None
+    r = RolloutSettings()
+    assert (r.prompts_per_step, r.max_new_tokens, r.temperature, r.top_p, r.generation_batch_size) == (
+        16,
+        64,
+        1.0,
+        1.0,
+        32,
+    )
+    assert r.mask_truncated
+
+
+def test_rl_allowed_combinations(tmp_path: Path) -> None:
+    cfg = load_config(
+        GRPOConfig,
+        write(tmp_path, "reward:\n  functions: [arithmetic, 'my_rewards.py:fmt']\n  weights: [1, 0.5]\n"),
+        [
+            "rollout.engine=vllm",
+            "rollout.num_generations=2",
+            "rollout.prompts_per_step=3",
+            "grpo.mini_batches_per_rollout=6",
+            "grpo.updates_per_rollout=2",
+            "grpo.beta=0",
+            "grpo.epsilon_high=0.28",
+            "reward.model=runs/rm",
+            "reward.model_weight=-0.5",
+            "data.eval=tiny:rl",
+            "data.chat_template=false",
+            "train.eval_steps=5",
+            "train.batching=packing",
+        ],
+    )
+    assert cfg.reward.weights == [1.0, 0.5] and cfg.reward.model_weight == -0.5
+    assert cfg.rollout.engine == "vllm" and cfg.grpo.epsilon_high == 0.28 and cfg.data.chat_template is False
+    model_only = load_config(PPOConfig, None, ["reward.functions=[]", "reward.model=runs/rm"])
+    assert model_only.reward.functions == [] and model_only.rollout.num_generations == 1
+    ppo = load_config(PPOConfig, None, ["ppo.mini_batches_per_rollout=4", "ppo.value_learning_rate=1e-6"])
+    assert ppo.ppo.value_learning_rate == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "fragment"),
+    [
+        (["rollout.num_generations=1"], "rollout.num_generations", "at least 2"),
+        (
+            ["grpo.mini_batches_per_rollout=3"],
+            "grpo.mini_batches_per_rollout, rollout.prompts_per_step, rollout.num_generations",
+            "64 samples does not split into 3 equal mini-batches",
+        ),
+        (["train.batching=padded"], "train.batching", "RL scoring always runs packed"),
+        (["train.eval_generate=true"], "train.eval_generate", "SFT option"),
+        (["train.eval_steps=5"], "train.eval_steps, data.eval", "data.eval is not set"),
+        (["reward.functions=[]"], "reward.functions, reward.model", "no reward"),
+        (["reward.weights=[1, 2]"], "reward.weights, reward.functions", "2 weight(s) for 1 function(s)"),
+        (["reward.weights=[.nan]"], "reward.weights", "finite"),
+        (["reward.functions=[arithmetic, arithmetic]"], "reward.functions", "listed more than once"),
+        (["reward.functions=[arithmetic, '']"], "reward.functions", "item 1 is an empty string"),
+        (["reward.model=''"], "reward.model", "empty string"),
+        (["reward.model_weight=2"], "reward.model_weight, reward.model", "would be ignored"),
+        (["rollout.temperature=0"], "rollout.temperature", "greedy decoding"),
+        (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
+        (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
+        (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "must be > 0"),
+        (["rollout.prompts_per_step=0"], "rollout.prompts_per_step", "must be > 0"),
+        (["rollout.generation_batch_size=0"], "rollout.generation_batch_size", "must be > 0"),
+        (["rollout.engine=sglang"], "rollout.engine", "one of 'hf', 'vllm'"),
+        (["data.max_prompt_length=0"], "data.max_prompt_length", "must be > 0"),
+        (["data.train=''"], "data.train", "is empty"),
+        (["data.chat_template=auto"], "data.chat_template", "expected bool or null"),
+        (["grpo.beta=-0.1"], "grpo.beta", "must be >= 0"),
+        (["grpo.epsilon=0"], "grpo.epsilon", "(0, 1)"),
+        (["grpo.epsilon=1"], "grpo.epsilon", "(0, 1)"),
+        (["grpo.epsilon_high=0.1"], "grpo.epsilon_high, grpo.epsilon", "below epsilon=0.2"),
+        (["grpo.updates_per_rollout=0"], "grpo.updates_per_rollout", "must be > 0"),
+        (["grpo.loss_normalisation=batch"], "grpo.loss_normalisation", "one of 'token', 'sequence'"),
+    ],
+)
+def test_grpo_errors_name_their_keys(overrides: list[str], keys: str, fragment: str) -> None:
+    msg = error(GRPOConfig, None, *overrides)
+    assert msg.startswith(keys + " on the command line"), msg
+    assert fragment in msg and "fix:" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "fragment"),
+    [
+        (["ppo.mini_batches_per_rollout=3"], "ppo.mini_batches_per_rollout", "16 samples does not split"),
+        (["train.batching=padded"], "train.batching", "RL scoring always runs packed"),
+        (["ppo.value_model=''"], "ppo.value_model", "empty string"),
+        (["ppo.gamma=1.1"], "ppo.gamma", "[0, 1]"),
+        (["ppo.lam=-0.1"], "ppo.lam", "[0, 1]"),
+        (["ppo.cliprange=0"], "ppo.cliprange", "(0, 1)"),
+        (["ppo.cliprange_value=1"], "ppo.cliprange_value", "(0, 1)"),
+        (["ppo.kl_coef=-1"], "ppo.kl_coef", "must be >= 0"),
+        (["ppo.vf_coef=0"], "ppo.vf_coef", "must be > 0"),
+        (["ppo.critic_warmup_steps=-1"], "ppo.critic_warmup_steps", "must be >= 0"),
+        (["ppo.value_learning_rate=0"], "ppo.value_learning_rate", "null to use train.learning_rate"),
+        (["rollout.num_generations=0"], "rollout.num_generations", "must be > 0"),
+    ],
+)
+def test_ppo_errors_name_their_keys(overrides: list[str], keys: str, fragment: str) -> None:
+    msg = error(PPOConfig, None, *overrides)
+    assert msg.startswith(keys), msg
+    assert "on the command line" in msg and fragment in msg and "fix:" in msg, msg
+
+
+def test_rl_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
+    msg = error(GRPOConfig, write(tmp_path, "reward:\n  functions: [a, b]\n  weights: [1.0]\n"))
+    assert msg.startswith("reward.weights, reward.functions in ") and "run.yaml" in msg
+    with pytest.raises(ConfigError, match="at least 2"):
+        GRPOConfig(rollout=RolloutSettings(num_generations=1))
+    assert PPOConfig(rollout=RolloutSettings(num_generations=1)).rollout.num_generations == 1

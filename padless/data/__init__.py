@@ -2,6 +2,7 @@
 
 from padless.data.preference import PairExample, tokenize_preference, tokenize_scoring
 from padless.data.records import ACCEPTED_FORMATS, DataError, Row, load_rows
+from padless.data.rl import PromptExample, reward_inputs, tokenize_prompts
 from padless.data.sft import ChatTemplateError, SkipStats, detect_format, tokenize_sft
 
 __all__ = [
@@ -9,11 +10,14 @@ __all__ = [
     "ChatTemplateError",
     "DataError",
     "PairExample",
+    "PromptExample",
     "Row",
     "SkipStats",
     "detect_format",
     "load_rows",
+    "reward_inputs",
     "tokenize_preference",
+    "tokenize_prompts",
     "tokenize_scoring",
     "tokenize_sft",
 ]

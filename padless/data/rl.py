@@ -1,0 +1,188 @@
+"""RL prompt rows → :class:`PromptExample` s: prompt ids to sample from, plus the columns rewards need.
+
+A row is ``{"prompt": ..., <any other columns>}``. The prompt is what the policy answers, so it is rendered
+the way the assistant will see it at generation time:
+
+* a list of messages is rendered with the chat template and the generation prompt (the assistant header),
+  and must end with the message the assistant replies to (not with an assistant message);
+* a string is wrapped as one user message and rendered the same way when the tokenizer has a chat template
+  (``chat_template=None``, the default) or when ``chat_template=True`` demands one; with
+  ``chat_template=False`` it is raw text, tokenized as is after the tokenizer's leading specials (BOS).
+
+Every other column (``answer``, a test case, a rubric, ...) is kept in ``fields`` and handed to reward
+functions by name, one value per sample. Prompts are never truncated: cutting a question changes what the
+right answer is, so a prompt longer than ``max_prompt_length`` is a bad row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from padless.data.records import DataError, Row
+from padless.data.sft import ChatTemplateError, SkipStats, _Encoder, _messages, _nonempty_str, _type_name
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PROMPT = "prompt"
+
+
+@dataclass
+class PromptExample:
+    """One prompt to sample completions for, and the row's other columns for the reward functions.
+
+    ``text`` is exactly the string that was tokenized (the rendered template, or the raw prompt without the
+    tokenizer's leading special tokens), so reward functions and logs see what the policy saw.
+    """
+
+    prompt_ids: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # {"row", "source"}
+    text: str = ""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+class _PromptEncoder(_Encoder):
+    """Renders one prompt to (ids, text) according to ``chat_template``."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> None:
+        super().__init__(tokenizer)
+        self.chat_template = chat_template
+
+    @property
+    def use_template_for_strings(self) -> bool:
+        if self.chat_template is None:
+            return self.template is not None
+        return self.chat_template
+
+    def prompt(self, row: Row) -> tuple[list[int], str]:
+        value = row.data.get(PROMPT)
+        if value is None:
+            found = sorted(k for k, v in row.data.items() if v is not None) or "no non-null fields"
+            raise row.error(
+                PROMPT,
+                f"is missing: RL rows need a 'prompt' (a string or a list of messages); found {found}",
+                reason="missing field",
+                fix="Add a 'prompt' to every row (rename the column if it has another name), or set "
+                "data.skip_bad_rows: true to skip it.",
+            )
+        if isinstance(value, str):
+            text = _nonempty_str(row, PROMPT, value)
+            if not self.use_template_for_strings:
+                return self.leading_specials + self.encode(text), text
+            return self.chat(row, [{"role": "user", "content": text}])
+        if isinstance(value, list):
+            if self.chat_template is False:
+                raise row.error(
+                    PROMPT,
+                    "is a list of messages, but data.chat_template is false (raw text); messages can only "
+                    "be rendered with the chat template",
+                    reason="wrong type",
+                    fix="Give the prompt as a string, set data.chat_template to null (or true), or set "
+                    "data.skip_bad_rows: true to skip it.",
+                )
+            messages = _messages(row, PROMPT, value)
+            if messages[-1]["role"] == "assistant":
+                raise row.error(
+                    f"{PROMPT}[{len(messages) - 1}].role",
+                    "is 'assistant': an RL prompt ends with the message the assistant replies to, and the "
+                    "completion is sampled after the generation prompt",
+                    reason="ends with assistant",
+                    fix="Drop the final assistant message (or move it into the reward columns), or set "
+                    "data.skip_bad_rows: true to skip it.",
+                )
+            return self.chat(row, messages)
+        raise row.error(
+            PROMPT,
+            f"must be a string or a list of {{role, content}} messages, got {_type_name(value)}",
+            reason="wrong type",
+        )
+
+    def chat(self, row: Row, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+        self.require_template(row)
+        ids = self.render(row, messages, generation_prompt=True)
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return ids, str(text)
+
+
+def _check_args(max_prompt_length: int, chat_template: bool | None) -> None:
+    if (
+        isinstance(max_prompt_length, bool)
+        or not isinstance(max_prompt_length, int)
+        or max_prompt_length <= 0
+    ):
+        raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
+    if chat_template not in (None, True, False):
+        raise ValueError(f"chat_template must be None, True or False, got {chat_template!r}")
+
+
+def tokenize_prompts(
+    rows: Sequence[Row],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_length: int,
+    chat_template: bool | None = None,
+    skip_bad_rows: bool = False,
+) -> tuple[list[PromptExample], SkipStats]:
+    """Tokenize RL prompt rows; see the module docstring for how prompts are rendered.
+
+    Bad rows (missing, mistyped or empty prompt, a prompt longer than ``max_prompt_length`` tokens) raise
+    :class:`DataError` unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`.
+    Tokenizer problems (``chat_template=True`` or message prompts without a template) raise
+    :class:`ChatTemplateError` regardless, since no row can fix them.
+    """
+    _check_args(max_prompt_length, chat_template)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    enc = _PromptEncoder(tokenizer, chat_template)
+    if chat_template is True and enc.template is None:
+        raise ChatTemplateError(
+            "data.chat_template is true, but the tokenizer has no chat_template. Set tokenizer.chat_template "
+            "to a Jinja chat template, or set data.chat_template to false (raw text) or null (template only "
+            "when the tokenizer has one)."
+        )
+    out = []
+    for row in rows:
+        try:
+            ids, text = enc.prompt(row)
+            if len(ids) > max_prompt_length:
+                raise row.error(
+                    PROMPT,
+                    f"is {len(ids)} tokens as rendered, more than max_prompt_length={max_prompt_length} "
+                    "(prompts are never truncated: a cut question no longer matches its answer)",
+                    reason="prompt too long",
+                    fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
+                    "to skip it.",
+                )
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            stats.record(e)
+            continue
+        fields = {k: v for k, v in row.data.items() if k != PROMPT}
+        out.append(PromptExample(ids, fields, {"row": row.index, "source": row.source}, text))
+        stats.kept += 1
+    return out, stats
+
+
+def reward_inputs(
+    examples: Sequence[PromptExample], num_generations: int = 1
+) -> tuple[list[str], dict[str, list[Any]]]:
+    """Per-sample prompt texts and reward columns, each example repeated ``num_generations`` times in a row.
+
+    This is the layout reward functions receive (one entry per completion, a prompt's samples adjacent).
+    A column some rows lack is filled with None for them, so every list has one value per sample.
+    """
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations!r}")
+    names = list(dict.fromkeys(k for ex in examples for k in ex.fields))
+    prompts = [ex.text for ex in examples for _ in range(num_generations)]
+    columns = {
+        name: [ex.fields.get(name) for ex in examples for _ in range(num_generations)] for name in names
+    }
+    return prompts, columns

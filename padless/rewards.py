@@ -1,0 +1,428 @@
+"""Reward functions for RL: loading them from a spec string, checking what they return, weighting them.
+
+A reward function scores a batch of completions at once::
+
+    def my_reward(prompts: list[str], completions: list[str], **fields) -> list[float | None]: ...
+
+It is called with keyword arguments: ``prompts`` (the rendered prompt of each sample), ``completions`` (the
+decoded completion of each sample) and one keyword per data column other than ``prompt`` (e.g.
+``answer=[...]``), each a list with one value per sample. The samples of one prompt are adjacent, so with
+``num_generations=4`` every prompt and its columns appear four times in a row. Declare the columns you need
+and take ``**fields`` for the rest, so a data set with extra columns still works.
+
+Return one number per completion, or ``None`` for a completion the function does not apply to (e.g. a code
+test for a math prompt, when several data sets share a run). ``None`` is left out of that function's
+logged mean and adds 0 to the weighted total; a completion no function applies to gets a total of 0.
+NaN and infinities are refused rather than silently poisoning the advantages: use ``None`` instead.
+
+Specs (``reward.functions`` in a config) name a function as ``"package.module:function"`` (importable),
+``"path/to/file.py:function"`` (loaded from that file) or a bundled name (:data:`BUNDLED`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BUNDLED",
+    "RewardComposer",
+    "RewardError",
+    "RewardFunction",
+    "arithmetic",
+    "first_number",
+    "load_reward_function",
+]
+
+RewardFunction = Callable[..., Sequence[float | None]]
+
+SPEC_FORMS = "'package.module:function', 'path/to/file.py:function' or a bundled name"
+_SIGNATURE = "def f(prompts, completions, **fields)"
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be loaded or called, or that returned something unusable."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Bundled rewards
+
+# An optional sign (ASCII hyphen or U+2212 minus) right before the digits, not after a digit or a dot
+# (".5" is not 5); thousands separators only in groups of three ("12,345", while "1,2" is 1); an optional
+# fraction.
+_NUMBER = re.compile(r"(?<![\d.])([-\u2212]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?")
+
+
+def first_number(text: str) -> Decimal | None:
+    """The first number written in ``text`` ("The answer is -3." → -3), or None when there is none."""
+    m = _NUMBER.search(text)
+    if m is None:
+        return None
+    sign, digits, frac = m.groups()
+    return Decimal(("-" if sign else "") + digits.replace(",", "") + (frac or ""))
+
+
+def _expected(value: Any, i: int) -> Decimal | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return Decimal(str(value))
+    if isinstance(value, str):
+        text = value.strip()
+        m = _NUMBER.fullmatch(text)
+        if m is not None:
+            return first_number(text)
+    raise RewardError(
+        f"sample {i}: 'answer' is {value!r} ({type(value).__name__}), which is not a number; the arithmetic "
+        "reward compares the completion's first number with it. Fix the data set's 'answer' column"
+    )
+
+
+def arithmetic(
+    prompts: list[str], completions: list[str], answer: list[Any] | None = None, **fields: Any
+) -> list[float | None]:
+    """1.0 when the first number in the completion equals ``answer`` numerically, else 0.0.
+
+    Made for the embedded ``tiny:rl`` prompts, which ask for "just the number": text around the number is
+    fine ("The answer is 42."), but only the first number counts, so "26 + 19 = 45" scores 0 for 45 (it
+    reads 26). There is no format bonus. A sample whose ``answer`` is None gets None (not applicable).
+    """
+    if answer is None:
+        raise RewardError(
+            "the arithmetic reward needs an 'answer' column (the expected number of each prompt), but the "
+            f"data has none (columns: {sorted(fields) or 'only prompt'}). Add an 'answer' to every row, or "
+            "use another reward function"
+        )
+    out: list[float | None] = []
+    for i, (completion, value) in enumerate(zip(completions, answer, strict=True)):
+        expected = _expected(value, i)
+        if expected is None:
+            out.append(None)
+            continue
+        got = first_number(completion)
+        out.append(1.0 if got is not None and got == expected else 0.0)
+    return out
+
+
+BUNDLED: dict[str, RewardFunction] = {"arithmetic": arithmetic}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _error(spec: str, problem: str, fix: str) -> RewardError:
+    return RewardError(f"reward function {spec!r}: {problem}; fix: {fix}")
+
+
+def _load_file(spec: str, target: str) -> Any:
+    path = Path(target).expanduser()
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise _error(
+            spec,
+            f"the file {target} {what} (resolved to {path.absolute()})",
+            "give the path of a .py file, relative to the directory you run from or absolute",
+        )
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    name = f"padless_reward_file_{digest}_{re.sub(r'[^A-Za-z0-9_]', '_', resolved.stem)}"
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise _error(spec, f"cannot load {target} as a Python module", "give a .py file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise _error(
+            spec,
+            f"running {target} raised {type(e).__name__}: {e}",
+            "make the file import cleanly (install what it imports)",
+        ) from e
+    return module
+
+
+def _import_module(spec: str, target: str) -> Any:
+    if not _IDENT.fullmatch(target):
+        raise _error(
+            spec,
+            f"{target!r} is neither a module path nor a .py file",
+            f"write {SPEC_FORMS}",
+        )
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (target == e.name or target.startswith(e.name + ".")):
+            raise _error(
+                spec,
+                f"no module named {e.name!r}",
+                "check the spelling and that the package is installed in this environment; for a file of "
+                "your own, write 'path/to/file.py:function' (or put its directory on PYTHONPATH)",
+            ) from e
+        raise _error(
+            spec,
+            f"importing {target} failed: it needs module {e.name!r}, which is not installed",
+            f"install the package that provides {e.name!r}",
+        ) from e
+    except Exception as e:
+        raise _error(
+            spec, f"importing {target} raised {type(e).__name__}: {e}", "make the module import cleanly"
+        ) from e
+
+
+def _check_signature(spec: str, fn: Callable[..., Any]) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: find out when calling
+        return
+    try:
+        sig.bind_partial(prompts=[], completions=[])
+    except TypeError as e:
+        raise _error(
+            spec,
+            f"its parameters {sig} do not take prompts and completions as keyword arguments ({e})",
+            f"define it as {_SIGNATURE}",
+        ) from None
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """The callable a spec names: a bundled name, ``"package.module:function"`` or ``"file.py:function"``.
+
+    The attribute may be dotted (``"module:Class.method"``). Every failure is a :class:`RewardError` that
+    names the spec and says how to fix it, raised when the run starts rather than at the first rollout.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardError(
+            f"reward function spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}"
+        )
+    spec = spec.strip()
+    if spec in BUNDLED:
+        return BUNDLED[spec]
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        close = difflib.get_close_matches(spec, list(BUNDLED), n=1)
+        hint = f"did you mean {close[0]!r}? Otherwise write " if close else "write "
+        raise _error(
+            spec,
+            f"not a bundled reward (bundled: {', '.join(BUNDLED)}) and not of the form 'module:function'",
+            hint + SPEC_FORMS,
+        )
+    if not _IDENT.fullmatch(attr):
+        raise _error(
+            spec,
+            f"{attr!r} after the last ':' is not a function name",
+            f"write {SPEC_FORMS}",
+        )
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    module = _load_file(spec, target) if is_file else _import_module(spec, target)
+    obj: Any = module
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            owner = target if i == 0 else ".".join(attr.split(".")[:i])
+            names = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            listed = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+            raise _error(
+                spec,
+                f"{owner} has no attribute {part!r}",
+                f"{hint}name a function defined there (callables found: {listed or 'none'})",
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise _error(
+            spec,
+            f"{attr} is not a function (its type is {type(obj).__name__})",
+            f"point the spec at a function defined as {_SIGNATURE}",
+        )
+    _check_signature(spec, obj)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Combining
+
+
+def _short_name(spec: str | Callable[..., Any]) -> str:
+    if callable(spec):
+        return getattr(spec, "__name__", type(spec).__name__)
+    return spec.strip().rpartition(":")[2].rpartition(".")[2]
+
+
+def _unique_names(specs: Sequence[str | Callable[..., Any]]) -> list[str]:
+    names = [_short_name(s) for s in specs]
+    names = [
+        s.strip() if isinstance(s, str) and names.count(n) > 1 else n
+        for s, n in zip(specs, names, strict=True)
+    ]
+    out: list[str] = []
+    for n in names:
+        k, name = 1, n
+        while name in out:
+            k += 1
+            name = f"{n}_{k}"
+        out.append(name)
+    return out
+
+
+def _as_list(result: Any) -> Any:
+    if isinstance(result, torch.Tensor) or type(result).__module__ == "numpy":
+        tolist = getattr(result, "tolist", None)
+        if callable(tolist) and getattr(result, "ndim", 1) == 1:
+            return tolist()
+    return result
+
+
+class RewardComposer:
+    """Several reward functions, weighted and summed into one reward per completion.
+
+    ``specs`` are spec strings (see :func:`load_reward_function`) or callables; ``weights`` default to 1.0
+    each. Calling it returns the ``[N]`` float32 total (CPU) and each function's mean over the completions it
+    applies to (NaN when it returned None for all), keyed by :attr:`names` (the function name, or the whole
+    spec when two specs share a function name).
+    """
+
+    def __init__(
+        self, specs: Sequence[str | Callable[..., Any]], weights: Sequence[float] | None = None
+    ) -> None:
+        specs = list(specs)
+        strings = [s.strip() for s in specs if isinstance(s, str)]
+        repeated = sorted({s for s in strings if strings.count(s) > 1})
+        if repeated:
+            raise RewardError(
+                f"reward function {repeated[0]!r} is listed more than once, so it would count twice; "
+                "fix: list it once and raise its weight instead"
+            )
+        if weights is None:
+            weights = [1.0] * len(specs)
+        weights = list(weights)
+        if len(weights) != len(specs):
+            raise RewardError(
+                f"{len(weights)} reward weight(s) for {len(specs)} reward function(s); fix: give one weight "
+                "per function, in the same order, or leave the weights out for 1.0 each"
+            )
+        for spec, w in zip(specs, weights, strict=True):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+                raise RewardError(f"the weight of {spec!r} is {w!r}; fix: give a finite number")
+        self.functions: list[Callable[..., Any]] = [
+            s if callable(s) else load_reward_function(s) for s in specs
+        ]
+        self.weights = [float(w) for w in weights]
+        self.names = _unique_names(specs)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights, strict=True))
+        return f"RewardComposer({parts})"
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        fields: Mapping[str, Sequence[Any]] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Weighted total reward ``[N]`` and each function's mean (None excluded)."""
+        n = len(completions)
+        fields = dict(fields or {})
+        self._check_inputs(prompts, completions, fields)
+        total = torch.zeros(n, dtype=torch.float64)
+        means: dict[str, float] = {}
+        for name, fn, weight in zip(self.names, self.functions, self.weights, strict=True):
+            values = self._call_one(name, fn, list(prompts), list(completions), fields)
+            scored = [v for v in values if v is not None]
+            means[name] = math.fsum(scored) / len(scored) if scored else math.nan
+            total += weight * torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float64)
+        return total.float(), means
+
+    @staticmethod
+    def _check_inputs(prompts: Sequence[str], completions: Sequence[str], fields: dict[str, Any]) -> None:
+        n = len(completions)
+        if len(prompts) != n:
+            raise RewardError(f"{len(prompts)} prompts for {n} completions: give one prompt per completion")
+        for key in ("prompts", "completions"):
+            if key in fields:
+                raise RewardError(
+                    f"the data has a column named {key!r}, which clashes with the {key!r} argument every "
+                    "reward function receives; fix: rename that column"
+                )
+        for key, column in fields.items():
+            if isinstance(column, (str, bytes)) or not isinstance(column, Sequence):
+                raise RewardError(
+                    f"column {key!r} is a {type(column).__name__}, not a list with one value per completion; "
+                    "fix: pass each column as a list (repeat a prompt's value for each of its samples)"
+                )
+            if len(column) != n:
+                raise RewardError(
+                    f"column {key!r} has {len(column)} value(s) for {n} completions; fix: give one value per "
+                    "completion (repeat a prompt's values for each of its samples)"
+                )
+
+    @staticmethod
+    def _call_one(
+        name: str,
+        fn: Callable[..., Any],
+        prompts: list[str],
+        completions: list[str],
+        fields: dict[str, Any],
+    ) -> list[float | None]:
+        kwargs = {k: list(v) for k, v in fields.items()}
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None:
+            try:
+                sig.bind(prompts=prompts, completions=completions, **kwargs)
+            except TypeError as e:
+                raise RewardError(
+                    f"reward function {name!r} cannot take this data ({e}); its parameters are {sig} and the "
+                    f"data columns are {sorted(kwargs) or 'none'}. Fix: name only columns the data has and "
+                    f"end the parameters with **fields ({_SIGNATURE})"
+                ) from None
+        try:
+            result = fn(prompts=prompts, completions=completions, **kwargs)
+        except Exception as e:
+            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        result = _as_list(result)
+        n = len(completions)
+        fix = "return a list with one float (or None for 'not applicable') per completion"
+        if not isinstance(result, (list, tuple)):
+            raise RewardError(
+                f"reward function {name!r} returned {type(result).__name__} {_short_repr(result)}; fix: {fix}"
+            )
+        if len(result) != n:
+            raise RewardError(
+                f"reward function {name!r} returned {len(result)} value(s) for {n} completions; fix: {fix}"
+            )
+        out: list[float | None] = []
+        for i, v in enumerate(result):
+            if v is None:
+                out.append(None)
+                continue
+            if not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise RewardError(
+                    f"reward function {name!r} returned {_short_repr(v)} ({type(v).__name__}) for completion "
+                    f"{i}; fix: {fix} (NaN and infinities are not allowed: return None)"
+                )
+            out.append(float(v))
+        return out
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

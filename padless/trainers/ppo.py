@@ -1,0 +1,179 @@
+"""PPO: a policy and a value model trained together on sampled completions, with per-token KL to a frozen
+reference folded into the reward, GAE advantages, and clipped policy and value losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from padless.config import PPOConfig
+from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
+from padless.model import (
+    captured_forward,
+    forward_packed,
+    forward_scores,
+    load_model,
+    logps_from_hidden,
+    score_head,
+)
+from padless.packing import Example, pack
+from padless.trainers.checkpoint import load_hf_weights
+from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.rl import RolloutRecipe, check_engine, load_prompts, load_rewards, per_target
+from padless.trainers.session import start_session
+
+
+class ActorCritic(torch.nn.Module):
+    """Policy and value model as one module, so one optimizer, one DDP wrapper and one checkpoint hold both.
+
+    A checkpoint is the policy in Hugging Face format with the value model in ``value/``.
+    """
+
+    def __init__(self, policy: torch.nn.Module, value: torch.nn.Module):
+        super().__init__()
+        self.policy, self.value = policy, value
+        self.padless_attention = policy.padless_attention
+        self.config = policy.config
+
+    def forward(self, logits_to_keep: int = 0, **inputs: Any) -> tuple[Any, Any]:
+        return self.policy(**inputs, logits_to_keep=logits_to_keep), self.value(**inputs)
+
+    def save_pretrained(
+        self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **kwargs: Any
+    ):
+        for name, module, where in (
+            ("policy", self.policy, Path(path)),
+            ("value", self.value, Path(path) / "value"),
+        ):
+            part = (
+                None
+                if state_dict is None
+                else {
+                    k.removeprefix(f"{name}."): v for k, v in state_dict.items() if k.startswith(f"{name}.")
+                }
+            )
+            module.save_pretrained(where, state_dict=part, **kwargs)
+
+    def load_hf_weights(self, path: Path) -> None:
+        load_hf_weights(self.policy, path)
+        load_hf_weights(self.value, path / "value")
+
+
+class PPORecipe(RolloutRecipe):
+    def __init__(self, *args, ref_model: torch.nn.Module, value_model: torch.nn.Module, **kwargs):
+        super().__init__(*args, **kwargs)
+        p = self.cfg.ppo
+        self.ref_model, self.value_model = ref_model, value_model
+        self.updates, self.mini_batches = p.updates_per_rollout, p.mini_batches_per_rollout
+
+    def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+        """Per-target rewards (score at the last target, minus the KL penalty), GAE, whitened advantages."""
+        p, temperature = self.cfg.ppo, self.cfg.rollout.temperature
+        self.store(
+            examples,
+            {
+                "old_logps": lambda b: forward_packed(self.policy, b, temperature=temperature).logps,
+                "ref_logps": lambda b: forward_packed(self.ref_model, b, temperature=temperature).logps,
+                "old_values": lambda b: forward_scores(self.value_model, b),
+            },
+        )
+        kls, all_adv = [], []
+        for e, score in zip(examples, rewards.tolist(), strict=True):
+            if e.num_targets == 0:
+                e.meta.update(advantages=[], returns=[])
+                continue
+            old, ref = torch.tensor(e.meta["old_logps"]), torch.tensor(e.meta["ref_logps"])
+            kl = old - ref
+            token_rewards = -p.kl_coef * kl
+            token_rewards[-1] += score
+            advantages, returns = gae(token_rewards, torch.tensor(e.meta["old_values"]), p.gamma, p.lam)
+            e.meta.update(advantages=advantages.tolist(), returns=returns.tolist())
+            kls.append(kl.sum().item())
+            all_adv.append(advantages)
+        if p.whiten_advantages and all_adv:
+            whitened = whiten(torch.cat(all_adv)).tolist()
+            start = 0
+            for e in examples:
+                e.meta["advantages"] = whitened[start : start + e.num_targets]
+                start += e.num_targets
+        policy_weight = 0.0 if epoch < p.critic_warmup_steps else 1.0  # warm-up: only the critic learns
+        for e in examples:
+            e.meta["policy_weight"] = policy_weight
+        return {"rollout/kl": sum(kls) / max(len(kls), 1)}
+
+    def loss(
+        self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        examples: list[Example] = micro.data
+        batch = pack(examples, device=self.device)
+        inner = getattr(model, "module", model)
+        hidden, values = captured_forward(
+            model, batch, [inner.policy.get_decoder(), score_head(inner.value)], logits_to_keep=1
+        )
+        mask = batch.loss_mask[0]
+        out = logps_from_hidden(
+            inner.policy,
+            hidden.last_hidden_state[0],
+            batch.labels[0],
+            entropy=True,
+            temperature=self.cfg.rollout.temperature,
+        )
+        logps, values = out.logps[mask], values[0, :, 0].float()[mask]
+        p = self.cfg.ppo
+        policy_loss, clipped = clipped_policy_loss(
+            logps,
+            per_target(examples, "old_logps", self.device),
+            per_target(examples, "advantages", self.device),
+            p.cliprange,
+            p.cliprange,
+        )
+        value_loss = clipped_value_loss(
+            values,
+            per_target(examples, "old_values", self.device),
+            per_target(examples, "returns", self.device),
+            p.cliprange_value,
+        )
+        weight = examples[0].meta["policy_weight"]
+        loss = (weight * policy_loss + p.vf_coef * value_loss).sum() / normaliser
+        return loss, {
+            "loss": loss.item(),
+            "policy_loss": policy_loss.detach().sum().item() / normaliser,
+            "value_loss": value_loss.detach().sum().item() / normaliser,
+            "entropy": out.entropy[mask].sum().item() / normaliser,
+            "clip_fraction": clipped.float().sum().item() / normaliser,
+        }
+
+
+def run_ppo(cfg: PPOConfig) -> dict[str, float]:
+    if cfg.ppo.value_learning_rate is not None:
+        raise ValueError(
+            "ppo.value_learning_rate is not supported yet: policy and value train at train.learning_rate; "
+            "remove the key"
+        )
+    check_engine(cfg.rollout)
+    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    acc, tokenizer = session.accelerator, session.tokenizer
+    dtype = next(session.model.parameters()).dtype
+    common = {"attn_implementation": cfg.model.attn_implementation, "dtype": dtype, "device": acc.device}
+    ref_model = load_model(cfg.model.name, seed=cfg.model.seed, **common).requires_grad_(False)
+    value_model = load_model(
+        cfg.ppo.value_model or cfg.model.name, task="score", seed=cfg.model.seed, training=True, **common
+    )
+    rewards, reward_model = load_rewards(cfg.reward, acc.device)
+    model = ActorCritic(session.model, value_model)
+    recipe = PPORecipe(
+        load_prompts(cfg.data.train, tokenizer, cfg.data),
+        cfg,
+        tokenizer,
+        session.model,
+        rewards,
+        acc.device,
+        load_prompts(cfg.data.eval, tokenizer, cfg.data) if cfg.data.eval else None,
+        acc.is_main_process,
+        reward_model,
+        ref_model=ref_model,
+        value_model=value_model,
+    )
+    return Trainer(recipe, model, tokenizer, cfg.train, acc).train()

@@ -25,17 +25,22 @@ def test_every_example_names_a_trainer():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path, tmp_path):
     config_cls, run = (_load(t) for t in TRAINERS[trainer_of(path)][:2])
+    kind = trainer_of(path)
     overrides = [
         f"train.output_dir={tmp_path}",
         "train.max_steps=2",
-        "train.eval_steps=2",
         "train.save_steps=2",
         "train.progress_bar=false",
     ]
-    if trainer_of(path) == "sft":
-        overrides += ["data.train=tiny:sft_eval", "train.eval_max_new_tokens=4"]
-    else:
-        overrides += ["data.train=tiny:preference_eval"]
+    if kind == "sft":
+        overrides += ["train.eval_steps=2", "data.train=tiny:sft_eval", "train.eval_max_new_tokens=4"]
+    elif kind in ("dpo", "rm"):
+        overrides += ["train.eval_steps=2", "data.train=tiny:preference_eval"]
+    else:  # online RL: no eval split, small rollouts
+        overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
     metrics = run(load_config(config_cls, path, overrides))
-    assert metrics["eval/loss"] > 0
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+    if kind in ("grpo", "ppo"):
+        assert "train/loss" in metrics and "rollout/reward" in (tmp_path / "metrics.jsonl").read_text()
+    else:
+        assert metrics["eval/loss"] > 0

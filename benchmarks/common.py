@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1024 * 1024
+# Settings that change CPU kernel timing; recorded with the results.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -61,7 +64,7 @@ def _call_with_traceback(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict
 
 
 def run_isolated(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
-    """Run ``fn(**kwargs)`` in a fresh spawned process; ``{"ok", "value"}`` or ``{"ok": False, "error", ...}``.
+    """Run ``fn(**kwargs)`` in a fresh spawned process; returns ``{"ok", "value"}`` or ``{"ok", "error"}``.
 
     ``fn`` must be importable by name (a module-level function; the benchmark script needs an
     ``if __name__ == "__main__"`` guard). Environment variables set before the call are inherited.
@@ -189,8 +192,10 @@ class StepRecorder:
         t0 = self.records[self.warmup - 1].end if self.warmup > 0 else self.started
         seconds = timed[-1].end - t0
         ends = [t0] + [r.end for r in timed]
-        durations = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        durations = [b - a for a, b in itertools.pairwise(ends)]
         real = sum(r.real_tokens for r in timed)
+        # Robust to bursts of load from other processes: the median over steps of each step's own rate.
+        step_rates = [r.real_tokens / d for r, d in zip(timed, durations, strict=True) if d > 0]
         processed = sum(r.processed_tokens for r in timed)
         losses = [r.loss for r in timed]
         tail = losses[-min(5, len(losses)) :]
@@ -203,6 +208,7 @@ class StepRecorder:
             "processed_tokens": processed,
             "target_tokens": sum(r.target_tokens for r in timed),
             "real_tokens_per_s": real / seconds,
+            "real_tokens_per_s_median_step": statistics.median(step_rates),
             "processed_tokens_per_s": processed / seconds,
             "pad_share": 1.0 - real / processed if processed else 0.0,
             "real_tokens_per_step": real / len(timed),
@@ -244,6 +250,7 @@ def environment(packages: Sequence[str] = ("padless", "torch", "transformers", "
         "cpu_count": os.cpu_count(),
         "versions": {name: package_version(name) for name in packages},
     }
+    info["env"] = {k: os.environ[k] for k in THREAD_ENV if k in os.environ}
     if hasattr(os, "getloadavg"):
         info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
     return info
@@ -297,7 +304,7 @@ def fmt_ratio(value: float | None) -> str:
 
 
 def median_run(runs: Sequence[dict[str, Any]], key: str = "real_tokens_per_s") -> dict[str, Any]:
-    """The run with the median ``key`` (the lower middle for an even count), so its numbers stay consistent."""
+    """The run with the median ``key`` (lower middle for an even count): its other numbers stay consistent."""
     ordered = sorted(runs, key=lambda r: r[key])
     return ordered[(len(ordered) - 1) // 2]
 

@@ -92,7 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=2048, help="longer rows are an error (as in padless)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every contender")
-    p.add_argument("--max-tokens-per-batch", type=int, default=4096, help="padless token budget per step")
+    p.add_argument(
+        "--max-tokens-per-batch",
+        type=int,
+        default=None,
+        help="padless token budget per step (default 4096; 1024 with --quick)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -114,7 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "flash-attn is installed, else sdpa), sdpa, eager, flash_attention_2, or varlen (padless's kernel)",
     )
     p.add_argument("--seed", type=int, default=42, help="data order seed (model init is always seed 0)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up + 3 timed steps")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 warm-up + 2 timed steps of 1024 tokens (< 2 min)"
+    )
     p.add_argument("--json", default=None, help="write all results (every run, every step loss) here")
     p.add_argument("--profile", default=None, help="directory for one cProfile file per contender")
     args = p.parse_args(argv)
@@ -122,10 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    if args.max_tokens_per_batch is None:
+        args.max_tokens_per_batch = 1024 if args.quick else 4096
     if args.warmup is None:
         args.warmup = 1 if args.quick else 3
     if args.steps is None:
-        args.steps = 3 if args.quick else (30 if args.device == "cpu" else 100)
+        args.steps = 2 if args.quick else (30 if args.device == "cpu" else 100)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.threads < 1:
         p.error("--steps and --repeats and --threads must be >= 1, --warmup >= 0")
     return args
@@ -145,6 +154,8 @@ def plan(args: argparse.Namespace, examples: list[tuple[list[int], list[bool]]])
     from padless.packing import budget_batches
 
     lengths = [len(ids) for ids, _ in examples]
+    if args.quick:  # the small smoke-run budget must still hold the longest example
+        args.max_tokens_per_batch = max(args.max_tokens_per_batch, max(lengths))
     bins = budget_batches(lengths, args.max_tokens_per_batch, seed=args.seed)
     packed_tokens_per_step = sum(lengths) / len(bins)
     mean_len = sum(lengths) / len(lengths)
@@ -362,6 +373,14 @@ def run_trl(spec: dict[str, Any], examples: list, padding_free: bool) -> dict[st
             recorder.loss(loss.item())
             return loss
 
+    # TRL turns activation (gradient) checkpointing on by default; padless does not. transformers >= 5.2x
+    # renamed the argument and warns about the old name.
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    no_checkpointing = (
+        {"activation_checkpointing": False}
+        if "activation_checkpointing" in fields
+        else {"gradient_checkpointing": False}
+    )
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
         args = TRLSFTConfig(
             output_dir=out,
@@ -378,7 +397,7 @@ def run_trl(spec: dict[str, Any], examples: list, padding_free: bool) -> dict[st
             max_grad_norm=o["max_grad_norm"],
             optim="adamw_torch",  # torch.optim.AdamW, as padless
             seed=spec["seed"],
-            gradient_checkpointing=False,  # TRL turns it on by default; padless does not
+            **no_checkpointing,
             bf16=cuda,
             fp16=False,
             use_cpu=not cuda,
@@ -396,6 +415,7 @@ def run_trl(spec: dict[str, Any], examples: list, padding_free: bool) -> dict[st
         trainer = CountingSFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()]
         )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no end-of-run log line
         trainer.train()
     result = recorder.summary()
     result.update(measured)
@@ -415,12 +435,27 @@ def run_trl(spec: dict[str, Any], examples: list, padding_free: bool) -> dict[st
 # Report
 
 
+TARGETS = {  # (numerator, denominator, minimum ratio of real tokens/s)
+    "padless packed >= 1.5x padless padded (issue)": ("padless-packed", "padless-padded", 1.5),
+    "padless packed >= 1.1x TRL padding-free (DESIGN)": ("padless-packed", "trl-padding-free", 1.1),
+}
+RATIOS = (
+    ("padless packed / padless padded", "padless-packed", "padless-padded"),
+    ("padless packed / TRL padding-free", "padless-packed", "trl-padding-free"),
+    ("padless packed / TRL padded", "padless-packed", "trl-padded"),
+    ("TRL padding-free / TRL padded", "trl-padding-free", "trl-padded"),
+)
+
+
 def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dict:
+    """Print the table (median run of each contender), ratios and targets; return them for the JSON."""
     chosen = {name: median_run(rs) for name, rs in runs.items() if rs}
     cuda = spec["device"] == "cuda"
-    headers = ["contender", "layout", "attention", "real tok/step", "real tok/s", "pad share"]
-    headers += ["peak CUDA MiB"] if cuda else ["peak RSS MiB", "RSS rise MiB"]
-    headers += ["s/step", "final loss"]
+    mem_key = "cuda_peak_mib" if cuda else "peak_rss_delta_mib"
+    headers = ["contender", "layout", "attention", "real tok/step", "real tok/s", "median-step tok/s"]
+    headers += ["pad share", "peak CUDA MiB" if cuda else "peak RSS MiB"]
+    headers += [] if cuda else ["RSS rise MiB"]
+    headers += ["s/step", "loss (last 5)"]
     rows = []
     for name, r in chosen.items():
         spread = ""
@@ -433,6 +468,7 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
             r["attention"],
             fmt_number(r["real_tokens_per_step"]),
             fmt_number(r["real_tokens_per_s"]) + spread,
+            fmt_number(r["real_tokens_per_s_median_step"]),
             f"{100 * r['pad_share']:.1f}%",
         ]
         if cuda:
@@ -442,29 +478,27 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
         row += [f"{r['step_s_median']:.2f}", f"{r['final_loss_mean5']:.4f}"]
         rows.append(row)
 
-    def tps(name: str) -> float | None:
-        return chosen[name]["real_tokens_per_s"] if name in chosen else None
+    def get(name: str, key: str) -> float | None:
+        return chosen[name].get(key) if name in chosen else None
 
     ratios = {
-        "padless packed / padless padded": ratio(tps("padless-packed"), tps("padless-padded")),
-        "padless packed / TRL padding-free": ratio(tps("padless-packed"), tps("trl-padding-free")),
-        "padless packed / TRL padded": ratio(tps("padless-packed"), tps("trl-padded")),
-        "TRL padding-free / TRL padded": ratio(tps("trl-padding-free"), tps("trl-padded")),
+        label: {
+            "real_tokens_per_s": ratio(get(a, "real_tokens_per_s"), get(b, "real_tokens_per_s")),
+            "median_step": ratio(
+                get(a, "real_tokens_per_s_median_step"), get(b, "real_tokens_per_s_median_step")
+            ),
+            "memory": ratio(get(a, mem_key), get(b, mem_key)),
+        }
+        for label, a, b in RATIOS
     }
-    mem_key = "cuda_peak_mib" if cuda else "peak_rss_delta_mib"
+    targets = {}
+    for label, (a, b, minimum) in TARGETS.items():
+        value = ratio(get(a, "real_tokens_per_s"), get(b, "real_tokens_per_s"))
+        targets[label] = {"ratio": value, "met": None if value is None else value >= minimum}
 
-    def mem(name: str) -> float | None:
-        return chosen[name].get(mem_key) if name in chosen else None
-
-    memory_ratios = {
-        "padless packed / TRL padding-free": ratio(mem("padless-packed"), mem("trl-padding-free")),
-        "padless packed / TRL padded": ratio(mem("padless-packed"), mem("trl-padded")),
-    }
-    targets = {
-        "padless packed >= 1.5x padless padded": ratios["padless packed / padless padded"],
-        "padless packed >= 1.1x TRL padding-free": ratios["padless packed / TRL padding-free"],
-    }
     d = spec["data"]
+    n_runs = max(len(rs) for rs in runs.values())
+    table = markdown_table(headers, rows)
     print()
     print(
         f"SFT throughput on {spec['device']} ({env.get('gpu') or env['cpu']}), {spec['threads']} threads, "
@@ -472,29 +506,31 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
         f"median {d['median_len']:.0f} / max {d['max_len']} tokens)"
     )
     print(
-        f"{spec['warmup']} warm-up + {spec['steps']} timed steps per contender, {len(next(iter(runs.values())))} "
-        f"run(s) each (median run shown, range in parentheses); budget {spec['max_tokens_per_batch']} tokens/step "
-        f"packed, {spec['batch_size']} sequences/step otherwise"
+        f"{spec['warmup']} warm-up + {spec['steps']} timed steps per contender, {n_runs} run(s) each "
+        "(median run shown, range of runs in parentheses);"
+    )
+    print(
+        f"packed: budget {spec['max_tokens_per_batch']} tokens/step; "
+        f"padded and TRL: {spec['batch_size']} sequences/step"
     )
     print()
-    print(markdown_table(headers, rows))
+    print(table)
     print()
-    for label, value in ratios.items():
-        print(f"real tokens/s  {label:38s} {fmt_ratio(value)}")
-    for label, value in memory_ratios.items():
-        what = "peak CUDA mem" if cuda else "peak RSS rise"
-        print(f"{what}  {label:38s} {fmt_ratio(value)}")
-    for label, value in targets.items():
-        verdict = (
-            "n/a"
-            if value is None
-            else ("met" if value >= float(label.split(">= ")[1].split("x")[0]) else "MISSED")
+    mem_label = "peak CUDA memory" if cuda else "peak RSS rise"
+    print(f"{'ratio':36s} {'real tok/s':>10s} {'median step':>12s} {mem_label:>16s}")
+    for label, v in ratios.items():
+        print(
+            f"{label:36s} {fmt_ratio(v['real_tokens_per_s']):>10s} {fmt_ratio(v['median_step']):>12s} "
+            f"{fmt_ratio(v['memory']):>16s}"
         )
-        print(f"target  {label:44s} {fmt_ratio(value):>7s}  {verdict}")
-    failed = {n: rs for n, rs in runs.items() if not rs}
-    for name in failed:
-        print(f"{name}: no successful run (see errors above)")
-    return {"ratios": ratios, "memory_ratios": memory_ratios, "table": markdown_table(headers, rows)}
+    print()
+    for label, t in targets.items():
+        verdict = {None: "n/a", True: "met", False: "MISSED"}[t["met"]]
+        print(f"target {label:50s} {fmt_ratio(t['ratio']):>7s}  {verdict}")
+    for name, rs in runs.items():
+        if not rs:
+            print(f"{name}: no successful run (see the errors above)")
+    return {"ratios": ratios, "targets": targets, "table": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = plan(args, examples)
     d = spec["data"]
     print(
-        f"{d['examples']} examples, {d['tokens']:,} tokens; packed: {d['packed_steps_per_epoch']} steps/epoch, "
-        f"{d['packed_tokens_per_step']:,.0f} tokens/step; padded and TRL: {spec['batch_size']} sequences/step",
+        f"{d['examples']} examples, {d['tokens']:,} tokens; packed: {d['packed_steps_per_epoch']} "
+        f"steps/epoch, {d['packed_tokens_per_step']:,.0f} tokens/step; padded and TRL: "
+        f"{spec['batch_size']} sequences/step",
         flush=True,
     )
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}

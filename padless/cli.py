@@ -15,7 +15,7 @@ from padless.attention import BACKENDS, AttentionError, set_varlen_kernel
 
 def _check(args: argparse.Namespace) -> int:
     from padless.check import LAYOUTS, format_matrix, matrix_ok, probe_sequences, run_matrix, tolerance
-    from padless.model import load_model, load_tokenizer, resolve_dtype
+    from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
@@ -25,7 +25,7 @@ def _check(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, attn_implementation="varlen", dtype=dtype, device=device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     seqs = probe_sequences(tokenizer)
     backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
     tol = args.tolerance if args.tolerance is not None else tolerance(dtype)

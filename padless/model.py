@@ -41,6 +41,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padless pads with (only ever for ``generate`` and comparisons): pad, else eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Tokenizer for an embedded name (``tiny-qwen2``), a local directory or a cached model id."""
     if name_or_path in tiny.TINY_MODELS:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from padless.attention import attention_in_use, hf_name
-from padless.model import unwrap
+from padless.model import pad_token_id, unwrap
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
@@ -86,7 +86,7 @@ def generate(
     """Complete each prompt (``num_return_sequences`` times, consecutive in the result)."""
     inner = unwrap(model)
     device = next(inner.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     eos = inner.generation_config.eos_token_id or tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     sampling = {"temperature": temperature, "top_p": top_p} if do_sample else {}

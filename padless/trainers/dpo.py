@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from padless.config import DPOConfig, DPOSettings, TrainSettings
-from padless.data import PairExample, load_rows, tokenize_preference
+from padless.data import PairExample
 from padless.losses import dpo_loss
-from padless.model import load_model, unwrap
+from padless.model import pad_token_id, unwrap
 from padless.packing import budget_batches
 from padless.trainers.loop import MicroBatch, Trainer
-from padless.trainers.pairs import PairRecipe, sequence_logps, shares, split_pairs
+from padless.trainers.pairs import PairRecipe, load_pairs, sequence_logps, shares, split_pairs
 from padless.trainers.session import start_session
 
 
@@ -106,34 +106,18 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
 
-    def tokenize(spec: str) -> list[PairExample]:
-        pairs, _ = tokenize_preference(
-            load_rows(spec),
-            tokenizer,
-            max_length=data.max_length,
-            truncation=data.truncation,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        return pairs
-
     ref_model = None
     if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
-        ref_model = load_model(
-            cfg.dpo.ref_model or cfg.model.name,
-            attn_implementation=cfg.model.attn_implementation,
-            dtype=next(session.model.parameters()).dtype,
-            device=acc.device,
-            seed=cfg.model.seed,
-        ).requires_grad_(False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ref_model = session.companion(cfg.dpo.ref_model)
+    pad_id = pad_token_id(tokenizer)
     recipe = DPORecipe(
-        tokenize(data.train),
+        load_pairs(data.train, tokenizer, data),
         cfg.train,
         cfg.dpo,
         pad_id,
         acc.device,
         ref_model,
-        tokenize(data.eval) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data) if data.eval else None,
     )
     if cfg.dpo.precompute_ref_logps:
         recipe.precompute_reference(session.model)

@@ -7,7 +7,7 @@ import torch
 
 from padless.config import GRPOConfig
 from padless.losses import clipped_policy_loss, group_advantages, kl_k3
-from padless.model import forward_packed, load_model, unwrap
+from padless.model import forward_packed, unwrap
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.rl import RolloutRecipe, check_engine, load_prompts, load_rewards, per_target
@@ -83,13 +83,7 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     ref_model = None
     if cfg.grpo.beta > 0:
-        ref_model = load_model(
-            cfg.model.name,
-            attn_implementation=cfg.model.attn_implementation,
-            dtype=next(session.model.parameters()).dtype,
-            device=acc.device,
-            seed=cfg.model.seed,
-        ).requires_grad_(False)
+        ref_model = session.companion()
     rewards, reward_model = load_rewards(cfg.reward, acc.device)
     recipe = GRPORecipe(
         load_prompts(cfg.data.train, tokenizer, cfg.data),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from padless.config import TrainSettings
-from padless.data import PairExample
+from padless.data import PairExample, load_rows, tokenize_preference
 from padless.model import forward_packed, forward_padded
 from padless.packing import (
     IGNORE_INDEX,
@@ -66,6 +66,22 @@ class PairRecipe:
         if self.cfg.batching == "padded":
             return to_padded(batch, self.cfg.padding_side, self.pad_id)
         return batch
+
+
+def load_pairs(spec: str, tokenizer: Any, data: Any, margin: bool = False) -> list[PairExample]:
+    """Tokenized pairs; ``margin`` requires a numeric margin per row, else margins are dropped."""
+    pairs, _ = tokenize_preference(
+        load_rows(spec),
+        tokenizer,
+        max_length=data.max_length,
+        truncation=data.truncation,
+        skip_bad_rows=data.skip_bad_rows,
+        require_margin=margin,
+    )
+    if not margin:
+        for p in pairs:
+            p.meta.pop("margin", None)
+    return pairs
 
 
 def sequence_logps(

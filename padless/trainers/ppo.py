@@ -14,7 +14,6 @@ from padless.model import (
     captured_forward,
     forward_packed,
     forward_scores,
-    load_model,
     logps_from_hidden,
     score_head,
 )
@@ -155,12 +154,8 @@ def run_ppo(cfg: PPOConfig) -> dict[str, float]:
     check_engine(cfg.rollout)
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
-    dtype = next(session.model.parameters()).dtype
-    common = {"attn_implementation": cfg.model.attn_implementation, "dtype": dtype, "device": acc.device}
-    ref_model = load_model(cfg.model.name, seed=cfg.model.seed, **common).requires_grad_(False)
-    value_model = load_model(
-        cfg.ppo.value_model or cfg.model.name, task="score", seed=cfg.model.seed, training=True, **common
-    )
+    ref_model = session.companion()
+    value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
     rewards, reward_model = load_rewards(cfg.reward, acc.device)
     model = ActorCritic(session.model, value_model)
     recipe = PPORecipe(

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from padless.config import RMConfig
-from padless.data import PairExample, load_rows, tokenize_preference, tokenize_scoring
+from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.losses import bradley_terry_loss
-from padless.model import load_model, load_tokenizer, padded_scores, sequence_scores
+from padless.model import load_model, load_tokenizer, pad_token_id, padded_scores, sequence_scores
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.trainers.loop import MicroBatch, Trainer
-from padless.trainers.pairs import PairRecipe, shares, split_pairs
+from padless.trainers.pairs import PairRecipe, load_pairs, shares, split_pairs
 from padless.trainers.session import start_session
 
 
@@ -46,28 +46,13 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
 
-    def tokenize(spec: str) -> list[PairExample]:
-        pairs, _ = tokenize_preference(
-            load_rows(spec),
-            tokenizer,
-            max_length=data.max_length,
-            truncation=data.truncation,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        if cfg.rm.margin:
-            missing = [p.meta for p in pairs if "margin" not in p.meta]
-            if missing:
-                raise ValueError(
-                    f"rm.margin is on but {spec} row {missing[0]['row']} has no numeric 'margin' field"
-                )
-        else:
-            for p in pairs:
-                p.meta.pop("margin", None)
-        return pairs
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     recipe = RMRecipe(
-        tokenize(data.train), cfg.train, pad_id, acc.device, tokenize(data.eval) if data.eval else None
+        load_pairs(data.train, tokenizer, data, cfg.rm.margin),
+        cfg.train,
+        pad_id,
+        acc.device,
+        load_pairs(data.eval, tokenizer, data, cfg.rm.margin) if data.eval else None,
     )
     return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
 

@@ -20,6 +20,22 @@ class Session:
     accelerator: Accelerator
     tokenizer: Any
     model: torch.nn.Module
+    model_cfg: ModelSettings
+
+    def companion(
+        self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
+    ) -> torch.nn.Module:
+        """A reference or value model on the policy's backend, dtype and device; frozen unless trainable."""
+        model = load_model(
+            name or self.model_cfg.name,
+            task=task,
+            attn_implementation=self.model_cfg.attn_implementation,
+            dtype=next(self.model.parameters()).dtype,
+            device=self.accelerator.device,
+            seed=self.model_cfg.seed,
+            training=trainable,
+        )
+        return model if trainable else model.requires_grad_(False)
 
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -42,7 +58,7 @@ def start_session(
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         save_config(config, Path(output_dir) / "config.yaml")
-    return Session(accelerator, tokenizer, model)
+    return Session(accelerator, tokenizer, model, model_cfg)
 
 
 def load_trainable(

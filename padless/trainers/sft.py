@@ -11,7 +11,7 @@ import torch
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
 from padless.losses import sft_loss
-from padless.model import forward_packed, forward_padded, unwrap
+from padless.model import forward_packed, forward_padded, pad_token_id, unwrap
 from padless.packing import (
     Example,
     PackedBatch,
@@ -52,7 +52,7 @@ class SFTRecipe:
         self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
         self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
         self.main_process = main_process  # generation eval runs on the main process only
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
             self.bins = budget_batches(

@@ -92,15 +92,13 @@ def _expected(value: Any, i: int) -> Decimal | None:
     )
 
 
-def arithmetic(
-    prompts: list[str], completions: list[str], answer: list[Any] | None = None, **fields: Any
+def _score_numbers(
+    completions: list[str],
+    answer: list[Any] | None,
+    fields: dict[str, Any],
+    score: Callable[[Decimal, Decimal], float],
 ) -> list[float | None]:
-    """1.0 when the first number in the completion equals ``answer`` numerically, else 0.0.
-
-    Made for the embedded ``tiny:rl`` prompts, which ask for "just the number": text around the number is
-    fine ("The answer is 42."), but only the first number counts, so "26 + 19 = 45" scores 0 for 45 (it
-    reads 26). There is no format bonus. A sample whose ``answer`` is None gets None (not applicable).
-    """
+    """``score(got, expected)`` for the first number of each completion (0.0 when it has none)."""
     if answer is None:
         raise RewardError(
             "the arithmetic reward needs an 'answer' column (the expected number of each prompt), but the "
@@ -114,11 +112,39 @@ def arithmetic(
             out.append(None)
             continue
         got = first_number(completion)
-        out.append(1.0 if got is not None and got == expected else 0.0)
+        out.append(0.0 if got is None else score(got, expected))
     return out
 
 
-BUNDLED: dict[str, RewardFunction] = {"arithmetic": arithmetic}
+def arithmetic(
+    prompts: list[str], completions: list[str], answer: list[Any] | None = None, **fields: Any
+) -> list[float | None]:
+    """1.0 when the first number in the completion equals ``answer`` numerically, else 0.0.
+
+    Made for the embedded ``tiny:rl`` prompts, which ask for "just the number": text around the number is
+    fine ("The answer is 42."), but only the first number counts, so "26 + 19 = 45" scores 0 for 45 (it
+    reads 26). There is no format bonus. A sample whose ``answer`` is None gets None (not applicable).
+    """
+    return _score_numbers(completions, answer, fields, lambda got, expected: float(got == expected))
+
+
+def arithmetic_distance(
+    prompts: list[str], completions: list[str], answer: list[Any] | None = None, **fields: Any
+) -> list[float | None]:
+    """Partial credit ``max(0, 1 - |got - answer| / (|answer| + 1))`` for the first number.
+
+    A dense signal for small models that rarely hit the exact answer, so a group's samples differ and
+    group-relative advantages are not all zero; combine it with ``arithmetic``.
+    """
+    return _score_numbers(
+        completions,
+        answer,
+        fields,
+        lambda got, expected: max(0.0, 1.0 - float(abs(got - expected) / (abs(expected) + 1))),
+    )
+
+
+BUNDLED: dict[str, RewardFunction] = {"arithmetic": arithmetic, "arithmetic_distance": arithmetic_distance}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_load_bundled_module_and_file(reward_file: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("spec", "fragments"),
     [
-        ("arithmetc", ["not a bundled reward (bundled: arithmetic)", "did you mean 'arithmetic'?"]),
+        ("arithmetc", ["not a bundled reward (bundled: arithmetic, arithmetic_distance)", "did you mean 'arithmetic'?"]),
         ("lenght", ["not of the form 'module:function'", "fix: write 'package.module:function'"]),
         ("padless.rewards:", ["not of the form 'module:function'"]),
         ("padless.rewards:1abc", ["'1abc' after the last ':' is not a function name"]),
@@ -303,3 +303,13 @@ def test_composer_input_and_weight_errors() -> None:
 def test_no_functions_gives_zeros() -> None:
     total, means = RewardComposer([])(["a", "b"], ["x", "y"])
     assert total.tolist() == [0.0, 0.0] and means == {}
+
+
+def test_arithmetic_distance_gives_partial_credit_by_hand():
+    from padless.rewards import arithmetic_distance
+
+    got = arithmetic_distance(
+        [""] * 4, ["The answer is 40.", "no number", "-3", "50"], answer=["42", "5", "-3", "5"]
+    )
+    assert got == pytest.approx([1 - 2 / 43, 0.0, 1.0, 0.0])
+    assert load_reward_function("arithmetic_distance") is arithmetic_distance

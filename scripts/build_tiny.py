@@ -836,7 +836,11 @@ def preference_row(rng: random.Random, long: bool) -> dict:
         rejected = qa.wrong
     assert rejected != qa.answer, qa
     # Plain-text pairs: the prompt ends where an answer starts, and completions begin with a space.
-    return {"prompt": f"Question: {qa.question}\nAnswer:", "chosen": " " + qa.answer, "rejected": " " + rejected}
+    return {
+        "prompt": f"Question: {qa.question}\nAnswer:",
+        "chosen": " " + qa.answer,
+        "rejected": " " + rejected,
+    }
 
 
 def rl_row(rng: random.Random, long: bool) -> dict:

@@ -121,7 +121,10 @@ def test_load_bundled_module_and_file(reward_file: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("spec", "fragments"),
     [
-        ("arithmetc", ["not a bundled reward (bundled: arithmetic, arithmetic_distance)", "did you mean 'arithmetic'?"]),
+        (
+            "arithmetc",
+            ["not a bundled reward (bundled: arithmetic, arithmetic_distance)", "did you mean 'arithmetic'?"],
+        ),
         ("lenght", ["not of the form 'module:function'", "fix: write 'package.module:function'"]),
         ("padless.rewards:", ["not of the form 'module:function'"]),
         ("padless.rewards:1abc", ["'1abc' after the last ':' is not a function name"]),

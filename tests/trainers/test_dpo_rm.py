@@ -156,15 +156,20 @@ def pair_train(tmp_path, name, **train) -> TrainSettings:
 @pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_eval_never_crashes_on_any_backend_padding_side_and_eval_batch(tmp_path, model_dirs, backend, side):
+    """Eval steps with the tokenizer padded on either side, packed (budget) or padded (3 pairs) batches."""
     model = ModelSettings(name=model_dirs[side], attn_implementation=backend)
     data = PreferenceDataSettings(train="tiny:preference_eval", eval="tiny:preference_eval")
-    for i, extra in enumerate([{"max_tokens_per_batch": 8192}, {"batching": "padded", "batch_size": 3}]):
-        train = pair_train(tmp_path, f"dpo{i}", max_steps=1, eval_steps=1, **extra)
-        metrics = run_dpo(DPOConfig(model=model, data=data, train=train))
-        assert 0.0 <= metrics["eval/rewards/accuracies"] <= 1.0 and metrics["eval/loss"] > 0
-        train = pair_train(tmp_path, f"rm{i}", max_steps=1, eval_steps=1, **extra)
-        metrics = run_rm(RMConfig(model=model, data=data, train=train))
-        assert 0.0 <= metrics["eval/accuracy"] <= 1.0 and metrics["eval/loss"] > 0
+    extra = {"batching": "padded", "batch_size": 3} if side == "left" else {"max_tokens_per_batch": 8192}
+    metrics = run_dpo(
+        DPOConfig(
+            model=model, data=data, train=pair_train(tmp_path, "dpo", max_steps=1, eval_steps=1, **extra)
+        )
+    )
+    assert 0.0 <= metrics["eval/rewards/accuracies"] <= 1.0 and metrics["eval/loss"] > 0
+    metrics = run_rm(
+        RMConfig(model=model, data=data, train=pair_train(tmp_path, "rm", max_steps=1, eval_steps=1, **extra))
+    )
+    assert 0.0 <= metrics["eval/accuracy"] <= 1.0 and metrics["eval/loss"] > 0
 
 
 def test_reward_model_learns_embedded_preferences(tmp_path):

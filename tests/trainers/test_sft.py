@@ -20,7 +20,7 @@ from padless.trainers.sft import SFTRecipe, run_sft
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
-    rows = load_rows("tiny:sft")[:24]
+    rows = load_rows("tiny:sft")[:14]
     examples, _ = tokenize_sft(rows, tokenizer, max_length=1024)
     return examples
 

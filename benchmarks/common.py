@@ -240,6 +240,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def git_state(repo: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Commit of the checkout and whether the library has uncommitted edits (read-only git calls)."""
+    import subprocess
+
+    root = Path(repo) if repo else Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--", "padless")
+    return {"commit": commit, "library_dirty": bool(dirty) if dirty is not None else None}
+
+
 def environment(packages: Sequence[str] = ("padless", "torch", "transformers", "accelerate", "trl")) -> dict:
     """Date, machine and library versions, for the record next to the numbers."""
     info: dict[str, Any] = {
@@ -249,6 +267,7 @@ def environment(packages: Sequence[str] = ("padless", "torch", "transformers", "
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "versions": {name: package_version(name) for name in packages},
+        "git": git_state(),
     }
     info["env"] = {k: os.environ[k] for k in THREAD_ENV if k in os.environ}
     if hasattr(os, "getloadavg"):

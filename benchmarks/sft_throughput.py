@@ -40,6 +40,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo r
         environment,
         fmt_number,
         fmt_ratio,
+        git_state,
         hide_devices_for_cpu,
         limit_threads,
         markdown_table,
@@ -55,6 +56,7 @@ except ModuleNotFoundError:
         environment,
         fmt_number,
         fmt_ratio,
+        git_state,
         hide_devices_for_cpu,
         limit_threads,
         markdown_table,
@@ -124,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", default=None, help="write all results (every run, every step loss) here")
     p.add_argument("--profile", default=None, help="directory for one cProfile file per contender")
+    p.add_argument("--report", default=None, help="print the table of a saved --json file and exit")
     args = p.parse_args(argv)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = [c for c in args.contenders if c not in CONTENDERS]
@@ -447,6 +450,12 @@ RATIOS = (
 )
 
 
+def paired_ratios(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> list[float]:
+    """Real tokens/s ratio within each repeat that both contenders completed."""
+    by_repeat = {r["repeat"]: r["real_tokens_per_s"] for r in den}
+    return [r["real_tokens_per_s"] / by_repeat[r["repeat"]] for r in num if r["repeat"] in by_repeat]
+
+
 def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dict:
     """Print the table (median run of each contender), ratios and targets; return them for the JSON."""
     chosen = {name: median_run(rs) for name, rs in runs.items() if rs}
@@ -488,6 +497,8 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
                 get(a, "real_tokens_per_s_median_step"), get(b, "real_tokens_per_s_median_step")
             ),
             "memory": ratio(get(a, mem_key), get(b, mem_key)),
+            # Runs of the same repeat ran minutes apart: their ratio sees similar load from other processes.
+            "per_repeat": paired_ratios(runs.get(a, []), runs.get(b, [])),
         }
         for label, a, b in RATIOS
     }
@@ -505,6 +516,12 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
         f"model {spec['model']}, data {d['spec']} ({d['examples']} examples, {d['tokens']:,} tokens, "
         f"median {d['median_len']:.0f} / max {d['max_len']} tokens)"
     )
+    git, versions = env.get("git", {}), env.get("versions", {})
+    dirty = " (uncommitted library edits)" if git.get("library_dirty") else ""
+    print(
+        f"padless {versions.get('padless')} at {git.get('commit')}{dirty}, torch {versions.get('torch')}, "
+        f"transformers {versions.get('transformers')}, TRL {versions.get('trl')}; {env.get('date')}"
+    )
     print(
         f"{spec['warmup']} warm-up + {spec['steps']} timed steps per contender, {n_runs} run(s) each "
         "(median run shown, range of runs in parentheses);"
@@ -517,11 +534,12 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
     print(table)
     print()
     mem_label = "peak CUDA memory" if cuda else "peak RSS rise"
-    print(f"{'ratio':36s} {'real tok/s':>10s} {'median step':>12s} {mem_label:>16s}")
+    print(f"{'ratio':36s} {'real tok/s':>10s} {'median step':>12s} {mem_label:>16s}  per repeat")
     for label, v in ratios.items():
+        pairs = ", ".join(fmt_ratio(x) for x in v["per_repeat"]) if n_runs > 1 else ""
         print(
             f"{label:36s} {fmt_ratio(v['real_tokens_per_s']):>10s} {fmt_ratio(v['median_step']):>12s} "
-            f"{fmt_ratio(v['memory']):>16s}"
+            f"{fmt_ratio(v['memory']):>16s}  {pairs}"
         )
     print()
     for label, t in targets.items():
@@ -535,6 +553,13 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        import json
+
+        with open(args.report) as f:
+            saved = json.load(f)
+        report(saved["spec"], saved["runs"], saved["environment"])
+        return 0
     hide_devices_for_cpu(args.device)
     limit_threads(args.threads)
     env = environment()
@@ -578,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"loss {r['final_loss']:.4f}",
                 flush=True,
             )
+    env["git_end"] = git_state()  # other people may commit while a long benchmark runs
     if hasattr(os, "getloadavg"):
         env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summary = report(spec, runs, env) if any(runs.values()) else {}

@@ -4,6 +4,7 @@ training that measurably learns the embedded preferences."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -191,3 +192,28 @@ def test_dpo_raises_reward_accuracy(tmp_path):
     metrics = run_dpo(cfg)
     assert metrics["eval/rewards/accuracies"] >= 0.7, metrics
     assert metrics["eval/rewards/margins"] > 0
+
+
+@pytest.mark.parametrize("kind", ["dpo", "rm"])
+def test_resume_continues_exactly(tmp_path, kind):
+    data = PreferenceDataSettings(train="tiny:preference_eval", eval="tiny:preference_eval")
+    config, run = (DPOConfig, run_dpo) if kind == "dpo" else (RMConfig, run_rm)
+
+    def cfg(name: str, resume: str | None = None):
+        train = pair_train(
+            tmp_path,
+            name,
+            max_steps=4,
+            save_steps=2,
+            eval_steps=2,
+            max_tokens_per_batch=2048,
+            resume_from_checkpoint=resume,
+        )
+        return config(model=ModelSettings(name="tiny-llama"), data=data, train=train)
+
+    straight = run(cfg("a"))
+    run(cfg("b"))
+    shutil.rmtree(tmp_path / "b" / "checkpoint-4")
+    resumed = run(cfg("b", "latest"))
+    for key in ("train/loss", "eval/loss"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key

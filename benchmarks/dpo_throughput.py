@@ -35,58 +35,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo root
-    from common import (
-        MemoryMeter,
-        StepRecorder,
-        environment,
-        fmt_number,
-        fmt_ratio,
-        hide_devices_for_cpu,
-        limit_threads,
-        markdown_table,
-        median_run,
-        ratio,
-        run_isolated,
-        write_json,
-    )
+    import common
 except ModuleNotFoundError:
-    from benchmarks.common import (
-        MemoryMeter,
-        StepRecorder,
-        environment,
-        fmt_number,
-        fmt_ratio,
-        hide_devices_for_cpu,
-        limit_threads,
-        markdown_table,
-        median_run,
-        ratio,
-        run_isolated,
-        write_json,
-    )
+    from benchmarks import common
 
 CONTENDERS = ("padless-packed", "padless-padded", "trl", "trl-padding-free")
-IGNORE_INDEX = -100
 
 # Shared by every contender: padless's DPO defaults (TRL's would be lr 1e-6 and a linear schedule).
-OPTIM = {
-    "learning_rate": 5e-6,
-    "weight_decay": 0.0,
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.999,
-    "adam_epsilon": 1e-8,
-    "max_grad_norm": 1.0,
-    "lr_scheduler": "cosine",
-}
+OPTIM = common.optimizer_settings(learning_rate=5e-6)
 BETA = 0.1
 
 # A pair as the padless subprocess receives it: (chosen ids, chosen mask, rejected ids, rejected mask).
@@ -98,7 +61,7 @@ Pair = tuple[list[int], list[bool], list[int], list[bool]]
 
 
 @dataclass
-class PairRecorder(StepRecorder):
+class PairRecorder(common.StepRecorder):
     """A :class:`StepRecorder` that also counts preference pairs per optimizer step (for pairs/s)."""
 
     pair_counts: list[int] = field(default_factory=list)
@@ -138,7 +101,6 @@ class PairRecorder(StepRecorder):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-qwen2", help="embedded name, local directory or cached HF id")
     p.add_argument(
         "--data",
         default="tiny:preference",
@@ -150,8 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="per side, for both (TRL's default); a longer side is an error here, so nobody truncates",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every contender")
     p.add_argument(
         "--batch-size",
         type=int,
@@ -173,43 +133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="padless packed token budget per step (default: the smallest budget that holds every pair and "
         "gives at least --batch-size pairs per micro-batch on average)",
     )
-    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per contender (default 35)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed optimizer steps first (default 3)")
-    p.add_argument("--repeats", type=int, default=1, help="run every contender this many times (interleaved)")
-    p.add_argument(
-        "--contenders",
-        default=",".join(CONTENDERS),
-        help=f"comma-separated subset of {', '.join(CONTENDERS)}",
-    )
-    p.add_argument(
-        "--trl-attn",
-        default="auto",
-        help="attn_implementation for the TRL runs: auto (sdpa on CPU; flash_attention_2 on CUDA when "
-        "flash-attn is installed, else sdpa), sdpa, eager or flash_attention_2",
-    )
-    p.add_argument("--seed", type=int, default=42, help="data order seed (model init is always seed 0)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run (< 2 min): pairs of <= 256 tokens, 4 per step, 1 warm-up + 2 timed steps",
-    )
-    p.add_argument("--json", default=None, help="write all results (every run, every step loss) here")
-    p.add_argument("--profile", default=None, help="directory for one cProfile file per contender")
-    args = p.parse_args(argv)
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = [c for c in args.contenders if c not in CONTENDERS]
-    if unknown:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    quick = "smoke run (< 2 min): pairs of <= 256 tokens, 4 per step, 1 warm-up + 2 timed steps"
+    args = common.parse_benchmark_args(p, argv, CONTENDERS, cpu_steps=35, quick_help=quick)
     if args.batch_size is None:
         args.batch_size = 4 if args.quick else 8
+    if args.batch_size < 1:
+        p.error("--batch-size must be >= 1")
     if args.max_pair_tokens is None and args.quick:
         args.max_pair_tokens = 256
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 3
-    if args.steps is None:
-        args.steps = 2 if args.quick else (35 if args.device == "cpu" else 100)
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.threads < 1 or args.batch_size < 1:
-        p.error("--steps, --repeats, --threads and --batch-size must be >= 1, --warmup >= 0")
     return args
 
 
@@ -256,19 +187,10 @@ def plan(args: argparse.Namespace, pairs: list[Pair]) -> dict[str, Any]:
     # The padding a right-padded batch of `batch_size` random pairs carries (what TRL's collator does).
     expected_pad = padded_share(sides, args.batch_size, args.seed)
     return {
-        "model": args.model,
-        "device": args.device,
-        "threads": args.threads,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "seed": args.seed,
-        "max_length": args.max_length,
+        **common.base_spec(args, OPTIM),
         "max_tokens_per_batch": budget,
         "batch_size": args.batch_size,
         "beta": BETA,
-        "trl_attn": args.trl_attn,
-        "profile": args.profile,
-        "optim": OPTIM,
         "data": {
             "spec": args.data,
             "max_pair_tokens": args.max_pair_tokens,
@@ -301,34 +223,31 @@ def padded_share(sides: list[int], batch_size: int, seed: int) -> float:
     return 1.0 - real / processed
 
 
+def prepare(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The spec, the tokenized pairs (padless) and the raw rows (TRL); prints how the data will be batched."""
+    pairs, rows = load_data(args)
+    spec = plan(args, pairs)
+    d = spec["data"]
+    print(
+        f"{d['pairs']} pairs, {d['tokens']:,} tokens; padless packed: budget {spec['max_tokens_per_batch']}, "
+        f"{d['packed_steps_per_epoch']} steps/epoch, {d['packed_pairs_per_step']:.2f} pairs and "
+        f"{d['packed_tokens_per_step']:,.0f} tokens/step; TRL and padless padded: {spec['batch_size']} "
+        f"pairs/step, {d['padded_steps_per_epoch']} steps/epoch, expected padding share "
+        f"{100 * d['padded_pad_share_expected']:.0f}%",
+        flush=True,
+    )
+    return spec, {"pairs": pairs, "rows": rows}
+
+
 def run_contender(name: str, spec: dict[str, Any], pairs: list[Pair], rows: list[dict[str, Any]]) -> dict:
     """Entry point of a contender's subprocess."""
-    limit_threads(spec["threads"])
-    import torch
-
-    torch.set_num_threads(spec["threads"])
     runner = {
         "padless-packed": lambda: run_padless(spec, pairs, "tokens"),
         "padless-padded": lambda: run_padless(spec, pairs, "padded"),
         "trl": lambda: run_trl(spec, rows, padding_free=False),
         "trl-padding-free": lambda: run_trl(spec, rows, padding_free=True),
     }[name]
-    profiler = None
-    if spec["profile"]:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    try:
-        result = runner()
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            os.makedirs(spec["profile"], exist_ok=True)
-            profiler.dump_stats(os.path.join(spec["profile"], f"dpo-{name}.prof"))
-    result["threads_in_use"] = torch.get_num_threads()
-    result["profiled"] = bool(profiler)
-    return result
+    return common.contender_main(runner, spec, profile_name=f"dpo-{name}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,44 +256,24 @@ def run_contender(name: str, spec: dict[str, Any], pairs: list[Pair], rows: list
 
 def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[str, Any]:
     import padless.trainers.loop as loop
-    from padless.config import DPOConfig, DPOSettings, ModelSettings, PreferenceDataSettings, TrainSettings
+    from padless.config import DPOConfig, DPOSettings, PreferenceDataSettings
     from padless.data import PairExample
     from padless.model import load_model
     from padless.packing import Example
     from padless.trainers.dpo import DPORecipe
-    from padless.trainers.session import start_session
 
-    total = spec["warmup"] + spec["steps"]
-    o = spec["optim"]
-    cuda = spec["device"] == "cuda"
+    recorder = PairRecorder(spec["warmup"], cuda=spec["device"] == "cuda")
+    run = common.Measurement(spec, recorder)
     with tempfile.TemporaryDirectory(prefix="padless-dpo-bench-") as out:
+        model, train = common.padless_settings(spec, out, batching)
         cfg = DPOConfig(
-            model=ModelSettings(name=spec["model"], attn_implementation="varlen", dtype="auto", seed=0),
+            model=model,
             data=PreferenceDataSettings(train=spec["data"]["spec"], max_length=spec["max_length"]),
-            train=TrainSettings(
-                output_dir=out,
-                seed=spec["seed"],
-                max_steps=total,
-                learning_rate=o["learning_rate"],
-                lr_scheduler=o["lr_scheduler"],
-                weight_decay=o["weight_decay"],
-                adam_beta1=o["adam_beta1"],
-                adam_beta2=o["adam_beta2"],
-                adam_epsilon=o["adam_epsilon"],
-                max_grad_norm=o["max_grad_norm"],
-                batching=batching,
-                max_tokens_per_batch=spec["max_tokens_per_batch"],
-                batch_size=spec["batch_size"],
-                padding_side="right",
-                report_to=[],
-                progress_bar=False,
-            ),
+            train=train,
             dpo=DPOSettings(beta=spec["beta"], loss_type="sigmoid", reference="model"),
         )
-        session = start_session(cfg.model, cfg.train.seed, out, cfg)
+        session = common.start_padless(cfg, out, spec["device"])
         device = session.accelerator.device
-        if device.type != spec["device"]:
-            raise RuntimeError(f"asked for {spec['device']} but accelerate chose {device}")
         # As run_dpo does: a frozen reference built like the policy (same weights, kernel and dtype).
         ref_model = load_model(
             spec["model"],
@@ -388,59 +287,25 @@ def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[
         data = [PairExample(Example(c, cm), Example(r, rm)) for c, cm, r, rm in pairs]
         recipe = DPORecipe(data, cfg.train, cfg.dpo, pad_id, device, ref_model)
         trainer = loop.Trainer(recipe, session.model, tokenizer, cfg.train, session.accelerator)
-        # The final checkpoint is not part of the measurement and would only write to disk.
-        loop.save_checkpoint = lambda *args, **kwargs: None
 
-        recorder, memory = PairRecorder(spec["warmup"], cuda=cuda), MemoryMeter(spec["device"])
-        measured: dict[str, float] = {}
-        inner = trainer._train_step
+        def count(micro: loop.MicroBatch) -> None:
+            sides = [len(s) for p in micro.data for s in (p.chosen, p.rejected)]
+            processed = len(sides) * max(sides) if batching == "padded" else sum(sides)
+            targets = sum(s.num_targets for p in micro.data for s in (p.chosen, p.rejected))
+            recorder.tokens(sum(sides), processed, targets)
+            recorder.pairs(len(micro.data))
 
-        def timed_step(step: loop.Step) -> dict[str, float]:
-            for micro in step.micros:
-                sides = [len(s) for p in micro.data for s in (p.chosen, p.rejected)]
-                processed = len(sides) * max(sides) if batching == "padded" else sum(sides)
-                targets = sum(s.num_targets for p in micro.data for s in (p.chosen, p.rejected))
-                recorder.tokens(sum(sides), processed, targets)
-                recorder.pairs(len(micro.data))
-            metrics = inner(step)
-            recorder.step_end(metrics.get("loss"))
-            if len(recorder.records) == total:
-                measured.update(memory.stop())
-            return metrics
-
-        trainer._train_step = timed_step
-        memory.start()
-        recorder.begin()
-        trainer.train()
-    result = recorder.summary()
-    result.update(measured)
+        common.train_padless(trainer, run, count)
     if batching == "tokens":
         layout = f"packed, budget {spec['max_tokens_per_batch']} tok"
     else:
         layout = f"padded right, {spec['batch_size']} pairs"
-    result.update(
-        {
-            "layout": layout,
-            "attention": "varlen (per-sequence SDPA)" if not cuda else "varlen",
-            "dtype": str(next(session.model.parameters()).dtype),
-            "reference": "frozen copy, forward every step",
-        }
-    )
-    return result
+    attention = common.padless_attention(run.cuda)
+    return run.result(session.model, layout, attention, reference="frozen copy, forward every step")
 
 
 # --------------------------------------------------------------------------------------------------------
 # Contender: TRL DPOTrainer
-
-
-def trl_attention(choice: str, device: str) -> str:
-    if choice == "auto":
-        if device == "cuda":
-            import importlib.util
-
-            return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-        return "sdpa"
-    return choice
 
 
 class _Captured:
@@ -474,123 +339,50 @@ def run_trl(spec: dict[str, Any], rows: list[dict[str, Any]], padding_free: bool
     import warnings
 
     import datasets
-    import torch
-    import transformers
 
-    try:
-        import trl
-        from trl import DPOConfig as TRLDPOConfig
-        from trl import DPOTrainer
-    except ImportError as e:
-        raise RuntimeError("TRL is not installed: pip install 'padless[bench]'") from e
-    from padless import tiny
-    from padless.model import load_tokenizer
-
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    cuda = spec["device"] == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    attn = trl_attention(spec["trl_attn"], spec["device"])
-    total = spec["warmup"] + spec["steps"]
-    o = spec["optim"]
-
-    # Same weights as padless: the embedded model from seed 0, or the checkpoint; the reference is a copy.
-    if spec["model"] in tiny.TINY_MODELS:
-        model = tiny.build_tiny_model(spec["model"], seed=0, attn_implementation=attn, dtype=dtype)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec["model"], attn_implementation=attn, dtype=dtype
-        )
+    trl = common.import_trl()
+    # The reference is a frozen copy of the policy's initial weights.
+    model, tokenizer, attn = common.trl_model(spec)
     ref_model = copy.deepcopy(model).requires_grad_(False).eval()
-    tokenizer = load_tokenizer(spec["model"])
     dataset = datasets.Dataset.from_list(rows)
 
-    recorder, memory = PairRecorder(spec["warmup"], cuda=cuda), MemoryMeter(spec["device"])
-    measured: dict[str, float] = {}
+    recorder = PairRecorder(spec["warmup"], cuda=spec["device"] == "cuda")
+    run = common.Measurement(spec, recorder)
     layouts: set[str] = set()
 
-    class StepTimer(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            memory.start()
-            recorder.begin()
+    def count(inputs: dict[str, Any]) -> None:
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        real = int(mask.sum()) if mask is not None else ids.numel()
+        # Packed (padding-free) input would be one row with position_ids; TRL's padded batch is [2B, L].
+        packed = ids.shape[0] == 1 and "position_ids" in inputs
+        layouts.add("packed" if packed else f"padded [{2 * spec['batch_size']}, L]")
+        recorder.tokens(real, ids.numel(), int(inputs["completion_mask"][:, 1:].sum()))
+        recorder.pairs(ids.shape[0] // 2 if not packed else int(inputs["position_ids"].eq(0).sum()) // 2)
 
-        def on_step_end(self, args, state, control, **kwargs):
-            recorder.step_end()
-            if len(recorder.records) == total:
-                measured.update(memory.stop())
-
-    class CountingDPOTrainer(DPOTrainer):
-        def training_step(self, model, inputs, *args, **kwargs):
-            ids = inputs["input_ids"]
-            mask = inputs.get("attention_mask")
-            real = int(mask.sum()) if mask is not None else ids.numel()
-            # Packed (padding-free) input would be one row with position_ids; TRL's padded batch is [2B, L].
-            packed = ids.shape[0] == 1 and "position_ids" in inputs
-            layouts.add("packed" if packed else f"padded [{2 * spec['batch_size']}, L]")
-            recorder.tokens(real, ids.numel(), int(inputs["completion_mask"][:, 1:].sum()))
-            recorder.pairs(ids.shape[0] // 2 if not packed else int(inputs["position_ids"].eq(0).sum()) // 2)
-            loss = super().training_step(model, inputs, *args, **kwargs)
-            recorder.loss(loss.item())
-            return loss
-
-    # TRL turns activation (gradient) checkpointing on by default; padless does not. transformers >= 5.2x
-    # renamed the argument and warns about the old name.
-    fields = transformers.TrainingArguments.__dataclass_fields__
-    no_checkpointing = (
-        {"activation_checkpointing": False}
-        if "activation_checkpointing" in fields
-        else {"gradient_checkpointing": False}
-    )
-    dpo_fields = TRLDPOConfig.__dataclass_fields__
+    dpo_fields = trl.DPOConfig.__dataclass_fields__
     extra = {"padding_free": padding_free} if "padding_free" in dpo_fields else {}
     if padding_free and not extra:
         raise RuntimeError(f"TRL {trl.__version__} DPOConfig has no padding_free option")
     with tempfile.TemporaryDirectory(prefix="trl-dpo-bench-") as out, _Captured() as captured:
-        args = TRLDPOConfig(
-            output_dir=out,
-            max_steps=total,
-            per_device_train_batch_size=spec["batch_size"],
-            gradient_accumulation_steps=1,
-            learning_rate=o["learning_rate"],
-            lr_scheduler_type=o["lr_scheduler"],
-            warmup_steps=0,
-            weight_decay=o["weight_decay"],
-            adam_beta1=o["adam_beta1"],
-            adam_beta2=o["adam_beta2"],
-            adam_epsilon=o["adam_epsilon"],
-            max_grad_norm=o["max_grad_norm"],
-            optim="adamw_torch",  # torch.optim.AdamW, as padless
-            seed=spec["seed"],
-            **no_checkpointing,
-            bf16=cuda,
-            fp16=False,
-            use_cpu=not cuda,
+        args = trl.DPOConfig(
+            **common.trl_args(spec, out),
             beta=spec["beta"],
             loss_type=["sigmoid"],
             max_length=spec["max_length"],
             precompute_ref_log_probs=False,
-            report_to="none",
-            save_strategy="no",
-            eval_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
             **extra,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = CountingDPOTrainer(
+            trainer = common.counting_trainer(trl.DPOTrainer, run, count)(
                 model=model,
                 ref_model=ref_model,
                 args=args,
                 train_dataset=dataset,
                 processing_class=tokenizer,
-                callbacks=[StepTimer()],
             )
-        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no end-of-run log line
-        trainer.train()
-    result = recorder.summary()
-    result.update(measured)
+        common.train_trl(trainer, run)
     notes = [m for m in captured.messages + [str(w.message) for w in caught] if "padding_free" in m]
     honoured = getattr(trainer, "padding_free", padding_free)
     if padding_free:
@@ -598,20 +390,17 @@ def run_trl(spec: dict[str, Any], rows: list[dict[str, Any]], padding_free: bool
         verdict = "fell back to padding" if fell_back else "padding-free"
     else:
         verdict = "padded (default)"
-    result.update(
-        {
-            "layout": f"{'packed' if 'packed' in layouts else 'padded right'}, {spec['batch_size']} pairs",
-            "attention": attn,
-            "dtype": str(next(model.parameters()).dtype),
-            "reference": "frozen copy (ref_model), forward every step",
-            "trl_version": trl.__version__,
-            "padding_free_requested": padding_free,
-            "padding_free_verdict": verdict,
-            "layouts_seen": sorted(layouts),
-            "trl_messages": notes,
-        }
+    return run.result(
+        model,
+        f"{'packed' if 'packed' in layouts else 'padded right'}, {spec['batch_size']} pairs",
+        attn,
+        reference="frozen copy (ref_model), forward every step",
+        trl_version=trl.__version__,
+        padding_free_requested=padding_free,
+        padding_free_verdict=verdict,
+        layouts_seen=sorted(layouts),
+        trl_messages=notes,
     )
-    return result
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -630,77 +419,41 @@ RATIOS = (
 )
 
 
-def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dict:
+def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict:
     """Print the table (median run of each contender), ratios, targets and TRL's padding_free verdict."""
-    chosen = {name: median_run(rs) for name, rs in runs.items() if rs}
-    cuda = spec["device"] == "cuda"
-    mem_key = "cuda_peak_mib" if cuda else "peak_rss_mib"
-    headers = ["contender", "layout", "attention", "pairs/step", "tok/pair", "pairs/s", "real tok/s"]
-    headers += ["median-step tok/s", "pad share", "peak CUDA MiB" if cuda else "peak RSS MiB"]
-    headers += [] if cuda else ["RSS rise MiB"]
-    headers += ["s/step", "loss first", "loss last 5"]
-    rows = []
-    for name, r in chosen.items():
-        spread = ""
-        if len(runs[name]) > 1:
-            values = [x["real_tokens_per_s"] for x in runs[name]]
-            spread = f" ({min(values):,.0f}-{max(values):,.0f})"
-        row = [
-            name,
-            r["layout"],
-            r["attention"],
-            fmt_number(r["pairs_per_step"], 1),
-            fmt_number(r["real_tokens_per_pair"]),
-            fmt_number(r["pairs_per_s"], 2),
-            fmt_number(r["real_tokens_per_s"]) + spread,
-            fmt_number(r["real_tokens_per_s_median_step"]),
-            f"{100 * r['pad_share']:.1f}%",
-        ]
-        if cuda:
-            row.append(fmt_number(r.get("cuda_peak_mib")))
-        else:
-            row += [fmt_number(r.get("peak_rss_mib")), fmt_number(r.get("peak_rss_delta_mib"))]
-        row += [f"{r['step_s_median']:.2f}", f"{r['first_loss']:.4f}", f"{r['final_loss_mean5']:.4f}"]
-        rows.append(row)
-
-    def get(name: str, key: str) -> float | None:
-        return chosen[name].get(key) if name in chosen else None
-
+    results = common.Results(spec, runs)
+    cuda, chosen = results.cuda, results.chosen
+    table = results.table(
+        before=[
+            ("pairs/step", lambda r: common.fmt_number(r["pairs_per_step"], 1)),
+            ("tok/pair", lambda r: common.fmt_number(r["real_tokens_per_pair"])),
+            ("pairs/s", lambda r: common.fmt_number(r["pairs_per_s"], 2)),
+        ],
+        after=[
+            ("loss first", lambda r: f"{r['first_loss']:.4f}"),
+            ("loss last 5", lambda r: f"{r['final_loss_mean5']:.4f}"),
+        ],
+    )
     ratios = {
         label: {
-            "pairs_per_s": ratio(get(a, "pairs_per_s"), get(b, "pairs_per_s")),
-            "real_tokens_per_s": ratio(get(a, "real_tokens_per_s"), get(b, "real_tokens_per_s")),
-            "median_step": ratio(
-                get(a, "real_tokens_per_s_median_step"), get(b, "real_tokens_per_s_median_step")
-            ),
-            "memory": ratio(get(a, mem_key), get(b, mem_key)),
-            "memory_rise": None
-            if cuda
-            else ratio(get(a, "peak_rss_delta_mib"), get(b, "peak_rss_delta_mib")),
+            "pairs_per_s": results.ratio(a, b, "pairs_per_s"),
+            **results.throughput_ratios(a, b, "cuda_peak_mib" if cuda else "peak_rss_mib"),
+            "memory_rise": None if cuda else results.ratio(a, b, "peak_rss_delta_mib"),
         }
         for label, a, b in RATIOS
         if a in chosen and b in chosen
     }
-    targets = {}
-    for label, (a, b, minimum) in TARGETS.items():
-        value = ratio(get(a, "real_tokens_per_s"), get(b, "real_tokens_per_s"))
-        targets[label] = {"ratio": value, "met": None if value is None else value >= minimum}
+    targets = results.targets(TARGETS)
 
     d = spec["data"]
-    n_runs = max(len(rs) for rs in runs.values())
-    table = markdown_table(headers, rows)
     subset = f" (pairs of <= {d['max_pair_tokens']} tokens)" if d["max_pair_tokens"] else ""
     print()
     print(
-        f"DPO throughput on {spec['device']} ({env.get('gpu') or env['cpu']}), {spec['threads']} threads, "
-        f"model {spec['model']}, data {d['spec']}{subset} ({d['pairs']} pairs, {d['tokens']:,} tokens, "
-        f"per side median {d['median_side_len']:.0f} / max {d['max_side_len']} tokens), sigmoid loss, beta "
-        f"{spec['beta']}, frozen reference model"
+        f"DPO throughput on {common.machine_line(spec, env)}, data {d['spec']}{subset} ({d['pairs']} pairs, "
+        f"{d['tokens']:,} tokens, per side median {d['median_side_len']:.0f} / max {d['max_side_len']} "
+        f"tokens), sigmoid loss, beta {spec['beta']}, frozen reference model"
     )
-    print(
-        f"{spec['warmup']} warm-up + {spec['steps']} timed steps per contender, {n_runs} run(s) each "
-        "(median run shown, range of runs in parentheses);"
-    )
+    print(results.runs_line(spec))
     print(
         f"TRL and padless padded: {spec['batch_size']} pairs/step; padless packed: budget "
         f"{spec['max_tokens_per_batch']} tokens/step = {d['packed_pairs_per_step']:.2f} pairs, "
@@ -709,19 +462,15 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
     print()
     print(table)
     print()
-    mem_label = "peak CUDA" if cuda else "peak RSS"
-    print(f"{'ratio':36s} {'pairs/s':>8s} {'real tok/s':>10s} {'median step':>12s} {mem_label:>9s}", end="")
-    print("" if cuda else f" {'RSS rise':>9s}")
-    for label, v in ratios.items():
-        line = (
-            f"{label:36s} {fmt_ratio(v['pairs_per_s']):>8s} {fmt_ratio(v['real_tokens_per_s']):>10s} "
-            f"{fmt_ratio(v['median_step']):>12s} {fmt_ratio(v['memory']):>9s}"
-        )
-        print(line + ("" if cuda else f" {fmt_ratio(v['memory_rise']):>9s}"))
+    columns = [
+        ("pairs/s", "pairs_per_s", 8),
+        ("real tok/s", "real_tokens_per_s", 10),
+        ("median step", "median_step", 12),
+        ("peak CUDA" if cuda else "peak RSS", "memory", 9),
+    ]
+    common.print_ratios(ratios, columns if cuda else [*columns, ("RSS rise", "memory_rise", 9)])
     print()
-    for label, t in targets.items():
-        verdict = {None: "n/a", True: "met", False: "MISSED"}[t["met"]]
-        print(f"target {label:44s} {fmt_ratio(t['ratio']):>7s}  {verdict}")
+    common.print_targets(targets, width=44)
     trl_pf = chosen.get("trl-padding-free")
     padding_free = None
     if trl_pf is not None:
@@ -737,69 +486,19 @@ def report(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], env: dic
             f"(batches seen: {', '.join(trl_pf['layouts_seen'])}; padding share "
             f"{100 * trl_pf['pad_share']:.1f}%){said}"
         )
-    for name, rs in runs.items():
-        if not rs:
-            print(f"{name}: no successful run (see the errors above)")
+    results.print_failures()
     return {"ratios": ratios, "targets": targets, "table": table, "trl_padding_free": padding_free}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    hide_devices_for_cpu(args.device)
-    limit_threads(args.threads)
-    env = environment()
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("--device cuda: no CUDA device is visible", file=sys.stderr)
-            return 2
-        env["gpu"] = torch.cuda.get_device_name()
-    pairs, rows = load_data(args)
-    spec = plan(args, pairs)
-    d = spec["data"]
-    print(
-        f"{d['pairs']} pairs, {d['tokens']:,} tokens; padless packed: budget {spec['max_tokens_per_batch']}, "
-        f"{d['packed_steps_per_epoch']} steps/epoch, {d['packed_pairs_per_step']:.2f} pairs and "
-        f"{d['packed_tokens_per_step']:,.0f} tokens/step; TRL and padless padded: {spec['batch_size']} "
-        f"pairs/step, {d['padded_steps_per_epoch']} steps/epoch, expected padding share "
-        f"{100 * d['padded_pad_share_expected']:.0f}%",
-        flush=True,
+def progress(r: dict[str, Any]) -> str:
+    return (
+        f"{r['pairs_per_s']:.2f} pairs/s, {common.throughput_line(r)}, "
+        f"loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}"
     )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
-    errors: dict[str, list[str]] = {}
-    for repeat in range(args.repeats):
-        for name in args.contenders:
-            started = time.perf_counter()
-            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            out = run_isolated(run_contender, name=name, spec=spec, pairs=pairs, rows=rows)
-            wall = time.perf_counter() - started
-            if not out["ok"]:
-                errors.setdefault(name, []).append(out["error"])
-                print(
-                    f"[{repeat + 1}/{args.repeats}] {name}: FAILED {out['error']}\n{out['traceback']}",
-                    flush=True,
-                )
-                continue
-            r = out["value"]
-            r.update({"repeat": repeat, "wall_s": wall, "loadavg_1m_before": load})
-            runs[name].append(r)
-            print(
-                f"[{repeat + 1}/{args.repeats}] {name}: {r['pairs_per_s']:.2f} pairs/s, "
-                f"{r['real_tokens_per_s']:,.0f} real tok/s, pad {100 * r['pad_share']:.1f}%, "
-                f"{r['seconds']:.1f} s timed, {wall:.0f} s wall, loss {r['first_loss']:.4f} -> "
-                f"{r['final_loss']:.4f}",
-                flush=True,
-            )
-    if hasattr(os, "getloadavg"):
-        env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    summary = report(spec, runs, env) if any(runs.values()) else {}
-    if args.json:
-        path = write_json(
-            args.json, {"environment": env, "spec": spec, "runs": runs, "errors": errors, **summary}
-        )
-        print(f"\nwrote {path}")
-    return 1 if errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.run_benchmark(parse_args(argv), prepare, run_contender, progress, report)
 
 
 if __name__ == "__main__":

@@ -731,6 +731,15 @@ class TrainSettings:
             )
 
 
+def _check_eval_set(eval_data: str | None, train: TrainSettings, what: str) -> None:
+    if eval_data is None and train.eval_steps > 0:
+        raise invalid(
+            ("train.eval_steps", "data.eval"),
+            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
+            f"set data.eval to {what}, or train.eval_steps to 0",
+        )
+
+
 @dataclass
 class SFTConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -738,12 +747,7 @@ class SFTConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
 
     def __post_init__(self) -> None:
-        if self.data.eval is None and self.train.eval_steps > 0:
-            raise invalid(
-                ("train.eval_steps", "data.eval"),
-                f"eval_steps={self.train.eval_steps} asks for evaluation but data.eval is not set",
-                "set data.eval to an eval data set, or train.eval_steps to 0",
-            )
+        _check_eval_set(self.data.eval, self.train, "an eval data set")
         if self.data.eval is None and self.train.eval_generate:
             raise invalid(
                 ("train.eval_generate", "data.eval"),
@@ -838,12 +842,7 @@ def _check_preference_run(data: PreferenceDataSettings, train: TrainSettings) ->
             "data.eval instead)",
             "set train.eval_generate to false",
         )
-    if data.eval is None and train.eval_steps > 0:
-        raise invalid(
-            ("train.eval_steps", "data.eval"),
-            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
-            "set data.eval to an eval data set (e.g. tiny:preference_eval), or train.eval_steps to 0",
-        )
+    _check_eval_set(data.eval, train, "an eval data set (e.g. tiny:preference_eval)")
 
 
 @dataclass
@@ -904,7 +903,7 @@ class RLDataSettings:
 
 @dataclass
 class RolloutSettings:
-    engine: Literal["hf", "vllm"] = "hf"  # vllm: checked to be installed when the run starts
+    engine: Literal["hf", "vllm"] = "hf"  # vllm: colocated, needs vLLM and CUDA (checked at start)
     prompts_per_step: int = 16  # prompts per rollout batch
     num_generations: int = 4  # samples per prompt (GRPO group size; PPO usually 1)
     max_new_tokens: int = 64
@@ -912,11 +911,19 @@ class RolloutSettings:
     top_p: float = 1.0
     generation_batch_size: int = 32  # sequences per generate() call
     mask_truncated: bool = True  # completions that hit max_new_tokens without EOS: out of the loss, or kept
+    vllm_gpu_memory_utilization: float = 0.3  # engine vllm: share of GPU memory for its weights + KV cache
 
     def __post_init__(self) -> None:
         _require_positive(
             self, "prompts_per_step", "num_generations", "max_new_tokens", "generation_batch_size"
         )
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise invalid(
+                "vllm_gpu_memory_utilization",
+                f"must be in (0, 1), got {self.vllm_gpu_memory_utilization!r}: the rest of the GPU holds the "
+                "policy, its gradients and optimizer state",
+                "set it to e.g. 0.3",
+            )
         if not self.temperature > 0:
             raise invalid(
                 "temperature",
@@ -1066,12 +1073,7 @@ def _check_rl_run(
             "their rewards instead)",
             "set train.eval_generate to false",
         )
-    if data.eval is None and train.eval_steps > 0:
-        raise invalid(
-            ("train.eval_steps", "data.eval"),
-            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
-            "set data.eval to a prompt data set, or train.eval_steps to 0",
-        )
+    _check_eval_set(data.eval, train, "a prompt data set")
     samples = rollout.prompts_per_step * rollout.num_generations
     if samples % n_mini:
         raise invalid(

@@ -315,13 +315,19 @@ def _as_list(result: Any) -> Any:
     return result
 
 
+def scored_mean(values: Sequence[float | None]) -> float:
+    """Mean over the completions a reward applies to (NaN when it applied to none)."""
+    scored = [v for v in values if v is not None]
+    return math.fsum(scored) / len(scored) if scored else math.nan
+
+
 class RewardComposer:
     """Several reward functions, weighted and summed into one reward per completion.
 
     ``specs`` are spec strings (see :func:`load_reward_function`) or callables; ``weights`` default to 1.0
-    each. Calling it returns the ``[N]`` float32 total (CPU) and each function's mean over the completions it
-    applies to (NaN when it returned None for all), keyed by :attr:`names` (the function name, or the whole
-    spec when two specs share a function name).
+    each. Calling it returns the ``[N]`` float32 total (CPU) and each function's unweighted values (None
+    where it does not apply), keyed by :attr:`names` (the function name, or the whole spec when two specs
+    share a function name).
     """
 
     def __init__(
@@ -361,19 +367,18 @@ class RewardComposer:
         prompts: Sequence[str],
         completions: Sequence[str],
         fields: Mapping[str, Sequence[Any]] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Weighted total reward ``[N]`` and each function's mean (None excluded)."""
+    ) -> tuple[torch.Tensor, dict[str, list[float | None]]]:
+        """Weighted total reward ``[N]`` (None counts 0) and each function's values."""
         n = len(completions)
         fields = dict(fields or {})
         self._check_inputs(prompts, completions, fields)
         total = torch.zeros(n, dtype=torch.float64)
-        means: dict[str, float] = {}
+        per_function: dict[str, list[float | None]] = {}
         for name, fn, weight in zip(self.names, self.functions, self.weights, strict=True):
             values = self._call_one(name, fn, list(prompts), list(completions), fields)
-            scored = [v for v in values if v is not None]
-            means[name] = math.fsum(scored) / len(scored) if scored else math.nan
+            per_function[name] = values
             total += weight * torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float64)
-        return total.float(), means
+        return total.float(), per_function
 
     @staticmethod
     def _check_inputs(prompts: Sequence[str], completions: Sequence[str], fields: dict[str, Any]) -> None:

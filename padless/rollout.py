@@ -3,6 +3,9 @@
 Decoding needs a KV cache, which packed attention kernels do not take: for ``varlen`` and
 ``flex_attention`` models, decoding runs on ``sdpa`` (said in the log, restored afterwards). Completions
 come back as plain token lists, cut after the first EOS, ready to be packed again.
+
+RL samples through an :class:`Engine`: :class:`HFEngine` runs ``generate`` on the policy itself;
+:class:`padless.vllm_engine.VLLMEngine` runs vLLM with the policy's weights copied in before each rollout.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -87,8 +91,7 @@ def generate(
     inner = unwrap(model)
     device = next(inner.parameters()).device
     pad_id = pad_token_id(tokenizer)
-    eos = inner.generation_config.eos_token_id or tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = eos_token_ids(inner, tokenizer)
     sampling = {"temperature": temperature, "top_p": top_p} if do_sample else {}
     results: list[Completion] = []
     was_training = inner.training
@@ -115,3 +118,44 @@ def generate(
     finally:
         inner.train(was_training)
     return results
+
+
+class Engine(Protocol):
+    def sync_weights(self) -> None:
+        """Make sampling use the policy's current weights (called before every rollout)."""
+
+    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+        """``n`` completions per prompt, a prompt's samples consecutive, sampling seeded by ``seed``."""
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """Every token that ends a completion: the generation config's EOS ids, else the tokenizer's."""
+    eos = unwrap(model).generation_config.eos_token_id or tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+class HFEngine:
+    """``generate`` on the policy itself: always in sync, no second copy of the weights."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any):
+        self.policy, self.tokenizer, self.rollout = policy, tokenizer, rollout
+
+    def sync_weights(self) -> None:
+        """Nothing to copy: the policy samples itself."""
+
+    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+        r = self.rollout
+        device = next(unwrap(self.policy).parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)  # sampling seeded per rollout, the training RNG untouched
+            return generate(
+                self.policy,
+                self.tokenizer,
+                prompts,
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                do_sample=not greedy,
+                batch_size=max(1, r.generation_batch_size // n),
+                num_return_sequences=n,
+            )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from padless.cli import TRAINERS, _load
 from padless.config import load_config
@@ -21,11 +23,22 @@ def test_every_example_names_a_trainer():
     assert all(trainer_of(p) in TRAINERS for p in EXAMPLES)
 
 
+def test_every_example_is_a_valid_config(tmp_path):
+    for path in EXAMPLES:
+        config_cls = _load(TRAINERS[trainer_of(path)][0])
+        load_config(config_cls, path, [f"train.output_dir={tmp_path}"])
+
+
+VLLM_RUNS = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path, tmp_path):
     config_cls, run = (_load(t) for t in TRAINERS[trainer_of(path)][:2])
     kind = trainer_of(path)
+    if "engine: vllm" in path.read_text() and not VLLM_RUNS:
+        pytest.skip("a vLLM example: needs vLLM and a CUDA GPU")
     overrides = [
         f"train.output_dir={tmp_path}",
         "train.max_steps=2",

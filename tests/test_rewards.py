@@ -18,6 +18,7 @@ from padless.rewards import (
     arithmetic,
     first_number,
     load_reward_function,
+    scored_mean,
 )
 
 
@@ -206,14 +207,14 @@ def _math_only(
     return [2.0 if k == "math" else None for k in kind]
 
 
-def test_weights_combine_and_means_are_per_function() -> None:
+def test_weights_combine_and_values_are_per_function() -> None:
     composer = RewardComposer([_ones, _length, "arithmetic"], [0.5, 2.0, -1.0])
     assert composer.names == ["_ones", "_length", "arithmetic"]
-    total, means = composer(["p1", "p2", "p3"], ["7", "abc", "7!"], {"answer": ["7", "7", "8"]})
+    total, values = composer(["p1", "p2", "p3"], ["7", "abc", "7!"], {"answer": ["7", "7", "8"]})
     assert total.dtype == torch.float32 and total.shape == (3,)
     want = [0.5 + 2 * 1 - 1, 0.5 + 2 * 3 - 0, 0.5 + 2 * 2 - 0]
     assert total.tolist() == pytest.approx(want)
-    assert means == pytest.approx({"_ones": 1.0, "_length": 2.0, "arithmetic": 1 / 3})
+    assert values == {"_ones": [1.0] * 3, "_length": [1.0, 3.0, 2.0], "arithmetic": [1.0, 0.0, 0.0]}
     default = RewardComposer([_ones, _length])
     assert default.weights == [1.0, 1.0]
     assert default(["a", "b"], ["x", "yy"])[0].tolist() == [2.0, 3.0]
@@ -222,11 +223,12 @@ def test_weights_combine_and_means_are_per_function() -> None:
 
 def test_none_is_left_out_of_the_mean_and_adds_zero() -> None:
     composer = RewardComposer([_math_only, _ones], [3.0, 1.0])
-    total, means = composer(["a"] * 4, ["x"] * 4, {"kind": ["math", "code", "math", "code"]})
+    total, values = composer(["a"] * 4, ["x"] * 4, {"kind": ["math", "code", "math", "code"]})
     assert total.tolist() == [7.0, 1.0, 7.0, 1.0]
-    assert means == {"_math_only": 2.0, "_ones": 1.0}
-    total, means = composer(["a"] * 2, ["x"] * 2, {"kind": ["code", "code"]})
-    assert total.tolist() == [1.0, 1.0] and math.isnan(means["_math_only"])
+    assert values["_math_only"] == [2.0, None, 2.0, None]
+    assert scored_mean(values["_math_only"]) == 2.0 and scored_mean(values["_ones"]) == 1.0
+    total, values = composer(["a"] * 2, ["x"] * 2, {"kind": ["code", "code"]})
+    assert total.tolist() == [1.0, 1.0] and math.isnan(scored_mean(values["_math_only"]))
 
 
 def test_numpy_tensor_and_bool_results_are_accepted() -> None:
@@ -304,8 +306,8 @@ def test_composer_input_and_weight_errors() -> None:
 
 
 def test_no_functions_gives_zeros() -> None:
-    total, means = RewardComposer([])(["a", "b"], ["x", "y"])
-    assert total.tolist() == [0.0, 0.0] and means == {}
+    total, values = RewardComposer([])(["a", "b"], ["x", "y"])
+    assert total.tolist() == [0.0, 0.0] and values == {}
 
 
 def test_arithmetic_distance_gives_partial_credit_by_hand():

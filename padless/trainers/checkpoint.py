@@ -3,7 +3,8 @@
 Layout of ``checkpoint-N/``: the model in Hugging Face format (safetensors; the adapter only for LoRA)
 with its tokenizer, so ``from_pretrained`` and ``padless generate`` load it directly; ``state/`` with
 optimizer, scheduler and RNG states from accelerate (model weights are not duplicated there);
-``trainer_state.json`` with the step and data position, written last.
+``plan.pt`` with the current epoch's planned data when the recipe's plan cannot be recomputed (a rollout
+saved mid-way); ``trainer_state.json`` with the step and data position, written last.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 STATE_FILE = "trainer_state.json"
+PLAN_FILE = "plan.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -75,6 +77,7 @@ def save_checkpoint(
     tokenizer: Any,
     state: TrainState,
     output_dir: str | Path,
+    plan: Any = None,
 ) -> Path:
     root = Path(output_dir)
     final = root / f"checkpoint-{state.step}"
@@ -88,6 +91,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if plan is not None:
+            torch.save(plan, tmp / PLAN_FILE)
     accelerator.save_state(str(tmp / "state"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -120,13 +125,15 @@ def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> TrainState:
-    """Restore weights (HF files), optimizer / scheduler / RNG (accelerate state) and the train state."""
+def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> tuple[TrainState, Any]:
+    """Restore weights (HF files), optimizer / scheduler / RNG (accelerate state); return the train state
+    and the saved plan (``None`` if there is none)."""
     unwrapped = accelerator.unwrap_model(model)
     custom = getattr(unwrapped, "load_hf_weights", None)  # models made of several HF models load themselves
     custom(path) if custom is not None else load_hf_weights(unwrapped, path)
     accelerator.load_state(str(path / "state"))
-    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+    plan = torch.load(path / PLAN_FILE, weights_only=True) if (path / PLAN_FILE).exists() else None
+    return TrainState(**json.loads((path / STATE_FILE).read_text())), plan
 
 
 def load_hf_weights(model: torch.nn.Module, path: Path) -> None:

@@ -7,11 +7,10 @@ import torch
 
 from padless.config import GRPOConfig
 from padless.losses import clipped_policy_loss, group_advantages, kl_k3
-from padless.model import forward_packed, unwrap
+from padless.model import forward_packed
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
-from padless.trainers.rl import RolloutRecipe, check_engine, load_prompts, load_rewards, per_target
-from padless.trainers.session import start_session
+from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
 
 
 class GRPORecipe(RolloutRecipe):
@@ -25,19 +24,21 @@ class GRPORecipe(RolloutRecipe):
         # with one update on one mini-batch the policy has not moved: old log-probs = current, detached
         self.store_old = self.updates > 1 or self.mini_batches > 1
 
-    def logps_pass(self, model: torch.nn.Module):
+    def logps_pass(self, model: torch.nn.Module) -> Pass:
         return lambda batch: forward_packed(model, batch, temperature=self.cfg.rollout.temperature).logps
 
-    def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
-        advantages = group_advantages(rewards, self.cfg.rollout.num_generations, self.cfg.grpo.scale_rewards)
-        for e, a in zip(examples, advantages.tolist(), strict=True):
-            e.meta["advantage"] = a
+    def passes(self) -> dict[str, Pass]:
         passes = {}
         if self.ref_model is not None:
             passes["ref_logps"] = self.logps_pass(self.ref_model)
         if self.store_old:
             passes["old_logps"] = self.logps_pass(self.policy)
-        self.store(examples, passes)
+        return passes
+
+    def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+        advantages = group_advantages(rewards, self.cfg.rollout.num_generations, self.cfg.grpo.scale_rewards)
+        for e, a in zip(examples, advantages.tolist(), strict=True):
+            e.meta["advantage"] = a
         return {}
 
     def loss(
@@ -78,23 +79,7 @@ class GRPORecipe(RolloutRecipe):
 
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
-    check_engine(cfg.rollout)
-    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
-    acc, tokenizer = session.accelerator, session.tokenizer
-    ref_model = None
-    if cfg.grpo.beta > 0:
-        ref_model = session.companion()
-    rewards, reward_model = load_rewards(cfg.reward, acc.device)
-    recipe = GRPORecipe(
-        load_prompts(cfg.data.train, tokenizer, cfg.data),
-        cfg,
-        tokenizer,
-        unwrap(session.model),
-        rewards,
-        acc.device,
-        load_prompts(cfg.data.eval, tokenizer, cfg.data) if cfg.data.eval else None,
-        acc.is_main_process,
-        reward_model,
-        ref_model=ref_model,
-    )
-    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
+    session, parts = start_rl(cfg)
+    ref_model = session.companion() if cfg.grpo.beta > 0 else None
+    recipe = GRPORecipe(**parts, ref_model=ref_model)
+    return Trainer(recipe, session.model, session.tokenizer, cfg.train, session.accelerator).train()

@@ -62,6 +62,20 @@ class Recipe(Protocol):
         """Evaluation beyond the loss metrics (e.g. generation), run on every rank; may return nothing."""
 
 
+class CostlyPlans(Recipe, Protocol):
+    """A recipe whose plan is expensive and not reproducible from a seed alone (a sampled rollout): it
+    states its step count without planning, and its current plan travels in checkpoints so a run resumed
+    mid-epoch continues on the very same data."""
+
+    def steps_per_epoch(self) -> int: ...
+
+    def plan_state(self, epoch: int) -> Any:
+        """The epoch's planned data as tensors / lists / numbers (saved with ``torch.save``)."""
+
+    def restore_plan(self, epoch: int, state: Any) -> None:
+        """Make the next ``plan(epoch)`` return the plan ``state`` was saved from."""
+
+
 @dataclass
 class Step:
     micros: list[MicroBatch]  # this rank's share
@@ -90,6 +104,19 @@ def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank
     return steps
 
 
+def parameter_groups(
+    model: torch.nn.Module, lr: float, weight_decay: float, learning_rates: dict[str, float]
+) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay on biases and norms; prefixes in ``learning_rates`` get their own lr."""
+    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = defaultdict(list)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        group_lr = next((v for k, v in learning_rates.items() if name.startswith(k)), lr)
+        groups[(group_lr, weight_decay if param.dim() >= 2 else 0.0)].append(param)
+    return [{"params": p, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), p in groups.items()]
+
+
 class Trainer:
     def __init__(
         self,
@@ -98,16 +125,13 @@ class Trainer:
         tokenizer: Any,
         settings: Any,
         accelerator: Accelerator,
+        learning_rates: dict[str, float] | None = None,
     ):
+        """``learning_rates`` maps parameter-name prefixes (e.g. ``"value."``) to their own learning rate;
+        the rest train at ``settings.learning_rate``. The schedule scales every group alike."""
         self.recipe, self.tokenizer, self.cfg, self.acc = recipe, tokenizer, settings, accelerator
-        params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": settings.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
+            parameter_groups(model, settings.learning_rate, settings.weight_decay, learning_rates or {}),
             lr=settings.learning_rate,
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
@@ -128,16 +152,24 @@ class Trainer:
 
     def steps_of(self, epoch: int) -> list[Step]:
         if epoch not in self.epoch_steps:
+            self.epoch_steps.clear()  # one epoch's plan at a time: a rollout's data is large
             micros = self.recipe.plan(epoch)
             self.epoch_steps[epoch] = plan_steps(
                 micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
             )
+            stated = getattr(self.recipe, "steps_per_epoch", None)
+            if stated is not None and stated() != len(self.epoch_steps[epoch]):
+                raise RuntimeError(
+                    f"{type(self.recipe).__name__} stated {stated()} steps per epoch but planned "
+                    f"{len(self.epoch_steps[epoch])} for epoch {epoch}: the schedule would be wrong"
+                )
         return self.epoch_steps[epoch]
 
     def _count_steps(self) -> tuple[int, int]:
         """Total optimizer steps and epochs touched: max_steps if set, else num_epochs (may be fractional)."""
         cfg = self.cfg
-        per_epoch = len(self.steps_of(0))
+        stated = getattr(self.recipe, "steps_per_epoch", None)
+        per_epoch = stated() if stated is not None else len(self.steps_of(0))
         if per_epoch == 0:
             raise ValueError("the training data produced no micro-batch: is the dataset empty?")
         if cfg.max_steps > 0:
@@ -170,7 +202,11 @@ class Trainer:
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
         resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
-        state = load_checkpoint(acc, self.model, resume) if resume else TrainState()
+        state = TrainState()
+        if resume:
+            state, plan = load_checkpoint(acc, self.model, resume)
+            if plan is not None and state.step_in_epoch > 0:
+                self.recipe.restore_plan(state.epoch, plan)
         reporter = Reporter(
             cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
         )
@@ -190,49 +226,47 @@ class Trainer:
             plan_metrics = getattr(self.recipe, "plan_metrics", None)
             if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
                 reporter.log(state.step + 1, plan_metrics(state.epoch))
-            while state.step_in_epoch < len(steps) and state.step < self.total_steps:
-                started = time.perf_counter()
-                metrics = self._train_step(steps[state.step_in_epoch])
-                elapsed = time.perf_counter() - started
-                tokens = steps[state.step_in_epoch].tokens
-                state.step += 1
-                state.step_in_epoch += 1
-                state.tokens_seen += tokens
-                for key, value in metrics.items():
-                    window[key] += value
-                window_steps, window_tokens, window_time = (
-                    window_steps + 1,
-                    window_tokens + tokens,
-                    window_time + elapsed,
-                )
-                lr = self.scheduler.get_last_lr()[0]
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{metrics.get('loss', float('nan')):.4f}",
-                    lr=f"{lr:.2e}",
-                    tok_s=f"{tokens / elapsed:.0f}",
-                )
-                if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                    last = {f"train/{k}": v / window_steps for k, v in window.items()}
-                    last.update(
-                        {
-                            "train/lr": lr,
-                            "train/tokens_per_s": window_tokens / window_time,
-                            "train/epoch": state.epoch + state.step_in_epoch / len(steps),
-                        }
-                    )
-                    reporter.log(state.step, last)
-                    window, window_steps, window_tokens, window_time = defaultdict(float), 0, 0, 0.0
-                final = state.step == self.total_steps
-                if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
-                    self._evaluate(state.step, reporter, last)
-                if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
-                    save_checkpoint(acc, self.model, self.tokenizer, state, cfg.output_dir)
-                    if acc.is_main_process:
-                        rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
-            if state.step_in_epoch >= len(steps):
+            started = time.perf_counter()
+            metrics = self._train_step(steps[state.step_in_epoch])
+            elapsed = time.perf_counter() - started
+            tokens = steps[state.step_in_epoch].tokens
+            state.step += 1
+            state.step_in_epoch += 1
+            state.tokens_seen += tokens
+            if state.step_in_epoch == len(steps):  # a checkpoint here resumes at the next epoch's start
                 state.epoch += 1
                 state.step_in_epoch = 0
+            for key, value in metrics.items():
+                window[key] += value
+            window_steps, window_tokens, window_time = (
+                window_steps + 1,
+                window_tokens + tokens,
+                window_time + elapsed,
+            )
+            lr = self.scheduler.get_last_lr()[0]
+            bar.update(1)
+            loss = metrics.get("loss", float("nan"))
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
+            if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
+                last = {f"train/{k}": v / window_steps for k, v in window.items()}
+                last.update(
+                    {
+                        "train/lr": lr,
+                        "train/tokens_per_s": window_tokens / window_time,
+                        "train/epoch": state.epoch + state.step_in_epoch / len(steps),
+                    }
+                )
+                reporter.log(state.step, last)
+                window, window_steps, window_tokens, window_time = defaultdict(float), 0, 0, 0.0
+            final = state.step == self.total_steps
+            if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
+                self._evaluate(state.step, reporter, last)
+            if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
+                plan_state = getattr(self.recipe, "plan_state", None)
+                plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
+                save_checkpoint(acc, self.model, self.tokenizer, state, cfg.output_dir, plan)
+                if acc.is_main_process:
+                    rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
         bar.close()
         reporter.plot()
         reporter.close()

@@ -20,8 +20,7 @@ from padless.model import (
 from padless.packing import Example, pack
 from padless.trainers.checkpoint import load_hf_weights
 from padless.trainers.loop import MicroBatch, Trainer
-from padless.trainers.rl import RolloutRecipe, check_engine, load_prompts, load_rewards, per_target
-from padless.trainers.session import start_session
+from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
 
 
 class ActorCritic(torch.nn.Module):
@@ -67,17 +66,17 @@ class PPORecipe(RolloutRecipe):
         self.ref_model, self.value_model = ref_model, value_model
         self.updates, self.mini_batches = p.updates_per_rollout, p.mini_batches_per_rollout
 
+    def passes(self) -> dict[str, Pass]:
+        temperature = self.cfg.rollout.temperature
+        return {
+            "old_logps": lambda b: forward_packed(self.policy, b, temperature=temperature).logps,
+            "ref_logps": lambda b: forward_packed(self.ref_model, b, temperature=temperature).logps,
+            "old_values": lambda b: forward_scores(self.value_model, b),
+        }
+
     def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
         """Per-target rewards (score at the last target, minus the KL penalty), GAE, whitened advantages."""
-        p, temperature = self.cfg.ppo, self.cfg.rollout.temperature
-        self.store(
-            examples,
-            {
-                "old_logps": lambda b: forward_packed(self.policy, b, temperature=temperature).logps,
-                "ref_logps": lambda b: forward_packed(self.ref_model, b, temperature=temperature).logps,
-                "old_values": lambda b: forward_scores(self.value_model, b),
-            },
-        )
+        p = self.cfg.ppo
         kls, all_adv = [], []
         for e, score in zip(examples, rewards.tolist(), strict=True):
             if e.num_targets == 0:
@@ -146,29 +145,10 @@ class PPORecipe(RolloutRecipe):
 
 
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
-    if cfg.ppo.value_learning_rate is not None:
-        raise ValueError(
-            "ppo.value_learning_rate is not supported yet: policy and value train at train.learning_rate; "
-            "remove the key"
-        )
-    check_engine(cfg.rollout)
-    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
-    acc, tokenizer = session.accelerator, session.tokenizer
-    ref_model = session.companion()
+    session, parts = start_rl(cfg)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
-    rewards, reward_model = load_rewards(cfg.reward, acc.device)
+    recipe = PPORecipe(**parts, ref_model=session.companion(), value_model=value_model)
     model = ActorCritic(session.model, value_model)
-    recipe = PPORecipe(
-        load_prompts(cfg.data.train, tokenizer, cfg.data),
-        cfg,
-        tokenizer,
-        session.model,
-        rewards,
-        acc.device,
-        load_prompts(cfg.data.eval, tokenizer, cfg.data) if cfg.data.eval else None,
-        acc.is_main_process,
-        reward_model,
-        ref_model=ref_model,
-        value_model=value_model,
-    )
-    return Trainer(recipe, model, tokenizer, cfg.train, acc).train()
+    value_lr = cfg.ppo.value_learning_rate
+    rates = {"value.": value_lr} if value_lr is not None else None
+    return Trainer(recipe, model, session.tokenizer, cfg.train, session.accelerator, rates).train()

@@ -1,23 +1,32 @@
 """What GRPO and PPO share: prompts in seeded order, sampled rollouts, rewards, stored per-target values,
-and mini-batch steps. Padding exists only inside ``generate``; every scoring pass and update runs on
-packed token-budget micro-batches. One "epoch" of the shared loop is one rollout.
+and mini-batch steps. Padding exists only inside the sampling engine; every scoring pass and update runs
+on packed token-budget micro-batches. One "epoch" of the shared loop is one rollout.
+
+With several data-parallel ranks, each rank samples, scores and runs the no-grad passes for its own slice
+of the rollout's prompts; the slices are then gathered so every rank plans the same global steps.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.rewards import RewardComposer
-from padless.rollout import Completion, generate
+from padless.rewards import RewardComposer, scored_mean
+from padless.rollout import Completion, Engine, HFEngine
 from padless.trainers.loop import MicroBatch
 from padless.trainers.rm import score_examples
+from padless.trainers.session import Session, start_session
+
+Pass = Callable[[PackedBatch], torch.Tensor]
 
 
 def per_target(examples: list[Example], key: str, device: torch.device) -> torch.Tensor:
@@ -26,7 +35,7 @@ def per_target(examples: list[Example], key: str, device: torch.device) -> torch
 
 
 class RolloutRecipe:
-    """Subclasses set ``self.updates``, ``self.mini_batches`` and implement ``process`` and ``loss``."""
+    """Subclasses set ``updates`` and ``mini_batches`` and implement ``passes``, ``process`` and ``loss``."""
 
     updates: int = 1
     mini_batches: int = 1
@@ -38,16 +47,17 @@ class RolloutRecipe:
         cfg: Any,
         tokenizer: Any,
         policy: torch.nn.Module,
-        rewards: RewardComposer | None,
+        engine: Engine,
         device: torch.device,
-        eval_prompts: list[PromptExample] | None = None,
-        main_process: bool = True,
+        rewards: RewardComposer | None = None,
         reward_model: torch.nn.Module | None = None,
+        eval_prompts: list[PromptExample] | None = None,
     ):
         self.prompts, self.cfg, self.tokenizer, self.policy = prompts, cfg, tokenizer, policy
-        self.rewards, self.device, self.reward_model = rewards, device, reward_model
-        self.eval_prompts, self.main_process = eval_prompts or [], main_process
+        self.engine, self.device, self.rewards, self.reward_model = engine, device, rewards, reward_model
+        self.eval_prompts = eval_prompts or []
         self.metrics: dict[int, dict[str, float]] = {}
+        self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
         """The rollout's prompts: consecutive slices of a fresh seeded permutation per pass over the data."""
@@ -59,51 +69,56 @@ class RolloutRecipe:
             chosen.append(self.prompts[order[position % n]])
         return chosen
 
-    def sample(self, prompts: list[PromptExample], seed: int, group: int, greedy: bool = False):
-        """Completions as packed-ready examples (targets: the completion; none if truncated and masked)."""
-        r = self.cfg.rollout
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # sampling is seeded per rollout, training RNG untouched
-            torch.manual_seed(seed)
-            completions = generate(
-                self.policy,
-                self.tokenizer,
-                [p.prompt_ids for p in prompts],
-                max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                do_sample=not greedy,
-                batch_size=max(1, r.generation_batch_size // group),
-                num_return_sequences=group,
-            )
+    def collect(
+        self, prompts: list[PromptExample], group: int, seed: int, greedy: bool = False
+    ) -> list[Example]:
+        """Sample ``group`` completions per prompt, score them and run the no-grad passes, each rank on its
+        own contiguous slice of ``prompts``; returns every rank's examples in prompt order.
+
+        Each example's meta holds ``reward``, ``reward/<source>``, ``length`` and ``finished``; targets
+        are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
+        """
+        state = PartialState()
+        size = math.ceil(len(prompts) / state.num_processes)
+        mine = prompts[state.process_index * size : (state.process_index + 1) * size]
+        started = time.perf_counter()
+        self.engine.sync_weights()
+        seed += 104_729 * state.process_index
+        completions = self.engine.complete([p.prompt_ids for p in mine], group, seed, greedy) if mine else []
+        elapsed = time.perf_counter() - started
         examples = []
         for c in completions:
-            trained = c.finished or not r.mask_truncated
+            trained = c.finished or not self.cfg.rollout.mask_truncated
             targets = [False] * len(c.prompt_ids) + [trained] * len(c.completion_ids)
-            examples.append(Example(c.prompt_ids + c.completion_ids, targets, {}))
-        return examples, completions
+            meta = {"length": len(c.completion_ids), "finished": c.finished, "sampling_s": elapsed}
+            examples.append(Example(c.prompt_ids + c.completion_ids, targets, meta))
+        if examples:
+            self.score(mine, examples, completions, group)
+            if not greedy:
+                self.store(examples, self.passes())
+        return gather_object(examples)
 
     def score(
         self, prompts: list[PromptExample], examples: list[Example], completions: list[Completion], group: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Total reward per completion ``[N]`` and each source's mean."""
-        texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
-        prompt_texts, fields = reward_inputs(prompts, group)
-        total = torch.zeros(len(examples), device=self.device)
-        per_source: dict[str, float] = {}
+    ) -> None:
+        """Total reward per completion and each source's part, into meta."""
+        totals = torch.zeros(len(examples))
+        sources: dict[str, list[float | None]] = {}
         if self.rewards is not None:
-            functions, per_source = self.rewards(prompt_texts, texts, fields)
-            total = total + torch.as_tensor(functions, dtype=torch.float32, device=self.device)
+            texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+            prompt_texts, fields = reward_inputs(prompts, group)
+            functions, sources = self.rewards(prompt_texts, texts, fields)
+            totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
-            scores = torch.tensor(score_examples(self.reward_model, examples), device=self.device)
-            total = total + self.cfg.reward.model_weight * scores
-            per_source["reward_model"] = scores.mean().item()
-        return total, per_source
+            scores = score_examples(self.reward_model, examples)
+            totals += self.cfg.reward.model_weight * torch.tensor(scores)
+            sources["reward_model"] = scores
+        for i, e in enumerate(examples):
+            e.meta["reward"] = totals[i].item()
+            e.meta.update({f"reward/{name}": values[i] for name, values in sources.items()})
 
     @torch.no_grad()
-    def store(
-        self, examples: list[Example], passes: dict[str, Callable[[PackedBatch], torch.Tensor]]
-    ) -> None:
+    def store(self, examples: list[Example], passes: dict[str, Pass]) -> None:
         """Run each no-grad pass (per-token values ``[T]``) on packed micro-batches; keep targets in meta."""
         budget = self.cfg.train.max_tokens_per_batch
         for group in budget_batches([len(e) for e in examples], budget, shuffle=False):
@@ -116,29 +131,33 @@ class RolloutRecipe:
                     e.meta[key] = values[start : start + e.num_targets]
                     start += e.num_targets
 
-    def plan(self, epoch: int) -> list[MicroBatch]:
-        started = time.perf_counter()
-        prompts = self.prompts_for(epoch)
-        group = self.cfg.rollout.num_generations
-        examples, completions = self.sample(prompts, self.cfg.train.seed * 1_000_003 + epoch, group)
-        generated = time.perf_counter() - started
-        total, per_source = self.score(prompts, examples, completions, group)
-        lengths = [len(c.completion_ids) for c in completions]
-        self.metrics[epoch] = {
-            "rollout/reward": total.mean().item(),
-            "rollout/reward_std": total.std().item() if total.numel() > 1 else 0.0,
-            **{f"rollout/reward/{k}": v for k, v in per_source.items()},
-            "rollout/completion_length": sum(lengths) / len(lengths),
-            "rollout/completion_length_max": max(lengths),
-            "rollout/truncated_fraction": sum(not c.finished for c in completions) / len(completions),
-            "rollout/tokens_per_s": sum(lengths) / generated,
-            **self.process(examples, total, epoch),
-        }
-        return self.micro_batches(examples, epoch)
+    def passes(self) -> dict[str, Pass]:
+        """The no-grad per-token passes the loss needs, by meta key (old / reference log-probs, values)."""
+        raise NotImplementedError
 
     def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
         """Advantages and whatever else the loss needs, into each example's meta; returns rollout metrics."""
         raise NotImplementedError
+
+    def steps_per_epoch(self) -> int:
+        return self.updates * self.mini_batches
+
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        if self.rollout is None or self.rollout[0] != epoch:
+            seed = self.cfg.train.seed * 1_000_003 + epoch
+            examples = self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed)
+            rewards = torch.tensor([e.meta["reward"] for e in examples])
+            self.metrics[epoch] = {**summary(examples, "rollout/"), **self.process(examples, rewards, epoch)}
+            self.rollout = (epoch, examples)
+        return self.micro_batches(self.rollout[1], epoch)
+
+    def plan_state(self, epoch: int) -> list[dict[str, Any]]:
+        """The sampled rollout with everything ``process`` stored, for a checkpoint taken mid-rollout."""
+        assert self.rollout is not None and self.rollout[0] == epoch, "plan_state of a rollout not planned"
+        return [{"input_ids": e.input_ids, "loss_mask": e.loss_mask, "meta": e.meta} for e in self.rollout[1]]
+
+    def restore_plan(self, epoch: int, state: list[dict[str, Any]]) -> None:
+        self.rollout = (epoch, [Example(**e) for e in state])
 
     def micro_batches(self, examples: list[Example], epoch: int) -> list[MicroBatch]:
         """``updates`` passes over the rollout, each split into ``mini_batches`` optimizer steps."""
@@ -167,46 +186,66 @@ class RolloutRecipe:
         return []
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """Greedy completions of the eval prompts, scored by the same rewards."""
-        if not (self.eval_prompts and self.main_process):
+        """Greedy completions of the eval prompts (sharded over ranks), scored by the same rewards."""
+        if not self.eval_prompts:
             return {}
-        examples, completions = self.sample(self.eval_prompts, seed=0, group=1, greedy=True)
-        total, per_source = self.score(self.eval_prompts, examples, completions, 1)
-        return {"reward": total.mean().item(), **{f"reward/{k}": v for k, v in per_source.items()}}
+        return summary(self.collect(self.eval_prompts, group=1, seed=0, greedy=True))
 
 
-def check_engine(rollout: Any) -> None:
-    """Only the Hugging Face ``generate`` engine exists yet: say so instead of quietly using it."""
-    if rollout.engine == "vllm":
-        import importlib.util
+def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
+    """Reward mean / std and per source, completion lengths, truncation, sampling tokens/s."""
+    rewards = torch.tensor([e.meta["reward"] for e in examples])
+    lengths = [e.meta["length"] for e in examples]
+    sources = [k for k in examples[0].meta if k.startswith("reward/")]
+    sampling_s = max(e.meta["sampling_s"] for e in examples)  # ranks sample at once: the slowest counts
+    return {
+        f"{prefix}reward": rewards.mean().item(),
+        f"{prefix}reward_std": rewards.std().item() if len(examples) > 1 else 0.0,
+        **{f"{prefix}{k}": scored_mean([e.meta[k] for e in examples]) for k in sources},
+        f"{prefix}completion_length": sum(lengths) / len(lengths),
+        f"{prefix}completion_length_max": max(lengths),
+        f"{prefix}truncated_fraction": sum(not e.meta["finished"] for e in examples) / len(examples),
+        f"{prefix}tokens_per_s": sum(lengths) / sampling_s,
+    }
 
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError(
-                "rollout.engine: vllm needs vLLM: pip install 'padless[vllm]', or use engine: hf"
-            )
-        raise ValueError(
-            "rollout.engine: vllm is not implemented in this version of padless (no weight sync yet); "
-            "use rollout.engine: hf"
-        )
+
+def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
+    if cfg.rollout.engine == "vllm":
+        from padless.vllm_engine import VLLMEngine
+
+        return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
+    return HFEngine(policy, tokenizer, cfg.rollout)
 
 
-def load_prompts(spec: str, tokenizer: Any, data: Any) -> list[PromptExample]:
+def start_rl(cfg: Any) -> tuple[Session, dict[str, Any]]:
+    """The session and everything a rollout recipe is built from: prompts, engine, rewards."""
     from padless.data import load_rows, tokenize_prompts
-
-    examples, _ = tokenize_prompts(
-        load_rows(spec),
-        tokenizer,
-        max_prompt_length=data.max_prompt_length,
-        chat_template=data.chat_template,
-        skip_bad_rows=data.skip_bad_rows,
-    )
-    return examples
-
-
-def load_rewards(reward: Any, device: torch.device) -> tuple[RewardComposer | None, torch.nn.Module | None]:
     from padless.model import load_model
 
-    model = None
-    if reward.model:
-        model = load_model(reward.model, task="score", device=device).requires_grad_(False)
-    return (RewardComposer(reward.functions, reward.weights) if reward.functions else None), model
+    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
+
+    def prompts(spec: str) -> list[PromptExample]:
+        rows = load_rows(spec)
+        return tokenize_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=data.max_prompt_length,
+            chat_template=data.chat_template,
+            skip_bad_rows=data.skip_bad_rows,
+        )[0]
+
+    reward_model = None
+    if cfg.reward.model:
+        reward_model = load_model(cfg.reward.model, task="score", device=device).requires_grad_(False)
+    return session, {
+        "prompts": prompts(data.train),
+        "cfg": cfg,
+        "tokenizer": tokenizer,
+        "policy": session.model,
+        "engine": make_engine(cfg, session.model, tokenizer),
+        "device": device,
+        "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
+        "reward_model": reward_model,
+        "eval_prompts": prompts(data.eval) if data.eval else None,
+    }

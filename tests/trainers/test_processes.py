@@ -1,5 +1,6 @@
-"""Whole processes: a run killed with SIGKILL resumes to the same loss, and 2 data-parallel CPU processes
-give the same losses as 1 process with the same global batch."""
+"""Whole processes: a run killed with SIGKILL resumes to the same loss, 2 data-parallel CPU processes
+give the same losses as 1 process with the same global batch, and 2 GRPO processes each sample half of
+every rollout."""
 
 from __future__ import annotations
 
@@ -74,18 +75,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process_with_same_global_batch(tmp_path):
-    one = tmp_path / "one"
-    subprocess.run(
-        sft_cmd(one, "train.max_steps=3", "train.gradient_accumulation_steps=2"),
-        check=True,
-        env=ENV,
-        capture_output=True,
-        timeout=600,
-    )
-    two = tmp_path / "two"
-    launch = [
+def launch_two(command: str, *overrides: str) -> list[str]:
+    """``padless <command>`` on 2 CPU processes (gloo) under ``accelerate launch``."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -102,12 +94,24 @@ def test_two_processes_match_one_process_with_same_global_batch(tmp_path):
         str(free_port()),
         "-m",
         "padless.cli",
-        "sft",
-        *BASE,
-        f"train.output_dir={two}",
-        "train.max_steps=3",
-        "train.gradient_accumulation_steps=1",
+        command,
+        *overrides,
     ]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_same_global_batch(tmp_path):
+    one = tmp_path / "one"
+    subprocess.run(
+        sft_cmd(one, "train.max_steps=3", "train.gradient_accumulation_steps=2"),
+        check=True,
+        env=ENV,
+        capture_output=True,
+        timeout=600,
+    )
+    two = tmp_path / "two"
+    steps = ["train.max_steps=3", "train.gradient_accumulation_steps=1"]
+    launch = launch_two("sft", *BASE, f"train.output_dir={two}", *steps)
     result = subprocess.run(launch, env=ENV, capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     a, b = losses(one), losses(two)
@@ -116,3 +120,52 @@ def test_two_processes_match_one_process_with_same_global_batch(tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
     # only the main process writes: one record per step, not two
     assert len((two / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+SCORER = """
+import json, os
+
+def logged(prompts, completions, **fields):
+    values = [float(len(set(c))) for c in completions]
+    with open(os.path.join({log!r}, "rank%s.jsonl" % os.environ["RANK"]), "a") as f:
+        f.write(json.dumps({{"prompts": prompts, "values": values}}) + "\\n")
+    return values
+"""
+
+
+@pytest.mark.slow
+def test_two_grpo_processes_each_sample_half_of_every_rollout(tmp_path):
+    """Each rank samples and scores its own half of the prompts (3 eval prompts split 2 + 1); the logged
+    rollout reward is the mean over both halves, so every rank planned on the gathered whole."""
+    (tmp_path / "scorer.py").write_text(SCORER.format(log=str(tmp_path)))
+    rows = [json.loads(line) for line in (Path(__file__).parents[2] / "padless/tiny/data/rl.jsonl").open()]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    run = tmp_path / "run"
+    launch = launch_two(
+        "grpo",
+        *[o for o in BASE if not o.startswith("data.")],
+        f"train.output_dir={run}",
+        "train.max_steps=2",
+        f"data.eval={tmp_path / 'eval.jsonl'}",
+        "rollout.prompts_per_step=4",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=4",
+        "rollout.mask_truncated=false",
+        f"reward.functions=[{tmp_path / 'scorer.py'}:logged]",
+    )
+    result = subprocess.run(launch, env=ENV, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    calls = [[json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").open()] for r in (0, 1)]
+    assert [len(c) for c in calls] == [3, 3]  # two rollouts, then the final evaluation
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in records if "rollout/reward" in r]
+    for k, record in enumerate(rollouts):
+        halves = [calls[0][k], calls[1][k]]
+        assert [len(h["prompts"]) for h in halves] == [4, 4]  # 2 prompts x 2 samples on each rank
+        assert not set(halves[0]["prompts"]) & set(halves[1]["prompts"])
+        values = halves[0]["values"] + halves[1]["values"]
+        assert record["rollout/reward"] == pytest.approx(sum(values) / 8, rel=1e-6)
+    evals = [calls[0][2], calls[1][2]]
+    assert [len(e["prompts"]) for e in evals] == [2, 1]
+    values = evals[0]["values"] + evals[1]["values"]
+    assert records[-1]["eval/reward"] == pytest.approx(sum(values) / 3, rel=1e-6)

@@ -8,12 +8,15 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
 from padless.data import load_rows
 from padless.model import forward_packed, load_model
 from padless.packing import Example, pack
+from padless.rollout import HFEngine
 from padless.tiny import build_tiny_model, tiny_tokenizer
+from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
 from padless.trainers.ppo import run_ppo
 from padless.trainers.sft import run_sft
@@ -25,7 +28,9 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
     """Completions of different lengths, EOS at different places, scored in packed micro-batches."""
     model = load_model("tiny-llama")
     cfg = load_config(GRPOConfig, None, ["train.max_tokens_per_batch=64"])
-    recipe = GRPORecipe([], cfg, tokenizer, model, None, torch.device("cpu"))
+    recipe = GRPORecipe(
+        [], cfg, tokenizer, model, HFEngine(model, tokenizer, cfg.rollout), torch.device("cpu")
+    )
     gen = torch.Generator().manual_seed(0)
     eos = tokenizer.eos_token_id
     examples = []
@@ -50,41 +55,43 @@ def rollout_records(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def arithmetic_sft(tmp_path_factory):
-    """A tiny model SFT-warmed on the embedded arithmetic prompts: it answers with numbers and stops."""
-    root = tmp_path_factory.mktemp("rl-sft")
-    with (root / "rl_sft.jsonl").open("w") as f:
-        for row in load_rows("tiny:rl"):
+def arithmetic8(tmp_path_factory):
+    """Eight embedded arithmetic prompts, and a tiny model SFT-trained on their answers until it samples
+    the right one about a sixth of the time: GRPO has something to sharpen."""
+    root = tmp_path_factory.mktemp("rl8")
+    rows = [row.data for row in load_rows("tiny:rl")[:8]]
+    (root / "rl8.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with (root / "sft8.jsonl").open("w") as f:
+        for row in rows:
             messages = [
-                {"role": "user", "content": row.data["prompt"]},
-                {"role": "assistant", "content": row.data["answer"]},
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["answer"]},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
     overrides = [
         "model.name=tiny-llama",
-        f"data.train={root / 'rl_sft.jsonl'}",
+        f"data.train={root / 'sft8.jsonl'}",
         f"train.output_dir={root / 'sft'}",
-        "train.num_epochs=3",
+        "train.num_epochs=30",
         "train.learning_rate=3e-3",
-        "train.max_tokens_per_batch=2048",
+        "train.max_tokens_per_batch=600",
         *FAST,
     ]
     run_sft(load_config(SFTConfig, None, overrides))
-    return str(next((root / "sft").glob("checkpoint-*")))
+    return root / "rl8.jsonl", str(next((root / "sft").glob("checkpoint-*")))
 
 
 @pytest.mark.slow
-def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic_sft):
-    """Eight embedded arithmetic prompts, sampled every rollout: exact and partial-credit rewards rise."""
-    with (tmp_path / "rl8.jsonl").open("w") as f:
-        for row in load_rows("tiny:rl")[:8]:
-            f.write(json.dumps(row.data) + "\n")
+def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic8):
+    """Fifteen rollouts of 8 prompts x 8 samples: exact plus partial-credit reward rises by more than 0.1
+    (measured +0.2 and +0.28 with seeds 42 and 1; the rollout-to-rollout noise is about 0.1)."""
+    data, model = arithmetic8
     overrides = [
-        f"model.name={arithmetic_sft}",
-        f"data.train={tmp_path / 'rl8.jsonl'}",
+        f"model.name={model}",
+        f"data.train={data}",
         f"train.output_dir={tmp_path / 'run'}",
         "train.max_steps=15",
-        "train.learning_rate=2e-4",
+        "train.learning_rate=5e-4",
         "rollout.prompts_per_step=8",
         "rollout.num_generations=8",
         "rollout.max_new_tokens=6",
@@ -95,8 +102,8 @@ def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic_sft):
     run_grpo(load_config(GRPOConfig, None, overrides))
     rewards = [r["rollout/reward"] for r in rollout_records(tmp_path / "run")]
     assert len(rewards) == 15
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.02, rewards
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, rewards
 
 
 def test_grpo_masks_and_counts_truncated_completions(tmp_path):
@@ -116,10 +123,41 @@ def test_grpo_masks_and_counts_truncated_completions(tmp_path):
     assert metrics["train/loss"] == 0.0  # every completion masked out of the loss
 
 
-def test_vllm_engine_is_refused_clearly(tmp_path):
-    cfg = load_config(GRPOConfig, None, [f"train.output_dir={tmp_path}", "rollout.engine=vllm"])
-    with pytest.raises(ValueError, match=r"rollout.engine: vllm"):
-        run_grpo(cfg)
+def test_grpo_resumes_mid_rollout_on_the_saved_rollout(tmp_path):
+    """Two optimizer steps per rollout, a checkpoint after each: resuming from the middle of a rollout
+    trains on that rollout's saved samples (resampling from the checkpoint's weights would differ)."""
+    variety = tmp_path / "variety.py"  # a reward that tells a random model's completions apart
+    variety.write_text(
+        "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
+    )
+
+    def overrides(run: str, *extra: str) -> list[str]:
+        return [
+            "model.name=tiny-llama",
+            f"train.output_dir={tmp_path / run}",
+            "train.max_steps=4",
+            "train.save_steps=1",
+            "train.learning_rate=1e-3",
+            f"reward.functions=[{variety}:variety]",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=2",
+            "rollout.max_new_tokens=5",
+            "rollout.mask_truncated=false",
+            "grpo.updates_per_rollout=2",
+            *FAST,
+            *extra,
+        ]
+
+    straight = run_grpo(load_config(GRPOConfig, None, overrides("a")))
+    run = tmp_path / "a"
+    assert not (run / "checkpoint-2" / PLAN_FILE).exists()  # a rollout boundary: nothing to carry
+    assert (run / "checkpoint-3" / PLAN_FILE).exists()
+    shutil.copytree(run / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
+    resumed = run_grpo(load_config(GRPOConfig, None, overrides("b", "train.resume_from_checkpoint=latest")))
+    assert rollout_records(tmp_path / "b") == []  # no rollout was sampled again
+    assert straight["train/loss"] != 0 and straight["train/clip_fraction"] > 0
+    for key in ("train/loss", "train/kl", "train/clip_fraction"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +203,27 @@ def test_ppo_with_reward_model_checkpoint_and_resume(tmp_path, reward_model_dir)
     for later in steps[1:]:
         expected = later["train/policy_loss"] + 0.1 * later["train/value_loss"]
         assert later["train/loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_ppo_value_learning_rate_applies_to_the_value_model_only(tmp_path):
+    """One Adam step moves each weight by at most its learning rate (by about it where the gradient is
+    far above eps): the largest change per model shows the rate it trained at."""
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=1",
+        "train.learning_rate=1e-5",
+        "train.lr_scheduler=constant",
+        "ppo.value_learning_rate=1e-3",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=5",
+        "rollout.mask_truncated=false",
+        *FAST,
+    ]
+    run_ppo(load_config(PPOConfig, None, overrides))
+    ckpt = tmp_path / "checkpoint-1"
+    for task, path, lr in (("causal-lm", ckpt, 1e-5), ("score", ckpt / "value", 1e-3)):
+        before = load_model("tiny-llama", task=task).state_dict()
+        after = load_file(path / "model.safetensors")
+        largest = max((after[k] - before[k]).abs().max().item() for k in after)
+        assert 0.9 * lr < largest < 1.02 * lr, (task, largest)  # fp32 rounds a change near 1 by ~1e-7

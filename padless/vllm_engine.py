@@ -1,0 +1,142 @@
+"""Sampling with vLLM, colocated with training: one in-process engine per rank on the rank's own GPU.
+
+The engine starts from a copy of the policy written to a temporary directory (weights, config, tokenizer),
+and before every rollout the policy's current weights are loaded into it (LoRA adapters merged first), so
+completions always come from the policy being trained. Prompts go in as token ids and completions come
+back as token ids: nothing is re-tokenized, and no padding exists anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from safetensors.torch import save_file
+
+from padless.model import pad_token_id, unwrap
+from padless.rollout import Completion, cut_at_eos, eos_token_ids
+
+
+def require_vllm() -> Any:
+    """The ``vllm`` module, or an error that says how to get it: never a quiet switch to ``generate``."""
+    try:
+        import vllm
+    except ImportError:
+        raise ValueError(
+            "rollout.engine: vllm needs vLLM on a CUDA machine: pip install 'padless[vllm]', "
+            "or set rollout.engine: hf"
+        ) from None
+    if not torch.cuda.is_available():
+        raise ValueError("rollout.engine: vllm needs a CUDA GPU; on this machine set rollout.engine: hf")
+    return vllm
+
+
+@contextlib.contextmanager
+def merged_adapters(model: torch.nn.Module) -> Iterator[None]:
+    """LoRA adapters folded into the base weights for the duration (a plain model is left alone)."""
+    merge = getattr(model, "merge_adapter", None)
+    if merge is None:
+        yield
+        return
+    merge()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` as in the base model's own checkpoint: PEFT prefixes and LoRA factors dropped, a
+    tied weight given once. Use inside :func:`merged_adapters`: the tensors are the live parameters, so the
+    base weights carry the adapters only until the context ends."""
+    seen: set[int] = set()
+    for name, tensor in unwrap(model).state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        name = name.replace(".modules_to_save.default.", ".")
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        yield name, tensor.detach()
+
+
+def to_completions(
+    outputs: list[Any], prompts: list[list[int]], eos_ids: set[int], pad_id: int
+) -> list[Completion]:
+    """vLLM ``RequestOutput`` s (one per prompt, ``n`` samples each) as completions cut after the first EOS.
+
+    A sample that vLLM stopped on a stop token it left out of ``token_ids`` gets that token back, so the
+    trained sequence ends the way the model ended it.
+    """
+    completions = []
+    for prompt, request in zip(prompts, outputs, strict=True):
+        for sample in sorted(request.outputs, key=lambda o: o.index):
+            tokens, finished = cut_at_eos(list(sample.token_ids), eos_ids, pad_id)
+            if not finished and sample.finish_reason == "stop":
+                stop = sample.stop_reason if isinstance(sample.stop_reason, int) else min(eos_ids)
+                tokens, finished = [*tokens, stop], True
+            completions.append(Completion(prompt, tokens, finished))
+    return completions
+
+
+class VLLMEngine:
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, max_prompt_length: int, seed: int
+    ):
+        vllm = require_vllm()
+        self.policy, self.tokenizer, self.rollout, self.vllm = policy, tokenizer, rollout, vllm
+        self.eos_ids = eos_token_ids(policy, tokenizer)
+        self.pad_id = pad_token_id(tokenizer)
+        # in-process engine: weights are loaded by a function call, not shipped to a worker process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        state = PartialState()
+        self.tmp = tempfile.TemporaryDirectory(prefix="padless-vllm-")
+        self._write_policy(Path(self.tmp.name))
+        dtype = next(unwrap(policy).parameters()).dtype
+        self.llm = vllm.LLM(
+            model=self.tmp.name,
+            dtype=str(dtype).removeprefix("torch."),
+            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+            max_model_len=max_prompt_length + rollout.max_new_tokens,
+            seed=seed,
+            # one engine per training rank, launched by accelerate / torchrun rather than by vLLM
+            distributed_executor_backend="external_launcher" if state.num_processes > 1 else None,
+            enable_prefix_caching=True,
+        )
+
+    def _write_policy(self, path: Path) -> None:
+        with merged_adapters(self.policy):
+            weights = {n: t.to("cpu", copy=True).contiguous() for n, t in inference_weights(self.policy)}
+        unwrap(self.policy).config.save_pretrained(path)  # a PEFT model answers with its base's config
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        self.tokenizer.save_pretrained(path)
+
+    def sync_weights(self) -> None:
+        with merged_adapters(self.policy), torch.no_grad():
+            weights = list(inference_weights(self.policy))
+            self.llm.apply_model(lambda model: model.load_weights(weights))
+        self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
+
+    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+        r = self.rollout
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        params = [
+            self.vllm.SamplingParams(
+                n=n,
+                temperature=0.0 if greedy else r.temperature,
+                top_p=1.0 if greedy else r.top_p,
+                max_tokens=r.max_new_tokens,
+                stop_token_ids=sorted(self.eos_ids),
+                seed=seed + i,  # per prompt: a prompt's samples do not depend on what it is batched with
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return to_completions(outputs, prompts, self.eos_ids, self.pad_id)

@@ -1,0 +1,46 @@
+"""The shared loop's optimizer groups and its check of a recipe's stated step count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from padless.config import TrainSettings
+from padless.trainers.loop import MicroBatch, Trainer, parameter_groups
+
+
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.policy, self.value = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        self.value.bias.requires_grad_(False)
+
+
+def test_parameter_groups_split_decay_and_learning_rates():
+    model = Pair()
+    groups = parameter_groups(model, lr=1e-5, weight_decay=0.1, learning_rates={"value.": 1e-3})
+    got = {(g["lr"], g["weight_decay"]): [p.shape for p in g["params"]] for g in groups}
+    assert got == {
+        (1e-5, 0.1): [torch.Size([3, 3])],  # policy weight
+        (1e-5, 0.0): [torch.Size([3])],  # policy bias: no decay
+        (1e-3, 0.1): [torch.Size([1, 3])],  # value weight; its frozen bias is left out
+    }
+
+
+class Stated:
+    """A recipe that says it plans 3 steps per epoch and plans 2."""
+
+    def steps_per_epoch(self) -> int:
+        return 3
+
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        return [MicroBatch(None, 1, 1, step=s) for s in range(2)]
+
+
+def test_a_recipe_planning_other_than_it_stated_is_stopped(tmp_path):
+    settings = TrainSettings(output_dir=str(tmp_path), max_steps=6)
+    trainer = Trainer(Stated(), Pair(), None, settings, Accelerator(cpu=True))
+    assert trainer.total_steps == 6 and trainer.num_epochs == 2  # counted without planning
+    with pytest.raises(RuntimeError, match="stated 3 steps per epoch but planned 2"):
+        trainer.steps_of(0)

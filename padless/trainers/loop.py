@@ -4,6 +4,11 @@ A trainer is a :class:`Recipe`: it plans the epoch's micro-batches (the same glo
 and computes a micro-batch's loss as a share of the step's loss. The loop does the rest: sharding
 micro-batches across data-parallel ranks, the global normaliser, gradient accumulation, clipping,
 optimizer and schedule, logging, evaluation, checkpoints and exact resume.
+
+A recipe whose plan is costly and not reproducible from a seed (a sampled rollout) also has
+``steps_per_epoch()`` (so steps are counted without planning), ``plan_state(epoch)`` (the planned data, saved
+with ``torch.save`` in a checkpoint taken mid-epoch) and ``restore_plan(epoch, state)`` (so a run resumed
+mid-epoch continues on the very same data); it may have ``plan_metrics(epoch)``, logged once per epoch.
 """
 
 from __future__ import annotations
@@ -60,20 +65,6 @@ class Recipe(Protocol):
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         """Evaluation beyond the loss metrics (e.g. generation), run on every rank; may return nothing."""
-
-
-class CostlyPlans(Recipe, Protocol):
-    """A recipe whose plan is expensive and not reproducible from a seed alone (a sampled rollout): it
-    states its step count without planning, and its current plan travels in checkpoints so a run resumed
-    mid-epoch continues on the very same data."""
-
-    def steps_per_epoch(self) -> int: ...
-
-    def plan_state(self, epoch: int) -> Any:
-        """The epoch's planned data as tensors / lists / numbers (saved with ``torch.save``)."""
-
-    def restore_plan(self, epoch: int, state: Any) -> None:
-        """Make the next ``plan(epoch)`` return the plan ``state`` was saved from."""
 
 
 @dataclass

@@ -92,7 +92,10 @@ def generate(
     device = next(inner.parameters()).device
     pad_id = pad_token_id(tokenizer)
     eos_ids = eos_token_ids(inner, tokenizer)
-    sampling = {"temperature": temperature, "top_p": top_p} if do_sample else {}
+    # Exactly the policy's distribution (at this temperature / top_p): a checkpoint's generation_config
+    # (Qwen ships top_k 20 and repetition_penalty 1.05) must not reshape what RL samples and scores.
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
+    sampling["repetition_penalty"] = 1.0
     results: list[Completion] = []
     was_training = inner.training
     inner.eval()

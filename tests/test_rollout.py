@@ -58,3 +58,20 @@ def test_decoding_attention_restores_backend_on_error():
         assert attention_in_use(model) == "sdpa"
         raise RuntimeError("boom")
     assert attention_in_use(model) == "varlen"
+
+
+def test_a_checkpoints_generation_config_does_not_reshape_sampling(tokenizer):
+    """top_k 1 would make every sample the greedy one, a repetition penalty would change greedy choices:
+    padless samples from the model's own distribution whatever its generation_config says."""
+    model = load_model("tiny-qwen2")
+    prompt = [tokenizer("Tell me a story")["input_ids"]]
+    plain_greedy = generate(model, tokenizer, prompt, max_new_tokens=12)
+    model.generation_config.top_k = 1
+    model.generation_config.repetition_penalty = 50.0
+    torch.manual_seed(0)
+    samples = generate(
+        model, tokenizer, prompt, max_new_tokens=12, do_sample=True, num_return_sequences=8, batch_size=8
+    )
+    assert len({tuple(c.completion_ids) for c in samples}) > 1
+    greedy = generate(model, tokenizer, prompt, max_new_tokens=12)
+    assert greedy[0].completion_ids == plain_greedy[0].completion_ids

@@ -57,7 +57,7 @@ def rollout_records(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def arithmetic8(tmp_path_factory):
     """Eight embedded arithmetic prompts, and a tiny model SFT-trained on their answers until it samples
-    the right one about a sixth of the time: GRPO has something to sharpen."""
+    the right one now and then: GRPO has something to sharpen."""
     root = tmp_path_factory.mktemp("rl8")
     rows = [row.data for row in load_rows("tiny:rl")[:8]]
     (root / "rl8.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -72,7 +72,7 @@ def arithmetic8(tmp_path_factory):
         "model.name=tiny-llama",
         f"data.train={root / 'sft8.jsonl'}",
         f"train.output_dir={root / 'sft'}",
-        "train.num_epochs=30",
+        "train.num_epochs=35",
         "train.learning_rate=3e-3",
         "train.max_tokens_per_batch=600",
         *FAST,
@@ -84,7 +84,7 @@ def arithmetic8(tmp_path_factory):
 @pytest.mark.slow
 def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic8):
     """Fifteen rollouts of 8 prompts x 8 samples: exact plus partial-credit reward rises by more than 0.1
-    (measured +0.2 and +0.28 with seeds 42 and 1; the rollout-to-rollout noise is about 0.1)."""
+    (measured +0.22 and +0.31 with seeds 42 and 1; the rollout-to-rollout noise is about 0.1)."""
     data, model = arithmetic8
     overrides = [
         f"model.name={model}",

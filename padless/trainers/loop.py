@@ -128,7 +128,7 @@ class Trainer:
             eps=settings.adam_epsilon,
         )
         self.epoch_steps: dict[int, list[Step]] = {}
-        self.total_steps, self.num_epochs = self._count_steps()
+        self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
         self.scheduler = get_scheduler(
@@ -156,16 +156,24 @@ class Trainer:
                 )
         return self.epoch_steps[epoch]
 
-    def _count_steps(self) -> tuple[int, int]:
-        """Total optimizer steps and epochs touched: max_steps if set, else num_epochs (may be fractional)."""
+    def _count_steps(self) -> int:
+        """Total optimizer steps: ``max_steps`` if set, else those of ``num_epochs`` epochs (the last may be
+        partial), each epoch counted on its own plan: token-budget packing differs from epoch to epoch."""
         cfg = self.cfg
         stated = getattr(self.recipe, "steps_per_epoch", None)
-        per_epoch = stated() if stated is not None else len(self.steps_of(0))
-        if per_epoch == 0:
+
+        def per_epoch(epoch: int) -> int:
+            return stated() if stated is not None else len(self.steps_of(epoch))
+
+        if per_epoch(0) == 0:
             raise ValueError("the training data produced no micro-batch: is the dataset empty?")
         if cfg.max_steps > 0:
-            return cfg.max_steps, math.ceil(cfg.max_steps / per_epoch)
-        return max(1, math.ceil(cfg.num_epochs * per_epoch)), math.ceil(cfg.num_epochs)
+            return cfg.max_steps
+        whole, part = divmod(cfg.num_epochs, 1)
+        total = sum(per_epoch(epoch) for epoch in range(int(whole)))
+        if part:
+            total += math.ceil(part * per_epoch(int(whole)))
+        return max(1, total)
 
     def _train_step(self, step: Step) -> dict[str, float]:
         sums: dict[str, float] = defaultdict(float)

@@ -1,4 +1,4 @@
-"""The shared loop's optimizer groups and its check of a recipe's stated step count."""
+"""The shared loop's optimizer groups and how it counts steps."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ class Stated:
 def test_a_recipe_planning_other_than_it_stated_is_stopped(tmp_path):
     settings = TrainSettings(output_dir=str(tmp_path), max_steps=6)
     trainer = Trainer(Stated(), Pair(), None, settings, Accelerator(cpu=True))
-    assert trainer.total_steps == 6 and trainer.num_epochs == 2  # counted without planning
+    assert trainer.total_steps == 6  # counted without planning
     with pytest.raises(RuntimeError, match="stated 3 steps per epoch but planned 2"):
         trainer.steps_of(0)
+
+
+class Growing:
+    """A recipe whose epoch ``e`` plans ``2 + e`` steps, as token-budget packing can differ per epoch."""
+
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        return [MicroBatch(None, 1, 1) for _ in range(2 + epoch)]
+
+
+@pytest.mark.parametrize(("epochs", "total"), [(1, 2), (2, 5), (2.5, 7), (0.5, 1)])
+def test_steps_are_counted_on_every_epochs_own_plan(tmp_path, epochs, total):
+    settings = TrainSettings(output_dir=str(tmp_path), num_epochs=epochs)
+    assert Trainer(Growing(), Pair(), None, settings, Accelerator(cpu=True)).total_steps == total

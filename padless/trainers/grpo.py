@@ -14,23 +14,20 @@ from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
 
 
 class GRPORecipe(RolloutRecipe):
-    def __init__(self, *args, ref_model: torch.nn.Module | None = None, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         g = self.cfg.grpo
-        self.ref_model = ref_model
+        self.kl = g.beta > 0
         self.updates, self.mini_batches = g.updates_per_rollout, g.mini_batches_per_rollout
         self.per_sequence_units = g.loss_normalisation == "sequence"
         self.eps_low, self.eps_high = g.epsilon, g.epsilon if g.epsilon_high is None else g.epsilon_high
         # with one update on one mini-batch the policy has not moved: old log-probs = current, detached
         self.store_old = self.updates > 1 or self.mini_batches > 1
 
-    def logps_pass(self, model: torch.nn.Module) -> Pass:
-        return lambda batch: forward_packed(model, batch, temperature=self.cfg.rollout.temperature).logps
-
     def passes(self) -> dict[str, Pass]:
         passes = {}
-        if self.ref_model is not None:
-            passes["ref_logps"] = self.logps_pass(self.ref_model)
+        if self.kl:
+            passes["ref_logps"] = self.reference_pass()
         if self.store_old:
             passes["old_logps"] = self.logps_pass(self.policy)
         return passes
@@ -56,11 +53,7 @@ class GRPORecipe(RolloutRecipe):
         )
         old = per_target(examples, "old_logps", self.device) if self.store_old else logps.detach()
         per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
-        kl = (
-            kl_k3(logps, per_target(examples, "ref_logps", self.device))
-            if self.ref_model is not None
-            else None
-        )
+        kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
         if kl is not None:
             per_token = per_token + self.cfg.grpo.beta * kl
         if self.per_sequence_units:  # each sequence's mean, then over sequences
@@ -79,7 +72,6 @@ class GRPORecipe(RolloutRecipe):
 
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg)
-    ref_model = session.companion() if cfg.grpo.beta > 0 else None
-    recipe = GRPORecipe(**parts, ref_model=ref_model)
+    session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
+    recipe = GRPORecipe(**parts)
     return Trainer(recipe, session.model, session.tokenizer, cfg.train, session.accelerator).train()

@@ -12,7 +12,6 @@ from padless.config import PPOConfig
 from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
 from padless.model import (
     captured_forward,
-    forward_packed,
     forward_scores,
     logps_from_hidden,
     score_head,
@@ -60,17 +59,16 @@ class ActorCritic(torch.nn.Module):
 
 
 class PPORecipe(RolloutRecipe):
-    def __init__(self, *args, ref_model: torch.nn.Module, value_model: torch.nn.Module, **kwargs):
+    def __init__(self, *args, value_model: torch.nn.Module, **kwargs):
         super().__init__(*args, **kwargs)
         p = self.cfg.ppo
-        self.ref_model, self.value_model = ref_model, value_model
+        self.value_model = value_model
         self.updates, self.mini_batches = p.updates_per_rollout, p.mini_batches_per_rollout
 
     def passes(self) -> dict[str, Pass]:
-        temperature = self.cfg.rollout.temperature
         return {
-            "old_logps": lambda b: forward_packed(self.policy, b, temperature=temperature).logps,
-            "ref_logps": lambda b: forward_packed(self.ref_model, b, temperature=temperature).logps,
+            "old_logps": self.logps_pass(self.policy),
+            "ref_logps": self.reference_pass(),
             "old_values": lambda b: forward_scores(self.value_model, b),
         }
 
@@ -145,9 +143,9 @@ class PPORecipe(RolloutRecipe):
 
 
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg)
+    session, parts = start_rl(cfg, reference=True)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
-    recipe = PPORecipe(**parts, ref_model=session.companion(), value_model=value_model)
+    recipe = PPORecipe(**parts, value_model=value_model)
     model = ActorCritic(session.model, value_model)
     value_lr = cfg.ppo.value_learning_rate
     rates = {"value.": value_lr} if value_lr is not None else None

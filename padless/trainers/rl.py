@@ -19,6 +19,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
+from padless.model import forward_packed, unwrap
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
@@ -52,10 +53,13 @@ class RolloutRecipe:
         rewards: RewardComposer | None = None,
         reward_model: torch.nn.Module | None = None,
         eval_prompts: list[PromptExample] | None = None,
+        ref_model: torch.nn.Module | None = None,
     ):
+        """``ref_model``: a frozen reference, or None for a LoRA policy (its adapters switched off) or when
+        the recipe uses no reference."""
         self.prompts, self.cfg, self.tokenizer, self.policy = prompts, cfg, tokenizer, policy
         self.engine, self.device, self.rewards, self.reward_model = engine, device, rewards, reward_model
-        self.eval_prompts = eval_prompts or []
+        self.eval_prompts, self.ref_model = eval_prompts or [], ref_model
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
 
@@ -130,6 +134,21 @@ class RolloutRecipe:
                 for e in chunk:
                     e.meta[key] = values[start : start + e.num_targets]
                     start += e.num_targets
+
+    def logps_pass(self, model: torch.nn.Module) -> Pass:
+        return lambda batch: forward_packed(model, batch, temperature=self.cfg.rollout.temperature).logps
+
+    def reference_pass(self) -> Pass:
+        """Reference log-probs: from the frozen copy, or from the LoRA policy with its adapters off (the
+        starting policy, without a second copy of the weights)."""
+        if self.ref_model is not None:
+            return self.logps_pass(self.ref_model)
+
+        def adapters_off(batch: PackedBatch) -> torch.Tensor:
+            with unwrap(self.policy).disable_adapter():
+                return self.logps_pass(self.policy)(batch)
+
+        return adapters_off
 
     def passes(self) -> dict[str, Pass]:
         """The no-grad per-token passes the loss needs, by meta key (old / reference log-probs, values)."""
@@ -217,8 +236,9 @@ def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
     return HFEngine(policy, tokenizer, cfg.rollout)
 
 
-def start_rl(cfg: Any) -> tuple[Session, dict[str, Any]]:
-    """The session and everything a rollout recipe is built from: prompts, engine, rewards."""
+def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
+    """The session and everything a rollout recipe is built from: prompts, engine, rewards, and (if
+    ``reference``, and the policy has no LoRA adapters to switch off) a frozen reference copy."""
     from padless.data import load_rows, tokenize_prompts
     from padless.model import load_model
 
@@ -248,4 +268,5 @@ def start_rl(cfg: Any) -> tuple[Session, dict[str, Any]]:
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,
         "eval_prompts": prompts(data.eval) if data.eval else None,
+        "ref_model": session.companion() if reference and cfg.model.lora is None else None,
     }

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
 from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
@@ -19,6 +20,7 @@ from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
 from padless.trainers.ppo import run_ppo
+from padless.trainers.session import Session
 from padless.trainers.sft import run_sft
 
 FAST = ["train.logging_steps=1", "train.progress_bar=false", "train.report_to=[jsonl]"]
@@ -47,6 +49,40 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
             ]
             assert len(e.meta["ref_logps"]) == e.num_targets
             torch.testing.assert_close(torch.tensor(e.meta["ref_logps"]), alone, rtol=0, atol=1e-5)
+
+
+def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypatch, tmp_path):
+    """No second copy of the weights for a LoRA policy: reference log-probs are the base model's."""
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
+    policy = get_peft_model(load_model("tiny-llama"), lora)
+    cfg = load_config(GRPOConfig, None, [])
+    engine = HFEngine(policy, tokenizer, cfg.rollout)
+    recipe = GRPORecipe([], cfg, tokenizer, policy, engine, torch.device("cpu"))
+    examples = [Example(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
+    recipe.store(examples, {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)})
+    base = load_model("tiny-llama")
+    with torch.no_grad():
+        for e in examples:
+            batch = pack([e])
+            alone = forward_packed(base, batch).logps[batch.loss_mask[0]]
+            torch.testing.assert_close(torch.tensor(e.meta["ref"]), alone, rtol=0, atol=1e-5)
+            assert (torch.tensor(e.meta["own"]) - alone).abs().max() > 1e-3  # the adapters were on there
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a LoRA run loaded a reference copy")
+
+    monkeypatch.setattr(Session, "companion", no_copy)
+    overrides = [
+        "model.name=tiny-llama",
+        "model.lora.r=4",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=4",
+        "rollout.mask_truncated=false",
+        *FAST,
+    ]
+    assert "train/kl" in run_grpo(load_config(GRPOConfig, None, overrides))
 
 
 def rollout_records(run_dir) -> list[dict]:

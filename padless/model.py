@@ -106,6 +106,19 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
     return getattr(model, "module", model)
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout in ``model`` to 0 (``nn.Dropout`` modules, LoRA's included, and attention
+    dropout); returns how many were on. RL divides log-probs of two passes over the same tokens: dropout
+    would make that ratio noise."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout, changed = 0.0, changed + 1
+    return changed
+
+
 def checked_backend(model: torch.nn.Module) -> str:
     """The backend the model was loaded with, after checking its config still dispatches to it."""
     inner = unwrap(model)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from padless.attention import attention_in_use
 from padless.model import (
     DTYPES,
     backbone_hidden,
+    disable_dropout,
     forward_packed,
     forward_padded,
     forward_scores,
@@ -230,3 +232,24 @@ def test_load_model_is_deterministic_and_gives_each_model_its_own_config():
 def test_load_tokenizer_embedded():
     tok = load_tokenizer("tiny-qwen2")
     assert tok.pad_token_id == 0 and len(tok) == 4096
+
+
+def test_disable_dropout_makes_training_forwards_repeatable():
+    model = load_model("tiny-llama", attn_implementation="eager")  # eager applies attention dropout
+    model.config.attention_dropout = 0.3
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    lora = LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.5, init_lora_weights=False)
+    model = get_peft_model(model, lora).train()
+    batch = pack([Example(list(range(3, 40)))])
+
+    def twice() -> tuple[torch.Tensor, torch.Tensor]:
+        return forward_packed(model, batch).logps, forward_packed(model, batch).logps
+
+    first, second = twice()
+    assert not torch.equal(first, second)
+    layers = model.config.num_hidden_layers
+    assert disable_dropout(model) == 2 * layers  # per layer: attention dropout, LoRA dropout on q_proj
+    first, second = twice()
+    assert torch.equal(first, second)
+    assert disable_dropout(model) == 0

@@ -19,7 +19,7 @@ from padless.model import (
 from padless.packing import Example, pack
 from padless.trainers.checkpoint import load_hf_weights
 from padless.trainers.loop import MicroBatch, Trainer
-from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
+from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl, without_dropout
 
 
 class ActorCritic(torch.nn.Module):
@@ -145,6 +145,7 @@ class PPORecipe(RolloutRecipe):
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
     session, parts = start_rl(cfg, reference=True)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
+    without_dropout(value_model, "value model")
     recipe = PPORecipe(**parts, value_model=value_model)
     model = ActorCritic(session.model, value_model)
     value_lr = cfg.ppo.value_learning_rate

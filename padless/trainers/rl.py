@@ -8,6 +8,7 @@ of the rollout's prompts; the slices are then gathered so every rank plans the s
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -19,7 +20,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
-from padless.model import forward_packed, unwrap
+from padless.model import disable_dropout, forward_packed, unwrap
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
@@ -28,6 +29,7 @@ from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
 
 Pass = Callable[[PackedBatch], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 def per_target(examples: list[Example], key: str, device: torch.device) -> torch.Tensor:
@@ -236,6 +238,13 @@ def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
     return HFEngine(policy, tokenizer, cfg.rollout)
 
 
+def without_dropout(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """RL models train without dropout (said in the log when some was on)."""
+    if changed := disable_dropout(model):
+        log.info("%s: %d dropout layers set to 0 (log-prob ratios compare like with like)", name, changed)
+    return model
+
+
 def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     """The session and everything a rollout recipe is built from: prompts, engine, rewards, and (if
     ``reference``, and the policy has no LoRA adapters to switch off) a frozen reference copy."""
@@ -243,6 +252,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     from padless.model import load_model
 
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
 
     def prompts(spec: str) -> list[PromptExample]:

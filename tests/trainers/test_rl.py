@@ -4,6 +4,7 @@ reward model through checkpoint and resume."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -51,8 +52,9 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
             torch.testing.assert_close(torch.tensor(e.meta["ref_logps"]), alone, rtol=0, atol=1e-5)
 
 
-def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypatch, tmp_path):
-    """No second copy of the weights for a LoRA policy: reference log-probs are the base model's."""
+def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypatch, tmp_path, caplog):
+    """No second copy of the weights for a LoRA policy: reference log-probs are the base model's. And the
+    run trains without LoRA's dropout (on by default), which would make log-prob ratios noise."""
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
     policy = get_peft_model(load_model("tiny-llama"), lora)
     cfg = load_config(GRPOConfig, None, [])
@@ -82,7 +84,9 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
         "rollout.mask_truncated=false",
         *FAST,
     ]
-    assert "train/kl" in run_grpo(load_config(GRPOConfig, None, overrides))
+    with caplog.at_level(logging.INFO, logger="padless.trainers.rl"):
+        assert "train/kl" in run_grpo(load_config(GRPOConfig, None, overrides))
+    assert "policy: 14 dropout layers set to 0" in caplog.text  # 7 linear layers x 2 blocks
 
 
 def rollout_records(run_dir) -> list[dict]:

@@ -127,7 +127,7 @@ class Trainer:
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
-        self.epoch_steps: dict[int, list[Step]] = {}
+        self.planned: tuple[int, list[Step]] | None = None
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
@@ -142,19 +142,20 @@ class Trainer:
         skip_model_weights_in_state(accelerator)
 
     def steps_of(self, epoch: int) -> list[Step]:
-        if epoch not in self.epoch_steps:
-            self.epoch_steps.clear()  # one epoch's plan at a time: a rollout's data is large
+        """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
+        if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            self.epoch_steps[epoch] = plan_steps(
+            steps = plan_steps(
                 micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
             )
             stated = getattr(self.recipe, "steps_per_epoch", None)
-            if stated is not None and stated() != len(self.epoch_steps[epoch]):
+            if stated is not None and stated() != len(steps):
                 raise RuntimeError(
                     f"{type(self.recipe).__name__} stated {stated()} steps per epoch but planned "
-                    f"{len(self.epoch_steps[epoch])} for epoch {epoch}: the schedule would be wrong"
+                    f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
-        return self.epoch_steps[epoch]
+            self.planned = (epoch, steps)
+        return self.planned[1]
 
     def _count_steps(self) -> int:
         """Total optimizer steps: ``max_steps`` if set, else those of ``num_epochs`` epochs (the last may be

@@ -19,8 +19,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
-from padless.data import PromptExample, reward_inputs
-from padless.model import disable_dropout, forward_packed, unwrap
+from padless.data import PromptExample, load_rows, reward_inputs, tokenize_prompts
+from padless.model import disable_dropout, forward_packed, load_model, unwrap
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
@@ -248,17 +248,13 @@ def without_dropout(model: torch.nn.Module, name: str) -> torch.nn.Module:
 def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     """The session and everything a rollout recipe is built from: prompts, engine, rewards, and (if
     ``reference``, and the policy has no LoRA adapters to switch off) a frozen reference copy."""
-    from padless.data import load_rows, tokenize_prompts
-    from padless.model import load_model
-
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
 
     def prompts(spec: str) -> list[PromptExample]:
-        rows = load_rows(spec)
         return tokenize_prompts(
-            rows,
+            load_rows(spec),
             tokenizer,
             max_prompt_length=data.max_prompt_length,
             chat_template=data.chat_template,

@@ -317,7 +317,12 @@ def start_padless(cfg: Any, output_dir: str, device: str) -> Any:
     """A padless session for ``cfg``, refused unless accelerate put it on the device that was asked for."""
     from padless.trainers.session import start_session
 
-    session = start_session(cfg.model, cfg.train.seed, output_dir, cfg)
+    return require_device(start_session(cfg.model, cfg.train.seed, output_dir, cfg), device)
+
+
+def require_device(session: Any, device: str) -> Any:
+    """``session``, unless accelerate put it on another device than asked for (that would time the wrong one);
+    for contenders whose session is started by padless itself (RL's ``start_rl``)."""
     if session.accelerator.device.type != device:
         raise RuntimeError(f"asked for {device} but accelerate chose {session.accelerator.device}")
     return session

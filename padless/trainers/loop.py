@@ -128,6 +128,7 @@ class Trainer:
             eps=settings.adam_epsilon,
         )
         self.planned: tuple[int, list[Step]] | None = None
+        self.stated_steps = getattr(recipe, "steps_per_epoch", None)  # recipes with costly plans say it
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
@@ -148,10 +149,9 @@ class Trainer:
             steps = plan_steps(
                 micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
             )
-            stated = getattr(self.recipe, "steps_per_epoch", None)
-            if stated is not None and stated() != len(steps):
+            if self.stated_steps is not None and self.stated_steps() != len(steps):
                 raise RuntimeError(
-                    f"{type(self.recipe).__name__} stated {stated()} steps per epoch but planned "
+                    f"{type(self.recipe).__name__} stated {self.stated_steps()} steps per epoch but planned "
                     f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
             self.planned = (epoch, steps)
@@ -161,10 +161,9 @@ class Trainer:
         """Total optimizer steps: ``max_steps`` if set, else those of ``num_epochs`` epochs (the last may be
         partial), each epoch counted on its own plan: token-budget packing differs from epoch to epoch."""
         cfg = self.cfg
-        stated = getattr(self.recipe, "steps_per_epoch", None)
 
         def per_epoch(epoch: int) -> int:
-            return stated() if stated is not None else len(self.steps_of(epoch))
+            return self.stated_steps() if self.stated_steps is not None else len(self.steps_of(epoch))
 
         if per_epoch(0) == 0:
             raise ValueError("the training data produced no micro-batch: is the dataset empty?")

@@ -165,7 +165,7 @@ def _spans(
     return spans
 
 
-def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window) -> torch.Tensor:
+def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window, causal=True) -> torch.Tensor:
     """Exact attention, one SDPA call per sequence: cost sum of L_i^2, never a [T, T] mask.
 
     Outputs are concatenated (zeros where a row is padding) rather than written into a preallocated
@@ -178,7 +178,7 @@ def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window) -> torc
         if s > ends[row]:
             rows[row].append(q.new_zeros(heads, s - ends[row], dim))
         mask = None
-        if sliding_window is not None and e - s > sliding_window:
+        if causal and sliding_window is not None and e - s > sliding_window:
             i = torch.arange(e - s, device=q.device)
             mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window)
         rows[row].append(
@@ -187,7 +187,7 @@ def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window) -> torc
                 k[row, :, s:e],
                 v[row, :, s:e],
                 attn_mask=mask,
-                is_causal=mask is None,
+                is_causal=causal and mask is None,
                 dropout_p=dropout,
                 scale=scaling,
                 enable_gqa=heads != k.shape[1],
@@ -200,7 +200,7 @@ def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window) -> torc
     return torch.stack([torch.cat(pieces, dim=1) for pieces in rows]).transpose(1, 2)
 
 
-def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window) -> torch.Tensor:
+def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window, causal=True) -> torch.Tensor:
     """One fused varlen call over all sequences; padded rows are gathered into a packed row and back."""
     batch, heads, length, dim = q.shape
     lens = torch.tensor([e - s for _, s, e in spans], device=q.device)
@@ -215,7 +215,7 @@ def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window) -> t
             [torch.arange(r * length + s, r * length + e, device=q.device) for r, s, e in spans]
         )
         flat = [t[index] for t in flat]
-    window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
+    window = ((sliding_window - 1, 0) if sliding_window else (-1, 0)) if causal else (-1, -1)
     if kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
@@ -227,7 +227,7 @@ def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window) -> t
             max_len,
             dropout_p=dropout,
             softmax_scale=scaling,
-            causal=True,
+            causal=causal,
             window_size=window,
         )
     else:
@@ -256,7 +256,9 @@ def varlen_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each sequence. Shapes: q ``[B, H, T, D]``, out ``[B, T, H, D]``.
+    """Attention within each sequence. Shapes: q ``[B, H, T, D]``, out ``[B, T, H, D]``.
+
+    Causal unless the caller says ``is_causal=False`` (or the module does), as vision towers do.
 
     Sequences come from ``cu_seq_lens_q`` (packed row), else from a 2D padding mask (left or right padded
     rows, as ``generate`` prefill sends), else from restarts of ``position_ids``.
@@ -270,9 +272,12 @@ def varlen_attention_forward(
     spans = _spans(batch, length, attention_mask, kwargs)
     kernel = varlen_kernel(query.device, query.dtype)
     KERNEL_CALLS[f"varlen:{kernel}"] += 1
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    args = (query, key, value, spans, scaling, dropout, sliding_window, causal)
     if kernel == "sdpa":
-        return _sdpa_per_sequence(query, key, value, spans, scaling, dropout, sliding_window), None
-    return _fused_varlen(kernel, query, key, value, spans, scaling, dropout, sliding_window), None
+        return _sdpa_per_sequence(*args), None
+    return _fused_varlen(kernel, *args), None
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from padless import tiny
+from padless import tiny, vision
 from padless.attention import (
     assert_attention,
     attention_in_use,
@@ -48,6 +48,8 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Tokenizer for an embedded name (``tiny-qwen2``), a local directory or a cached model id."""
+    if name_or_path in tiny.VISION_MODELS:
+        return vision.load_processor(name_or_path).tokenizer
     if name_or_path in tiny.TINY_MODELS:
         return tiny.tiny_tokenizer()
     if isinstance(name_or_path, Path) or Path(name_or_path).exists():
@@ -80,6 +82,7 @@ def load_model(
         auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
         if task == "score":
             kwargs["num_labels"] = 1
+        auto = vision.auto_class(str(name_or_path), task) or auto
         model = auto.from_pretrained(str(name_or_path), **kwargs)
     if task == "score" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -128,13 +131,23 @@ def checked_backend(model: torch.nn.Module) -> str:
 
 
 def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
-    """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask."""
+    """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask.
+
+    Image inputs of a vision-language batch (``pixel_values``, ``image_grid_thw``, ...) go along as they are.
+    """
+    vision = batch.vision or {}
     if isinstance(batch, PackedBatch):
-        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, **batch.attention_kwargs()}
+        return {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids,
+            **batch.attention_kwargs(),
+            **vision,
+        }
     return {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
         "position_ids": batch.position_ids,
+        **vision,
     }
 
 

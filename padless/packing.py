@@ -15,16 +15,24 @@ from typing import Any, Literal
 
 import torch
 
+from padless.vision import concat_vision
+
 IGNORE_INDEX = -100
 
 
 @dataclass
 class Example:
-    """One tokenized sequence. ``loss_mask[i]`` says whether token ``i`` is a training target."""
+    """One tokenized sequence. ``loss_mask[i]`` says whether token ``i`` is a training target.
+
+    Vision-language samples also carry their images' model inputs (``vision``: ``pixel_values``,
+    ``image_grid_thw``, ...) and, for M-RoPE models, their own position rows ``rope_positions`` ``[3, L]``.
+    """
 
     input_ids: list[int]
     loss_mask: list[bool] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    vision: dict[str, torch.Tensor] | None = None
+    rope_positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -44,11 +52,13 @@ class PackedBatch:
     """
 
     input_ids: torch.Tensor  # [1, T] long
-    position_ids: torch.Tensor  # [1, T] long, restarting at 0 per sequence
+    # [1, T] long, restarting at 0 per sequence; [4, 1, T] for M-RoPE: that text row on each sample's 3 rows
+    position_ids: torch.Tensor
     cu_seqlens: torch.Tensor  # [N + 1] int32
     max_seqlen: int
     labels: torch.Tensor  # [1, T] long, IGNORE_INDEX where no loss
     meta: list[dict[str, Any]] = field(default_factory=list)
+    vision: dict[str, torch.Tensor] | None = None  # every sample's image inputs, concatenated in order
 
     @property
     def num_sequences(self) -> int:
@@ -100,6 +110,7 @@ class PackedBatch:
             position_ids=self.position_ids.to(device),
             cu_seqlens=self.cu_seqlens.to(device),
             labels=self.labels.to(device),
+            vision=None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()},
         )
 
     def split(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -138,17 +149,34 @@ def pack(examples: Sequence[Example], device: torch.device | str = "cpu") -> Pac
     labels = torch.tensor(
         [t for ex in examples for t in _shifted_labels(ex)], dtype=torch.long, device=device
     )
-    position_ids = torch.cat([torch.arange(n, device=device) for n in lens])
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lens])[None]
+    if any(ex.rope_positions is not None for ex in examples):
+        position_ids = _mrope_rows(examples, position_ids)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.tensor(lens, device=device).cumsum(0)
+    vision = concat_vision([ex.vision for ex in examples])
     return PackedBatch(
         input_ids=input_ids[None],
-        position_ids=position_ids[None],
+        position_ids=position_ids,
         cu_seqlens=cu,
         max_seqlen=max(lens),
         labels=labels[None],
         meta=[dict(ex.meta) for ex in examples],
+        vision=None if vision is None else {k: v.to(device) for k, v in vision.items()},
     )
+
+
+def _mrope_rows(examples: Sequence[Example], text_row: torch.Tensor) -> torch.Tensor:
+    """``[4, 1, T]``: the restarting text row on top of each sample's own three M-RoPE rows."""
+    for i, ex in enumerate(examples):
+        if ex.rope_positions is None or tuple(ex.rope_positions.shape) != (3, len(ex)):
+            got = None if ex.rope_positions is None else tuple(ex.rope_positions.shape)
+            raise ValueError(
+                f"example {i}: M-RoPE positions must be [3, {len(ex)}] on every example, got {got}; "
+                "tokenize every example with the model's rope index (padless.vision.RopeIndex)"
+            )
+    rows = torch.cat([ex.rope_positions for ex in examples], dim=1).to(text_row.device)
+    return torch.cat([text_row, rows])[:, None]
 
 
 Side = Literal["left", "right"]
@@ -163,6 +191,7 @@ class PaddedBatch:
     position_ids: torch.Tensor  # [N, L], 0.. for real tokens, 0 (left) / continued (right) for pads
     labels: torch.Tensor  # [N, L], shifted like PackedBatch.labels, IGNORE_INDEX on pads
     side: Side
+    vision: dict[str, torch.Tensor] | None = None  # as in PackedBatch; position_ids [4, N, L] for M-RoPE
 
 
 def to_padded(batch: PackedBatch, side: Side, pad_token_id: int) -> PaddedBatch:
@@ -179,7 +208,11 @@ def to_padded(batch: PackedBatch, side: Side, pad_token_id: int) -> PaddedBatch:
     labels[real] = batch.labels[0]
     mask = real.long()
     position_ids = (mask.cumsum(1) - 1).clamp(min=0) if side == "left" else col.expand(n, -1).clone()
-    return PaddedBatch(ids, mask, position_ids, labels, side)
+    if batch.position_ids.dim() == 3:  # M-RoPE rows go with their tokens; pads get 0
+        rows = batch.position_ids.new_zeros(3, n, width)
+        rows[:, real] = batch.position_ids[1:, 0]
+        position_ids = torch.cat([position_ids[None], rows])
+    return PaddedBatch(ids, mask, position_ids, labels, side, batch.vision)
 
 
 def unpad(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

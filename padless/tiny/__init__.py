@@ -1,4 +1,4 @@
-"""Embedded tiny defaults: a 4096-token tokenizer, two tiny model configs and small synthetic datasets.
+"""Embedded tiny defaults: a 4096-token tokenizer, tiny model configs (text and vision-language) and data.
 
 They ship inside the package so that examples, tests and benchmarks run fully offline: nothing is
 downloaded. The data and tokenizer are produced by ``scripts/build_tiny.py``; rebuild them with that
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from padless.tiny.vlm import tiny_qwen2_5_vl
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
@@ -78,7 +80,9 @@ def _tiny_llama() -> PretrainedConfig:
 TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-qwen2": _tiny_qwen2,
     "tiny-llama": _tiny_llama,
+    "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
 }
+VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.vision.load_processor
 
 
 def _check_choice(kind: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
@@ -107,15 +111,21 @@ def build_tiny_model(name: str, seed: int = 0, task: str = "causal-lm", **kwargs
     ``dtype``). Initialisation runs on CPU inside a forked RNG, so the caller's global torch RNG state is
     left untouched.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     _check_choice("task", task, TASKS)
     config = tiny_config(name)
+    if task == "score" and name in VISION_MODELS:
+        raise ValueError(f"{name} is a vision-language model: it has no scalar-head (task 'score') variant")
     if task == "score":
         config.num_labels = 1
         auto = AutoModelForSequenceClassification
     else:
-        auto = AutoModelForCausalLM
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     # Seed only the CPU generator: torch.manual_seed would also reseed (and so change) every CUDA generator.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
@@ -134,6 +144,7 @@ __all__ = [
     "IM_START_TOKEN_ID",
     "PAD_TOKEN_ID",
     "TINY_MODELS",
+    "VISION_MODELS",
     "VOCAB_SIZE",
     "build_tiny_model",
     "data_path",

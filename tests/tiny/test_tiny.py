@@ -14,7 +14,15 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from padless.tiny import DATASETS, TINY_MODELS, build_tiny_model, data_path, tiny_config, tiny_tokenizer
+from padless.tiny import (
+    DATASETS,
+    TINY_MODELS,
+    VISION_MODELS,
+    build_tiny_model,
+    data_path,
+    tiny_config,
+    tiny_tokenizer,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_tiny.py"
@@ -172,11 +180,13 @@ def test_prompt_completion_tokenizes_additively(tok: PreTrainedTokenizerFast) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# Models
+# Models (the vision-language ones are tested in test_vlm.py)
 # --------------------------------------------------------------------------------------------------
 
+TEXT_MODELS = sorted(set(TINY_MODELS) - set(VISION_MODELS))
 
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
 def test_config(name: str) -> None:
     cfg = tiny_config(name)
     assert cfg.num_key_value_heads < cfg.num_attention_heads
@@ -220,7 +230,7 @@ def test_unknown_names_are_rejected() -> None:
         data_path("dpo")
 
 
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+@pytest.mark.parametrize("name", TEXT_MODELS)
 def test_build_is_deterministic_and_keeps_global_rng(name: str) -> None:
     torch.manual_seed(1234)
     before = torch.get_rng_state()
@@ -247,7 +257,7 @@ def test_causal_lm_forward_and_kwargs() -> None:
     assert llama.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+@pytest.mark.parametrize("name", TEXT_MODELS)
 def test_score_model(name: str) -> None:
     model = build_tiny_model(name, task="score")
     assert model.config.num_labels == 1

@@ -1,0 +1,284 @@
+"""Vision-language models packed (padless.vision + the packed path): per-token invariance on tiny Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL built in code, with images of different sizes and text-only rows mixed.
+
+The reference is transformers itself: each sample run alone through ``model(...)`` with no position ids, so
+the model computes its own M-RoPE positions. Weights are scaled up from the tiny init so that a leak or a
+wrong position moves log-probs by far more than fp32 round-off (a random tiny model is nearly flat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, Qwen2VLConfig, Qwen3VLConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import padless.attention as attention
+from padless.model import forward_packed, forward_padded, load_model
+from padless.packing import Example, pack, to_padded, unpad
+from padless.tiny import PAD_TOKEN_ID
+from padless.tiny.vlm import (
+    IMAGE_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION_END_ID,
+    VISION_START_ID,
+    VLM_VOCAB_SIZE,
+    tiny_qwen2_5_vl,
+)
+from padless.vision import RopeIndex, concat_vision, is_vision_config, load_processor, uses_mrope
+
+FP32_TOL = 1e-5  # fp32 round-off of a different kernel / layout; measured 1e-6 to 3e-6
+LEAK_MIN = 0.1  # measured leaks: 1.0 to 3.4
+WEIGHT_SCALE = 4.0
+
+TEXT = {
+    "vocab_size": VLM_VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": PAD_TOKEN_ID,
+    "bos_token_id": None,
+    "eos_token_id": 2,
+}
+TOKENS = {
+    "image_token_id": IMAGE_TOKEN_ID,
+    "video_token_id": VIDEO_TOKEN_ID,
+    "vision_start_token_id": VISION_START_ID,
+    "vision_end_token_id": VISION_END_ID,
+}
+
+
+def _qwen2_vl() -> Qwen2VLConfig:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    vision = {"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 2}
+    return Qwen2VLConfig(text_config={**TEXT, "rope_parameters": rope}, vision_config=vision, **TOKENS)
+
+
+def _qwen3_vl() -> Qwen3VLConfig:
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [4, 6, 6],
+        "mrope_interleaved": True,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "patch_size": 16,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    }
+    text = {**TEXT, "head_dim": 32, "rope_parameters": rope}
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **TOKENS)
+
+
+FAMILIES = {"qwen2-vl": (_qwen2_vl, 14), "qwen2.5-vl": (tiny_qwen2_5_vl, 14), "qwen3-vl": (_qwen3_vl, 16)}
+
+
+def _build(family: str, backend: str) -> torch.nn.Module:
+    make_config, _ = FAMILIES[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(
+            make_config(), attn_implementation=attention.hf_name(backend), dtype=torch.float32
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(WEIGHT_SCALE)
+    model.padless_attention = backend
+    return model.eval()
+
+
+def _image(rng: np.random.Generator, height: int, width: int) -> Image.Image:
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _samples(family: str) -> list[tuple[list[list[int]], list[Image.Image]]]:
+    """Rows as (text pieces, images): an image goes between consecutive pieces. Sizes differ per image."""
+    _, patch = FAMILIES[family]
+    unit = 2 * patch  # one merged token
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(1)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(3, 4096, (n,), generator=gen).tolist()
+
+    return [
+        ([text(5), text(9)], [_image(rng, 2 * unit, 2 * unit)]),
+        ([text(31)], []),
+        ([text(3), text(2), text(12)], [_image(rng, 3 * unit, 2 * unit), _image(rng, unit, 4 * unit)]),
+        ([text(4), text(60)], [_image(rng, 4 * unit, 3 * unit)]),
+        ([text(7)], []),
+    ]
+
+
+def _example(family: str, pieces: list[list[int]], images: list[Image.Image]) -> Example:
+    """Tokens with each image's placeholder run expanded, its pixel values, and the sample's M-RoPE rows."""
+    make_config, patch = FAMILIES[family]
+    config = make_config()
+    ids = list(pieces[0])
+    vision = None
+    if images:
+        processor = Qwen2VLImageProcessorPil(
+            patch_size=patch, merge_size=2, min_pixels=(2 * patch) ** 2, max_pixels=(8 * patch) ** 2
+        )
+        out = processor(images=images, return_tensors="pt")
+        vision = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        for grid, piece in zip(out["image_grid_thw"], pieces[1:], strict=True):
+            ids += [VISION_START_ID] + [IMAGE_TOKEN_ID] * int(grid.prod() // 4) + [VISION_END_ID] + piece
+    grid = None if vision is None else vision["image_grid_thw"]
+    return Example(ids, vision=vision, rope_positions=RopeIndex(config)(ids, grid))
+
+
+def _alone(model: torch.nn.Module, ex: Example) -> torch.Tensor:
+    """transformers' own result for one sample: no position ids given, so the model computes M-RoPE."""
+    ids = torch.tensor(ex.input_ids)[None]
+    types = (ids == IMAGE_TOKEN_ID).int()
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **(ex.vision or {})).logits
+    return logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def _packed_logps(model: torch.nn.Module, batch) -> list[torch.Tensor]:
+    with torch.no_grad():
+        logps = forward_packed(model, batch).logps
+    return [s[:-1] for s in batch.split(logps)]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def examples(family) -> list[Example]:
+    return [_example(family, pieces, images) for pieces, images in _samples(family)]
+
+
+@pytest.fixture(scope="module")
+def reference(family, examples) -> list[torch.Tensor]:
+    model = _build(family, "sdpa")
+    return [_alone(model, ex) for ex in examples]
+
+
+def _delta(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    assert [g.shape for g in got] == [w.shape for w in want]
+    return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager"])
+def test_packed_equals_alone(family, examples, reference, backend):
+    model = _build(family, backend)
+    batch = pack(examples)
+    assert tuple(batch.position_ids.shape) == (4, 1, batch.num_tokens)
+    assert batch.vision["image_grid_thw"].shape[0] == 4  # every sample's images, in order
+    assert _delta(_packed_logps(model, batch), reference) < FP32_TOL
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])
+def test_padded_equals_alone(family, examples, reference, backend, side):
+    model = _build(family, backend)
+    padded = to_padded(pack(examples), side, PAD_TOKEN_ID)
+    assert tuple(padded.position_ids.shape) == (4, *padded.input_ids.shape)
+    with torch.no_grad():
+        flat = unpad(forward_padded(model, padded), padded.attention_mask)
+    got = [s[:-1] for s in flat.split([len(e) for e in examples])]
+    assert _delta(got, reference) < FP32_TOL
+
+
+@pytest.mark.parametrize("rows", ["2d", "3 rows"])
+def test_positions_without_text_row_leak(family, examples, reference, rows):
+    """2D or [3, 1, T] ids give no per-sequence text row: sdpa then attends across samples (and 2D ids
+    also lose the image rows). This is what makes the [4, 1, T] test above able to fail."""
+    model = _build(family, "sdpa")
+    batch = pack(examples)
+    position_ids = batch.position_ids[0] if rows == "2d" else batch.position_ids[1:]
+    leaked = _packed_logps(model, dataclasses.replace(batch, position_ids=position_ids))
+    assert _delta(leaked, reference) > LEAK_MIN
+
+
+def test_image_rows_matter_on_varlen(family, examples, reference):
+    """varlen isolates samples by cu_seqlens whatever the ids, but image tokens still need M-RoPE rows."""
+    model = _build(family, "varlen")
+    batch = pack(examples)
+    flat = _packed_logps(model, dataclasses.replace(batch, position_ids=batch.position_ids[0]))
+    assert _delta(flat, reference) > LEAK_MIN
+
+
+def _image_features(model: torch.nn.Module, vision: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = model.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"])
+    return list(out.pooler_output)
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])
+def test_vision_features_packed_equal_per_image(family, examples, backend):
+    model = _build(family, backend)
+    packed = _image_features(model, concat_vision([ex.vision for ex in examples]))
+    alone = [f for ex in examples if ex.vision for f in _image_features(model, ex.vision)]
+    assert len(packed) == len(alone) == 4
+    assert _delta(packed, alone) < FP32_TOL
+
+
+def test_varlen_vision_is_not_causal(family, examples, monkeypatch):
+    """The vision tower asks for is_causal=False: varlen must match eager, and a causal run must not."""
+    vision = concat_vision([ex.vision for ex in examples])
+    eager = _image_features(_build(family, "eager"), vision)
+    model = _build(family, "varlen")
+    assert _delta(_image_features(model, vision), eager) < FP32_TOL
+    per_sequence = attention._sdpa_per_sequence
+    monkeypatch.setattr(attention, "_sdpa_per_sequence", lambda *a: per_sequence(*a[:-1], True))
+    assert _delta(_image_features(model, vision), eager) > LEAK_MIN
+
+
+def test_mixed_and_text_only_batches(family, examples, reference):
+    model = _build(family, "varlen")
+    text_only = [ex for ex in examples if ex.vision is None]
+    batch = pack(text_only)
+    assert batch.vision is None
+    want = [r for ex, r in zip(examples, reference, strict=True) if ex.vision is None]
+    assert _delta(_packed_logps(model, batch), want) < FP32_TOL
+
+
+def test_pack_requires_rope_rows_on_every_example(family, examples):
+    broken = [examples[0], dataclasses.replace(examples[1], rope_positions=None)]
+    with pytest.raises(ValueError, match=r"example 1: M-RoPE positions must be \[3, 31\]"):
+        pack(broken)
+
+
+def test_rope_index_matches_model(family, examples):
+    """RopeIndex (config only) gives the rows the loaded model's get_rope_index gives."""
+    model = _build(family, "sdpa")
+    for ex in examples:
+        ids = torch.tensor(ex.input_ids)[None]
+        grid = ex.vision["image_grid_thw"] if ex.vision else None
+        want, _ = model.model.get_rope_index(ids, (ids == IMAGE_TOKEN_ID).int(), image_grid_thw=grid)
+        assert torch.equal(ex.rope_positions, want[:, 0])
+
+
+def test_embedded_vlm_loads_on_proven_backend():
+    model = load_model("tiny-qwen2.5-vl", attn_implementation="varlen")
+    assert is_vision_config(model.config) and uses_mrope(model.config)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    processor = load_processor("tiny-qwen2.5-vl")
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+
+
+def test_embedded_vlm_is_seeded():
+    a = load_model("tiny-qwen2.5-vl", seed=3, probe=False)
+    b = load_model("tiny-qwen2.5-vl", seed=3, probe=False)
+    c = load_model("tiny-qwen2.5-vl", seed=4, probe=False)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)

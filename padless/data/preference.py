@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from padless.data.images import ImageInputs, reject_images
 from padless.data.records import DataError, Row
 from padless.data.sft import (
     ChatTemplateError,
@@ -295,6 +296,25 @@ def _margin(row: Row, required: bool) -> float | None:
     return float(value)
 
 
+def _prepare(row: Row, images: ImageInputs | None) -> tuple[Row, list[Any]]:
+    """The row with its images loaded (image models), or a refusal of images (text models)."""
+    if images is None:
+        reject_images(row)
+        return row, []
+    prepared = images.prepare(row)
+    return prepared.row, prepared.images
+
+
+def _example(
+    images: ImageInputs | None,
+    ids: list[int],
+    mask: list[bool] | None,
+    vision: dict[str, Any] | None,
+    meta: dict[str, Any],
+) -> Example:
+    return Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
+
+
 def _check_args(max_length: int, truncation: str) -> None:
     if truncation not in ("error", "truncate"):
         raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
@@ -323,6 +343,7 @@ def tokenize_preference(
     truncation: Truncation = "error",
     skip_bad_rows: bool = False,
     require_margin: bool = False,
+    images: ImageInputs | None = None,
 ) -> tuple[list[PairExample], SkipStats]:
     """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
 
@@ -331,7 +352,8 @@ def tokenize_preference(
     ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
     ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
     unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
-    :class:`ChatTemplateError` regardless.
+    :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
+    prompt, so chosen and rejected share them.
     """
     _check_args(max_length, truncation)
     stats = SkipStats()
@@ -349,10 +371,14 @@ def tokenize_preference(
     for row in rows:
         try:
             _require(row, needed, how)
+            row, pictures = _prepare(row, images)
             if "prompt" in _present(row):
                 prompt_ids, completions, prompt_field = enc.explicit(row)
             else:
                 prompt_ids, completions, prompt_field = enc.implicit(row)
+            vision = None
+            if images is not None:
+                prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
             if completions[0] == completions[1]:
                 raise _equal(row)
             _fit_prompt(row, prompt_ids, prompt_field, max_length)
@@ -372,9 +398,11 @@ def tokenize_preference(
             stats.record(e)
             continue
         chosen, rejected = (
-            Example(
+            _example(
+                images,
                 prompt_ids + ids,
                 [False] * len(prompt_ids) + [True] * len(ids),
+                vision,
                 {"row": row.index, "source": row.source, "side": side},
             )
             for side, ids in zip(SIDES, fitted, strict=True)
@@ -392,6 +420,7 @@ def tokenize_scoring(
     truncation: Truncation = "error",
     skip_bad_rows: bool = False,
     stats: SkipStats | None = None,
+    images: ImageInputs | None = None,
 ) -> list[Example]:
     """Sequences for scoring ``{"prompt", "response"}`` rows with a reward model (``loss_mask`` is None).
 
@@ -406,8 +435,12 @@ def tokenize_scoring(
     for row in rows:
         try:
             _require(row, ("prompt", "response"), "scoring rows")
+            row, pictures = _prepare(row, images)
             prompt_ids, messages = enc.prompt(row, row.data["prompt"])
             response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
+            vision = None
+            if images is not None:
+                prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
             _fit_prompt(row, prompt_ids, "prompt", max_length)
             response = _fit_completion(row, "response", len(prompt_ids), response, max_length, truncation)
         except DataError as e:
@@ -415,6 +448,7 @@ def tokenize_scoring(
                 raise
             stats.record(e)
             continue
-        out.append(Example(prompt_ids + response, None, {"row": row.index, "source": row.source}))
+        meta = {"row": row.index, "source": row.source}
+        out.append(_example(images, prompt_ids + response, None, vision, meta))
         stats.kept += 1
     return out

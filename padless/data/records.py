@@ -198,12 +198,15 @@ def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split:
     if not isinstance(spec, (str, Path)):
         return _from_datasets(spec, _dataset_name(spec), split)
     if isinstance(spec, str) and spec.startswith("tiny:"):
-        from padless.tiny import DATASETS, data_path
+        from padless.tiny import DATASETS, data_path, shapes
 
         name = spec.removeprefix("tiny:")
+        if name in shapes.SPLITS:
+            return _checked_rows(shapes.rows(name), spec, "index")
         if name not in DATASETS:
+            valid = ", ".join("tiny:" + d for d in (*DATASETS, *shapes.SPLITS))
             raise DataError(
-                f"{spec}: no embedded dataset {name!r}; valid: {', '.join('tiny:' + d for d in DATASETS)}.",
+                f"{spec}: no embedded dataset {name!r}; valid: {valid}.",
                 source=spec,
                 reason="unknown dataset",
             )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from padless.data.images import ImageInputs, reject_images
 from padless.data.records import DataError, Row
 from padless.data.sft import ChatTemplateError, SkipStats, _Encoder, _messages, _nonempty_str, _type_name
 
@@ -41,6 +42,7 @@ class PromptExample:
     fields: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # {"row", "source"}
     text: str = ""
+    vision: dict[str, Any] | None = None  # the prompt's image inputs (vision-language models)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -127,6 +129,7 @@ def tokenize_prompts(
     max_prompt_length: int,
     chat_template: bool | None = None,
     skip_bad_rows: bool = False,
+    images: ImageInputs | None = None,
 ) -> tuple[list[PromptExample], SkipStats]:
     """Tokenize RL prompt rows; see the module docstring for how prompts are rendered.
 
@@ -149,7 +152,15 @@ def tokenize_prompts(
     out = []
     for row in rows:
         try:
-            ids, text = enc.prompt(row)
+            vision = None
+            if images is None:
+                reject_images(row)
+                ids, text = enc.prompt(row)
+            else:
+                prepared = images.prepare(row)
+                row = prepared.row
+                ids, text = enc.prompt(row)
+                ids, _, vision = images.expand(row, ids, None, prepared.images)
             if len(ids) > max_prompt_length:
                 raise row.error(
                     PROMPT,
@@ -165,7 +176,7 @@ def tokenize_prompts(
             stats.record(e)
             continue
         fields = {k: v for k, v in row.data.items() if k != PROMPT}
-        out.append(PromptExample(ids, fields, {"row": row.index, "source": row.source}, text))
+        out.append(PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision))
         stats.kept += 1
     return out, stats
 

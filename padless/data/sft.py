@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from padless.data.images import ImageInputs, check_parts, reject_images
 from padless.data.records import DataError, Row
 from padless.packing import Example
 
@@ -151,7 +152,9 @@ def _messages(row: Row, name: str, value: Any) -> list[dict[str, Any]]:
                 f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}", reason="unknown role"
             )
         # An assistant turn that only calls tools may have no text; every other message must have some.
-        if not (role == "assistant" and msg.get("tool_calls") and not msg.get("content")):
+        if isinstance(msg.get("content"), list):
+            check_parts(row, f"{where}.content", msg["content"])
+        elif not (role == "assistant" and msg.get("tool_calls") and not msg.get("content")):
             _nonempty_str(row, f"{where}.content", msg.get("content"))
         out.append(msg)
     return out
@@ -414,13 +417,15 @@ def tokenize_sft(
     truncation: Truncation = "error",
     completion_only_loss: bool = True,
     skip_bad_rows: bool = False,
+    images: ImageInputs | None = None,
 ) -> tuple[list[Example], SkipStats]:
     """Tokenize SFT rows into examples whose ``loss_mask`` marks the tokens to train on.
 
     ``format="auto"`` takes the format from the first row (the first well-formed one when skipping bad
     rows); every row must then have that format's fields. Bad rows raise :class:`DataError` unless
     ``skip_bad_rows``, in which case they are counted in the returned :class:`SkipStats`.
-    Template problems raise :class:`ChatTemplateError` regardless.
+    Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
+    model's processor, see :mod:`padless.data.images`); without it they are bad rows.
     """
     if format not in ("auto", *FORMAT_FIELDS):
         raise ValueError(f"unknown SFT format {format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
@@ -444,18 +449,30 @@ def tokenize_sft(
     for row in rows:
         try:
             _check_fields(row, fmt, how)
+            if images is None:
+                reject_images(row)
+            else:
+                prepared = images.prepare(row)
+                row = prepared.row
             if fmt == "messages":
                 ids, mask = enc.messages_row(row)
             elif fmt == "prompt_completion":
                 ids, mask = enc.prompt_completion_row(row, completion_only_loss)
             else:
                 ids, mask = enc.text_row(row)
+            if images is not None:
+                ids, mask, vision = images.expand(row, ids, mask, prepared.images)
+                if truncation == "truncate":
+                    ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
             ids, mask = _fit(row, ids, mask, max_length, truncation)
         except DataError as e:
             if not skip_bad_rows:
                 raise
             stats.record(e)
             continue
-        examples.append(Example(ids, mask, {"row": row.index, "source": row.source}))
+        meta = {"row": row.index, "source": row.source}
+        examples.append(
+            Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
+        )
         stats.kept += 1
     return examples, stats

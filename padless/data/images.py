@@ -1,0 +1,359 @@
+"""Image+text rows for vision-language models: images found, loaded, checked and turned into model inputs.
+
+Two conventions are accepted, and may be mixed:
+
+* message contents that are lists of parts, ``{"type": "image"}`` / ``{"type": "text", "text": ...}``; an
+  image part either holds its image (``"image"``, ``"path"`` or ``"url"`` key) or takes the next one from the
+  row's ``images`` column (or ``image`` for a single one);
+* string contents with ``<image>`` placeholders, filled in order from the ``images`` column.
+
+An image is a path (relative to the data file's folder), raw bytes, a ``{"bytes", "path"}`` dict (what a
+``datasets`` Image column holds) or a PIL image. Rows are rendered by the chat template with one image
+placeholder token per image; :meth:`ImageInputs.expand` then asks the model's processor for the pixel values
+and the number of tokens each image takes, and expands the placeholders in token space, so loss masks from
+the template stay aligned. Every count is checked; a missing or unreadable image, or a mismatch, stops with
+the file, row and fix: an image is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from padless.data.records import Row
+from padless.packing import Example
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+PLACEHOLDER = "<image>"
+IMAGE_COLUMNS = ("images", "image")
+CHAT_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion", "response")
+INLINE_KEYS = ("image", "path", "url")
+
+
+def _image_column(row: Row) -> tuple[str | None, list[Any]]:
+    for name in IMAGE_COLUMNS:
+        value = row.data.get(name)
+        if value is None:
+            continue
+        if name == "image" or not isinstance(value, list):
+            value = [value]
+        return name, list(value)
+    return None, []
+
+
+def _parts_with_images(value: Any) -> bool:
+    if not isinstance(value, list):
+        return False
+    for msg in value:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str) and PLACEHOLDER in content:
+            return True
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image" for p in content
+        ):
+            return True
+    return False
+
+
+def has_images(row: Row) -> bool:
+    """Whether a row carries images (an image column, image parts or ``<image>`` placeholders)."""
+    return _image_column(row)[0] is not None or any(_parts_with_images(row.data.get(f)) for f in CHAT_FIELDS)
+
+
+def reject_images(row: Row) -> None:
+    """Stop on a row with images when the model reads text only (they would be dropped silently)."""
+    if has_images(row):
+        raise row.error(
+            None,
+            "has images, but the model reads text only, so they would be ignored",
+            reason="image on a text-only model",
+            fix="Train a vision-language model (e.g. model.name: tiny-qwen2.5-vl), or remove the images and "
+            "<image> placeholders from the data.",
+        )
+
+
+def _base_dir(row: Row) -> Path:
+    path = Path(row.source)
+    return path.parent if path.is_file() else Path.cwd()
+
+
+def load_image(row: Row, field: str, value: Any) -> Image:
+    """A PIL image (RGB) from a path, bytes, a ``{"bytes", "path"}`` dict or a PIL image."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    if isinstance(value, PILImage.Image):
+        return value.convert("RGB")
+    data, path = None, None
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+    elif isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
+    elif isinstance(value, str):
+        path = value
+    else:
+        raise row.error(
+            field,
+            "must be an image path, bytes, a {'bytes', 'path'} dict or a PIL image, "
+            f"got {type(value).__name__}",
+            reason="bad image",
+        )
+    if data is None:
+        if not path:
+            raise row.error(field, "is an image dict with neither 'bytes' nor 'path'", reason="bad image")
+        if re.match(r"^[a-z]+://", path):
+            raise row.error(
+                field,
+                f"is a URL ({path}); padless never downloads during training",
+                reason="bad image",
+                fix="Download the images and give local paths (relative to the data file).",
+            )
+        file = Path(path).expanduser()
+        file = file if file.is_absolute() else _base_dir(row) / file
+        if not file.is_file():
+            raise row.error(
+                field,
+                f"names an image file that does not exist: {file}",
+                reason="missing image",
+                fix="Fix the path (relative paths start at the data file's folder), or set "
+                "data.skip_bad_rows: true to skip the row.",
+            )
+        data = file.read_bytes()
+    try:
+        with PILImage.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise row.error(
+            field,
+            f"cannot be read as an image ({type(e).__name__}: {e})",
+            reason="unreadable image",
+            fix="Replace it with a PNG/JPEG/WebP image, or set data.skip_bad_rows: true to skip the row.",
+        ) from None
+
+
+@dataclass
+class ImageRow:
+    """A row with its chat fields in list-of-parts form (one ``{"type": "image"}`` per image, in order)."""
+
+    row: Row
+    images: list[Image]
+
+
+class ImageInputs:
+    """What a vision-language model needs from the data: its processor and, for M-RoPE, its rope index."""
+
+    def __init__(self, processor: Any, config: Any) -> None:
+        from padless.vision import RopeIndex, uses_mrope
+
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.rope = RopeIndex(config) if uses_mrope(config) else None
+
+    # -- rows ------------------------------------------------------------------------------------------------
+
+    def prepare(self, row: Row) -> ImageRow:
+        """Normalise the chat fields to parts, load every image, and check that the counts match."""
+        column, pool = _image_column(row)
+        taken = 0
+        images: list[Image] = []
+        data = dict(row.data)
+        for name in CHAT_FIELDS:
+            value = data.get(name)
+            if not isinstance(value, list):
+                if isinstance(value, str) and PLACEHOLDER in value:
+                    raise row.error(
+                        name,
+                        f"is a plain string with {PLACEHOLDER} placeholders; images go in conversations",
+                        reason="bad image",
+                        fix=f"Give '{name}' as a list of messages (e.g. "
+                        f'[{{"role": "user", "content": "{PLACEHOLDER}What is shown?"}}]).',
+                    )
+                continue
+            messages = []
+            for j, msg in enumerate(value):
+                if not isinstance(msg, dict):
+                    messages.append(msg)
+                    continue
+                parts, taken = self._parts(
+                    row, f"{name}[{j}].content", msg.get("content"), pool, taken, images
+                )
+                messages.append({**msg, "content": parts})
+            data[name] = messages
+        if taken != len(pool):
+            raise row.error(
+                column,
+                f"holds {len(pool)} image(s) but the conversation has {taken} image placeholder(s) "
+                f"({PLACEHOLDER} or {{'type': 'image'}} parts without an image of their own)",
+                reason="image count mismatch",
+                fix="Make the placeholders and the images match one to one, or set data.skip_bad_rows: true "
+                "to skip the row.",
+            )
+        data.pop(column, None)
+        return ImageRow(Row(data, row.source, row.index, row.numbering), images)
+
+    def _parts(
+        self, row: Row, where: str, content: Any, pool: list[Any], taken: int, images: list[Image]
+    ) -> tuple[Any, int]:
+        """Content as parts; image parts lose their payload (loaded into ``images``)."""
+        if isinstance(content, str):
+            if PLACEHOLDER not in content:
+                return content, taken
+            pieces = content.split(PLACEHOLDER)
+            parts: list[dict[str, Any]] = []
+            for k, piece in enumerate(pieces):
+                if k:
+                    taken = self._take(row, where, pool, taken, images)
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            return parts, taken
+        if not isinstance(content, list):
+            return content, taken
+        parts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("image", "text"):
+                got = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise row.error(
+                    f"{where}[{k}]",
+                    f"must be a {{'type': 'image'}} or {{'type': 'text', 'text': ...}} part, got {got!r}",
+                    reason="wrong type",
+                )
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise row.error(f"{where}[{k}].text", "must be a string", reason="wrong type")
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            inline = next((part[key] for key in INLINE_KEYS if part.get(key) is not None), None)
+            if inline is None:
+                taken = self._take(row, where, pool, taken, images)
+            else:
+                images.append(load_image(row, f"{where}[{k}]", inline))
+            parts.append({"type": "image"})
+        return parts, taken
+
+    @staticmethod
+    def _take(row: Row, where: str, pool: list[Any], taken: int, images: list[Image]) -> int:
+        if taken >= len(pool):
+            raise row.error(
+                where,
+                f"has image placeholder number {taken + 1} but the row's images column holds {len(pool)}",
+                reason="image count mismatch",
+                fix="Add the missing image to 'images' (in order of appearance), or set data.skip_bad_rows: "
+                "true to skip the row.",
+            )
+        images.append(load_image(row, f"images[{taken}]", pool[taken]))
+        return taken + 1
+
+    # -- tokens ----------------------------------------------------------------------------------------------
+
+    def expand(
+        self, row: Row, ids: list[int], mask: list[bool] | None, images: Sequence[Image]
+    ) -> tuple[list[int], list[bool] | None, dict[str, torch.Tensor] | None]:
+        """Replace each image's placeholder token by its run of image tokens; return the vision inputs."""
+        found = sum(t == self.image_token_id for t in ids)
+        if found != len(images):
+            raise row.error(
+                None,
+                f"renders {found} image token(s) for {len(images)} image(s): the chat template must emit "
+                f"{self.image_token!r} once per image part",
+                reason="image count mismatch",
+                fix="Use the model's own chat template (it handles list contents), or set "
+                "data.skip_bad_rows: true to skip the row.",
+            )
+        if not images:
+            return ids, mask, None
+        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        sizes = [(image.height, image.width) for image in images]
+        counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+        new_ids: list[int] = []
+        new_mask: list[bool] = []
+        k = 0
+        for i, t in enumerate(ids):
+            n = 1
+            if t == self.image_token_id:
+                n, k = counts[k], k + 1
+            new_ids += [t] * n
+            new_mask += [bool(mask[i]) if mask is not None and n == 1 else False] * n
+        vision = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
+        return new_ids, None if mask is None else new_mask, vision
+
+    def fit(
+        self,
+        row: Row,
+        ids: list[int],
+        mask: list[bool] | None,
+        vision: dict[str, torch.Tensor] | None,
+        max_length: int,
+    ) -> tuple[list[int], list[bool] | None, dict[str, torch.Tensor] | None]:
+        """Cut to ``max_length`` tokens, never inside an image: an image that does not fit whole goes, with
+        its pixels, and the cut moves to before its tokens."""
+        if len(ids) <= max_length:
+            return ids, mask, vision
+        cut = max_length
+        runs = self._runs(ids)
+        kept = [r for r in runs if r[1] <= cut]
+        if len(kept) < len(runs):
+            cut = min(cut, runs[len(kept)][0])
+            if vision is not None and "image_grid_thw" not in vision:
+                raise row.error(
+                    None,
+                    f"is {len(ids)} tokens, more than max_length={max_length}, and cutting it would drop an "
+                    "image this model's inputs cannot be split for",
+                    reason="too long",
+                    fix="Raise data.max_length, or set data.skip_bad_rows: true to skip the row.",
+                )
+            if vision is not None:
+                grid = vision["image_grid_thw"][: len(kept)]
+                rows = int(grid.prod(-1).sum())
+                vision = (
+                    {"pixel_values": vision["pixel_values"][:rows], "image_grid_thw": grid} if kept else None
+                )
+        return ids[:cut], None if mask is None else mask[:cut], vision
+
+    def _runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        """``(start, end)`` of each image's token run."""
+        runs: list[tuple[int, int]] = []
+        for i, t in enumerate(ids):
+            if t != self.image_token_id:
+                continue
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return runs
+
+    def example(
+        self,
+        ids: list[int],
+        mask: list[bool] | None,
+        vision: dict[str, torch.Tensor] | None,
+        meta: dict[str, Any],
+    ) -> Example:
+        """An example with its vision inputs and, for M-RoPE models, its own position rows."""
+        rope = None
+        if self.rope is not None:
+            rope = self.rope(ids, None if vision is None else vision.get("image_grid_thw"))
+        return Example(ids, mask, meta, vision=vision, rope_positions=rope)
+
+
+def check_parts(row: Row, where: str, content: list[Any]) -> None:
+    """A list content holds text and image parts, and at least one of them."""
+    if not content:
+        raise row.error(
+            where, "is an empty list; it must contain text or image parts", reason="empty content"
+        )
+    for k, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in ("text", "image")):
+            raise row.error(
+                f"{where}[{k}]", "must be a {'type': 'text' | 'image', ...} part", reason="wrong type"
+            )

@@ -7,8 +7,10 @@ get wrong for one unpadded sequence. Every cell reports the largest per-token |d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -111,12 +113,16 @@ def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_matrix(
     model: PreTrainedModel,
-    seqs: list[list[int]],
+    seqs: list[Any],
     pad_id: int,
     backends: tuple[str, ...] = BACKENDS,
     layouts: tuple[str, ...] = LAYOUTS,
+    logps: Callable[..., list[torch.Tensor]] = layout_logps,
 ) -> list[BackendRow]:
-    """Switch ``model`` through each backend and fill the matrix. The model ends on its first backend."""
+    """Switch ``model`` through each backend and fill the matrix. The model ends on its first backend.
+
+    ``logps(model, seqs, layout, pad_id)`` computes one layout (image+text sequences bring their own).
+    """
     device = next(model.parameters()).device
     original = getattr(model, "padless_attention", "varlen")
     was_training = model.training
@@ -125,13 +131,17 @@ def run_matrix(
     try:
         with torch.no_grad():
             _switch(model, "eager")
-            reference = layout_logps(model, seqs, "alone", pad_id)
+            reference = logps(model, seqs, "alone", pad_id)
             for backend in backends:
                 problem = backend_problem(backend, device)
                 if problem:
                     rows.append(BackendRow(backend, None, False, [], skipped=problem))
                     continue
-                _switch(model, backend)
+                try:
+                    _switch(model, backend)
+                except ValueError as e:  # transformers refuses kernels the architecture does not support
+                    rows.append(BackendRow(backend, None, False, [], skipped=str(e).split(". ")[0]))
+                    continue
                 try:
                     info = probe_attention(model, backend, tolerance=math.inf)
                     kernel, kernel_ok = info["kernel"], True
@@ -145,7 +155,7 @@ def run_matrix(
                                 Cell(
                                     backend,
                                     layout,
-                                    max_delta(layout_logps(model, seqs, layout, pad_id), reference),
+                                    max_delta(logps(model, seqs, layout, pad_id), reference),
                                 )
                             )
                         except Exception as e:  # a crash is a result here: report it in the cell

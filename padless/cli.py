@@ -14,8 +14,18 @@ from padless.attention import BACKENDS, AttentionError, set_varlen_kernel
 
 
 def _check(args: argparse.Namespace) -> int:
-    from padless.check import LAYOUTS, format_matrix, matrix_ok, probe_sequences, run_matrix, tolerance
+    from padless import check_vision
+    from padless.check import (
+        LAYOUTS,
+        format_matrix,
+        layout_logps,
+        matrix_ok,
+        probe_sequences,
+        run_matrix,
+        tolerance,
+    )
     from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
+    from padless.vision import is_vision_config, load_processor
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
@@ -26,14 +36,18 @@ def _check(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, attn_implementation="varlen", dtype=dtype, device=device)
     pad_id = pad_token_id(tokenizer)
-    seqs = probe_sequences(tokenizer)
+    if is_vision_config(model.config):  # image+text chats, run with their pixel values and M-RoPE rows
+        seqs = check_vision.probe_examples(model, load_processor(args.model))
+        logps = check_vision.layout_logps
+    else:
+        seqs, logps = probe_sequences(tokenizer), layout_logps
     backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
     tol = args.tolerance if args.tolerance is not None else tolerance(dtype)
     print(
         f"model {args.model}  device {device}  dtype {str(dtype).removeprefix('torch.')}  "
         f"sequence lengths {[len(s) for s in seqs]}\n"
     )
-    rows = run_matrix(model, seqs, pad_id, backends, LAYOUTS)
+    rows = run_matrix(model, seqs, pad_id, backends, LAYOUTS, logps)
     print(format_matrix(rows, tol))
     ok = matrix_ok(rows, tol)
     print("\nOK: every cell within tolerance" if ok else "\nFAILED: see the cells marked '!' / ERROR above")

@@ -16,6 +16,7 @@ Three facts shape this module (transformers 5.23):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -90,8 +91,8 @@ def image_only(processor_class: type) -> type:
 def load_processor(name_or_path: str | Path) -> Any:
     """The model's processor from a local folder, with PIL image processing (no torchvision needed).
 
-    ``AutoProcessor`` is used as is when it loads; when only the video processor is missing its
-    torchvision backend, the same processor class is built without it (padless trains on images).
+    ``AutoProcessor`` is used as is when it loads; when only the video processor is missing (no
+    torchvision, or none saved), the same processor class is built without it (padless trains on images).
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
@@ -104,8 +105,8 @@ def load_processor(name_or_path: str | Path) -> Any:
     path = str(name_or_path)
     try:
         return AutoProcessor.from_pretrained(path, backend="pil")
-    except ImportError as e:
-        if "torchvision" not in str(e).lower():
+    except (ImportError, OSError) as e:  # no torchvision, or a folder saved without a video processor
+        if not {"torchvision", "video"} & set(re.findall(r"[a-z]+", str(e).lower())):
             raise
     import transformers
 

@@ -1,0 +1,75 @@
+"""The invariance matrix over image+text sequences, for ``padless check --model <vision-language model>``.
+
+The probe is a handful of chats about drawn shapes, rendered by the model's own processor: images of three
+sizes, one chat with two images, and a text-only chat mixed in. The reference ("alone") is transformers
+itself: each chat run by itself with no position ids, so the model computes its own (M-RoPE) positions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from padless.data import Row, tokenize_sft
+from padless.data.images import ImageInputs
+from padless.model import forward_packed
+from padless.packing import Example, pack, to_padded
+from padless.tiny.shapes import QUESTIONS, answer, draw
+from padless.vision import uses_mrope
+
+SOURCE = "padless check probe"
+
+
+def probe_examples(model: PreTrainedModel, processor: Any) -> list[Example]:
+    """Image+text chats of different lengths and image sizes, and a text-only one, tokenized for ``model``."""
+    rng = random.Random(0)
+    rows = []
+    for n_images in (1, 2, 0, 1):
+        drawn = [draw(rng) for _ in range(n_images)]
+        kind = rng.choice(list(QUESTIONS))
+        parts = [{"type": "image"} for _ in drawn] + [{"type": "text", "text": rng.choice(QUESTIONS[kind])}]
+        reply = " ".join(answer(kind, facts) for _, facts in drawn) or "There is no picture to look at."
+        messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+        rows.append(Row({"messages": messages, "images": [png for png, _ in drawn]}, SOURCE, len(rows)))
+    examples, _ = tokenize_sft(
+        rows, processor.tokenizer, max_length=1 << 16, images=ImageInputs(processor, model.config)
+    )
+    return [replace(ex, loss_mask=None) for ex in examples]  # every token is compared, not only targets
+
+
+def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def layout_logps(
+    model: PreTrainedModel, examples: list[Example], layout: str, pad_id: int
+) -> list[torch.Tensor]:
+    """Per-sequence next-token log-probs ``[L_i - 1]`` of image+text ``examples`` computed in ``layout``."""
+    device = next(model.parameters()).device
+    batch = pack(examples, device=device)
+    if layout == "packed":
+        return [t[:-1] for t in batch.split(forward_packed(model, batch).logps)]
+    if layout == "alone":
+        out = []
+        for ex in examples:
+            ids = torch.tensor(ex.input_ids, device=device)[None]
+            extra = {k: v.to(device) for k, v in (ex.vision or {}).items()}
+            if uses_mrope(model.config):
+                extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+            logits = model(input_ids=ids, use_cache=False, **extra).logits[0]
+            out.append(_next_token_logps(logits, ids[0]))
+        return out
+    padded = to_padded(batch, layout, pad_id)
+    logits = model(
+        input_ids=padded.input_ids,
+        attention_mask=padded.attention_mask,
+        position_ids=padded.position_ids,
+        use_cache=False,
+        **(padded.vision or {}),
+    ).logits
+    real = padded.attention_mask.bool()
+    return [_next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(examples))]

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from padless.vision import uses_mrope
+
 BACKENDS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 VARLEN_NAME = "padless_varlen"  # the name under which transformers sees our backend
 VARLEN_KERNELS = ("auto", "sdpa", "torch", "flash_attn")
@@ -380,9 +382,12 @@ def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | Non
     lens = (11, 5)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lens]
     cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])[None]
+    if uses_mrope(model.config):  # packed M-RoPE ids: the text row on 3 rope rows (all equal for text)
+        positions = positions.expand(4, 1, -1)
     packed_kwargs = {
         "input_ids": torch.cat(seqs)[None],
-        "position_ids": torch.cat([torch.arange(n, device=device) for n in lens])[None],
+        "position_ids": positions,
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": max(lens),

@@ -20,6 +20,7 @@ import torch
 
 from padless.attention import attention_in_use, hf_name
 from padless.model import pad_token_id, unwrap
+from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
@@ -86,8 +87,12 @@ def generate(
     do_sample: bool = False,
     batch_size: int = 8,
     num_return_sequences: int = 1,
+    vision: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[Completion]:
-    """Complete each prompt (``num_return_sequences`` times, consecutive in the result)."""
+    """Complete each prompt (``num_return_sequences`` times, consecutive in the result).
+
+    ``vision[i]`` holds prompt ``i``'s image inputs (vision-language models): they go with its batch.
+    """
     inner = unwrap(model)
     device = next(inner.parameters()).device
     pad_id = pad_token_id(tokenizer)
@@ -104,9 +109,13 @@ def generate(
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
                 ids, mask = left_pad(chunk, pad_id, device)
+                images = {}
+                if vision is not None:
+                    images = image_inputs(inner, ids, vision[start : start + batch_size])
                 out = inner.generate(
                     input_ids=ids,
                     attention_mask=mask,
+                    **images,
                     max_new_tokens=max_new_tokens,
                     do_sample=do_sample,
                     num_return_sequences=num_return_sequences,
@@ -121,6 +130,18 @@ def generate(
     finally:
         inner.train(was_training)
     return results
+
+
+def image_inputs(
+    model: torch.nn.Module, ids: torch.Tensor, vision: list[dict[str, torch.Tensor] | None]
+) -> dict[str, torch.Tensor]:
+    """A left-padded batch's image kwargs: every prompt's images in order, and for M-RoPE models the token
+    types ``generate`` needs to compute each row's positions (it skips the padding by the mask)."""
+    device = ids.device
+    images = {k: v.to(device) for k, v in (concat_vision(vision) or {}).items()}
+    if uses_mrope(model.config):
+        images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    return images
 
 
 class Engine(Protocol):

@@ -75,3 +75,70 @@ def test_a_checkpoints_generation_config_does_not_reshape_sampling(tokenizer):
     assert len({tuple(c.completion_ids) for c in samples}) > 1
     greedy = generate(model, tokenizer, prompt, max_new_tokens=12)
     assert greedy[0].completion_ids == plain_greedy[0].completion_ids
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vision-language generation: left-padded prompts with images (the seed crash of the VLM bug reports)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm_prompts():
+    """Image prompts of different lengths (image sizes differ) from the embedded shapes data."""
+    from padless.data import load_rows, tokenize_prompts
+    from padless.data.images import ImageInputs
+    from padless.tiny import tiny_config
+    from padless.vision import load_processor
+
+    processor = load_processor("tiny-qwen2.5-vl")
+    inputs = ImageInputs(processor, tiny_config("tiny-qwen2.5-vl"))
+    prompts, _ = tokenize_prompts(
+        load_rows("tiny:shapes_rl")[:6], processor.tokenizer, max_prompt_length=64, images=inputs
+    )
+    assert len({len(p) for p in prompts}) > 1, "prompts must differ in length so some get padded"
+    return processor.tokenizer, [p.prompt_ids for p in prompts], [p.vision for p in prompts]
+
+
+def _sharp_vlm(backend: str) -> torch.nn.Module:
+    """The tiny VLM with weights scaled up so greedy tokens depend on positions (a fresh one is flat)."""
+    model = load_model("tiny-qwen2.5-vl", attn_implementation=backend)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize(("backend", "side"), [("varlen", "right"), ("varlen", "left"), ("eager", "right")])
+def test_batched_vlm_generation_equals_one_by_one(vlm_prompts, backend, side):
+    tokenizer, prompts, vision = vlm_prompts
+    tokenizer.padding_side = side  # must not matter: padless pads prompts itself
+    model = _sharp_vlm(backend)
+    batched = generate(model, tokenizer, prompts, vision=vision, max_new_tokens=10, batch_size=6)
+    alone = [
+        generate(model, tokenizer, [p], vision=[v], max_new_tokens=10, batch_size=1)[0]
+        for p, v in zip(prompts, vision, strict=True)
+    ]
+    assert [c.completion_ids for c in batched] == [c.completion_ids for c in alone]
+    assert len({tuple(c.completion_ids) for c in alone}) > 1  # the images steer the output
+    assert attention_in_use(model) == backend
+
+
+def test_vlm_generation_without_token_types_would_differ(vlm_prompts, monkeypatch):
+    """Without mm_token_type_ids transformers misplaces left-padded image tokens: the test above can fail."""
+    import padless.rollout as rollout
+
+    tokenizer, prompts, vision = vlm_prompts
+    model = _sharp_vlm("varlen")
+    alone = [
+        generate(model, tokenizer, [p], vision=[v], max_new_tokens=10)[0]
+        for p, v in zip(prompts, vision, strict=True)
+    ]
+    real = rollout.image_inputs
+    monkeypatch.setattr(
+        rollout,
+        "image_inputs",
+        lambda *a: {k: v for k, v in real(*a).items() if k != "mm_token_type_ids"},
+    )
+    batched = generate(model, tokenizer, prompts, vision=vision, max_new_tokens=10, batch_size=6)
+    assert [c.completion_ids for c in batched] != [c.completion_ids for c in alone]

@@ -267,8 +267,10 @@ def test_rope_index_matches_model(family, examples):
         assert torch.equal(ex.rope_positions, want[:, 0])
 
 
-def test_embedded_vlm_loads_on_proven_backend():
-    model = load_model("tiny-qwen2.5-vl", attn_implementation="varlen")
+@pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager"])
+def test_embedded_vlm_loads_on_proven_backend(backend):
+    """load_model's probe packs with [4, 1, T] ids on M-RoPE models (2D ids would leak on sdpa / eager)."""
+    model = load_model("tiny-qwen2.5-vl", attn_implementation=backend)
     assert is_vision_config(model.config) and uses_mrope(model.config)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     processor = load_processor("tiny-qwen2.5-vl")

@@ -19,7 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from padless.attention import attention_in_use, hf_name
+from padless.engine import as_engine, inner_engine
 from padless.model import pad_token_id, unwrap
+from padless.strategy import strategy_in_use
 from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)
@@ -91,10 +93,15 @@ def generate(
 ) -> list[Completion]:
     """Complete each prompt (``num_return_sequences`` times, consecutive in the result).
 
-    ``vision[i]`` holds prompt ``i``'s image inputs (vision-language models): they go with its batch.
+    ``model`` is a (prepared) engine or a plain model; decoding runs inside the engine's forward, so sharded
+    weights are gathered for it, and under FSDP2 / ZeRO-3 every rank keeps stepping until all are done
+    (``synced_gpus``): ranks must call this with the same number of prompts. ``vision[i]`` holds prompt
+    ``i``'s image inputs (vision-language models): they go with its batch.
     """
-    inner = unwrap(model)
-    device = next(inner.parameters()).device
+    engine = as_engine(model)
+    inner = unwrap(inner_engine(engine).model)
+    synced = strategy_in_use(engine) in ("fsdp2", "zero3")
+    device = _device(engine)
     pad_id = pad_token_id(tokenizer)
     eos_ids = eos_token_ids(inner, tokenizer)
     # Exactly the policy's distribution (at this temperature / top_p): a checkpoint's generation_config
@@ -112,17 +119,20 @@ def generate(
                 images = {}
                 if vision is not None:
                     images = image_inputs(inner, ids, vision[start : start + batch_size])
-                out = inner.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    **images,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=do_sample,
-                    num_return_sequences=num_return_sequences,
-                    pad_token_id=pad_id,
-                    eos_token_id=sorted(eos_ids),
-                    use_cache=True,
-                    **sampling,
+                out = engine(
+                    generate=dict(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        **images,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=do_sample,
+                        num_return_sequences=num_return_sequences,
+                        pad_token_id=pad_id,
+                        eos_token_id=sorted(eos_ids),
+                        use_cache=True,
+                        synced_gpus=synced,
+                        **sampling,
+                    )
                 )
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
@@ -142,6 +152,11 @@ def image_inputs(
     if uses_mrope(model.config):
         images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     return images
+
+
+def _device(engine: torch.nn.Module) -> torch.device:
+    """Where inputs go (a sharded parameter's device is its shard's)."""
+    return getattr(engine, "device", None) or next(engine.parameters()).device
 
 
 class Engine(Protocol):
@@ -169,7 +184,7 @@ class HFEngine:
 
     def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
         r = self.rollout
-        device = next(unwrap(self.policy).parameters()).device
+        device = _device(self.policy)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)  # sampling seeded per rollout, the training RNG untouched
             return generate(

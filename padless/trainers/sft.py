@@ -12,6 +12,7 @@ from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
+from padless.data.images import ImageInputs
 from padless.engine import ModelEngine
 from padless.losses import sft_loss
 from padless.model import pad_token_id
@@ -51,9 +52,11 @@ class SFTRecipe:
         device: torch.device,
         eval_examples: list[Example] | None = None,
         eval_prompts: list[list[int]] | None = None,
+        eval_vision: list[dict[str, torch.Tensor] | None] | None = None,
     ):
         self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
         self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
+        self.eval_vision = eval_vision  # the eval prompts' images (vision-language models)
         self.pad_id = pad_token_id(tokenizer)
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
@@ -106,13 +109,15 @@ class SFTRecipe:
     def write_predictions(self, model: torch.nn.Module, step: int) -> Path | None:
         """Greedy completions of the eval prompts, each rank on an equal share (sharded engines decode in
         lockstep), written by the main process."""
-        mine, real = equal_share(self.eval_prompts)
+        vision = self.eval_vision or [None] * len(self.eval_prompts)
+        mine, real = equal_share(list(zip(self.eval_prompts, vision, strict=True)))
         completions = generate(
             model,
             self.tokenizer,
-            mine,
+            [p for p, _ in mine],
             max_new_tokens=self.cfg.eval_max_new_tokens,
             batch_size=self.cfg.eval_batch_size,
+            vision=[v for _, v in mine] if self.eval_vision else None,
         )
         completions = gather_object(completions[:real])
         if not PartialState().is_main_process:
@@ -154,6 +159,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
+    images = ImageInputs.for_model(cfg.model.name, session.model)
 
     def tokenize(spec: str) -> tuple[list[Any], list[Example]]:
         rows = load_rows(spec)
@@ -165,14 +171,17 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             truncation=data.truncation,
             completion_only_loss=data.completion_only_loss,
             skip_bad_rows=data.skip_bad_rows,
+            images=images,
         )
         return rows, examples
 
     _, examples = tokenize(data.train)
-    eval_examples, eval_prompts = None, None
+    eval_examples, eval_prompts, eval_vision = None, None, None
     if data.eval:
         eval_rows, eval_examples = tokenize(data.eval)
-        if cfg.train.eval_generate:
+        if cfg.train.eval_generate and images is not None:
+            eval_prompts, eval_vision = images.prompts(eval_rows)
+        elif cfg.train.eval_generate:
             eval_prompts = eval_prompt_ids(eval_rows, tokenizer)
     recipe = SFTRecipe(
         examples,
@@ -181,5 +190,6 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         acc.device,
         eval_examples,
         eval_prompts,
+        eval_vision,
     )
     return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()

@@ -163,8 +163,11 @@ class Engine(Protocol):
     def sync_weights(self) -> None:
         """Make sampling use the policy's current weights (called before every rollout)."""
 
-    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
-        """``n`` completions per prompt, a prompt's samples consecutive, sampling seeded by ``seed``."""
+    def complete(
+        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[Completion]:
+        """``n`` completions per prompt, a prompt's samples consecutive, each prompt's sampling seeded by
+        its own seed (so what a prompt gets never depends on the rank or batch it was sampled in)."""
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -182,19 +185,22 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Nothing to copy: the policy samples itself."""
 
-    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+    def complete(
+        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[Completion]:
+        """Greedy decoding runs batched; sampling runs one prompt (its ``n`` samples) per ``generate``
+        call under that prompt's seed."""
         r = self.rollout
+        kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        if greedy:
+            batch = max(1, r.generation_batch_size // n)
+            return generate(self.policy, self.tokenizer, prompts, **kwargs, batch_size=batch)
         device = _device(self.policy)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)  # sampling seeded per rollout, the training RNG untouched
-            return generate(
-                self.policy,
-                self.tokenizer,
-                prompts,
-                max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                do_sample=not greedy,
-                batch_size=max(1, r.generation_batch_size // n),
-                num_return_sequences=n,
-            )
+        completions = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)  # the training RNG untouched
+                completions += generate(
+                    self.policy, self.tokenizer, [prompt], **kwargs, do_sample=True, num_return_sequences=n
+                )
+        return completions

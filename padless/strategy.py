@@ -64,6 +64,12 @@ def _refuse_accelerate_accumulation() -> None:
 def _deepspeed_plugin(max_grad_norm: float, world: int) -> Any:
     from accelerate import DeepSpeedPlugin
 
+    if _env_flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        raise StrategyError(
+            "zero3_init_flag: true was requested; padless loads each model whole on every rank and lets "
+            "ZeRO-3 shard it at prepare (its load-time kernel probe runs a real forward): set "
+            "zero3_init_flag: false in the accelerate config"
+        )
     plugin = DeepSpeedPlugin(zero3_init_flag=False)
     config = plugin.deepspeed_config
     stage = config.get("zero_optimization", {}).get("stage")
@@ -114,7 +120,7 @@ def start_accelerator(max_grad_norm: float) -> Accelerator:
     requested_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     accelerator = Accelerator(cpu=not cuda, **kwargs)  # cpu=True lets `accelerate launch` use gloo
     if not cuda and strategy in ("fsdp2", "zero"):
-        _force_on_cpu(accelerator, strategy, kwargs)
+        _force_on_cpu(accelerator, strategy, kwargs, requested_precision)
     if accelerator.mixed_precision != requested_precision:
         raise StrategyError(
             f"mixed_precision={requested_precision} was requested but accelerate runs "
@@ -124,7 +130,7 @@ def start_accelerator(max_grad_norm: float) -> Accelerator:
     return accelerator
 
 
-def _force_on_cpu(accelerator: Accelerator, strategy: str, plugins: dict[str, Any]) -> None:
+def _force_on_cpu(accelerator: Accelerator, strategy: str, plugins: dict[str, Any], precision: str) -> None:
     """Switch accelerate's shared state from ``MULTI_CPU`` to the requested strategy (accelerate only
     selects FSDP / DeepSpeed when it sees a GPU; both run over gloo)."""
     kind = DistributedType.FSDP if strategy == "fsdp2" else DistributedType.DEEPSPEED
@@ -137,9 +143,9 @@ def _force_on_cpu(accelerator: Accelerator, strategy: str, plugins: dict[str, An
     import deepspeed
 
     plugin = plugins["deepspeed_plugin"]
-    plugin.set_mixed_precision(accelerator.mixed_precision)
-    plugin.select(_from_accelerator_state=True)
     state.deepspeed_plugins = plugin
+    plugin.set_mixed_precision(precision)  # DeepSpeed casts the weights itself: bf16 runs on CPU too
+    plugin.select(_from_accelerator_state=True)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 

@@ -89,10 +89,11 @@ class RolloutRecipe:
         are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
+        first = PartialState().process_index * len(mine)  # this rank's first prompt in the rollout
+        seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
-        seed += 104_729 * PartialState().process_index
-        completions = self.engine.complete([p.prompt_ids for p in mine], group, seed, greedy)
+        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy)
         elapsed = time.perf_counter() - started
         examples = []
         for c in completions:

@@ -85,8 +85,10 @@ def load_model(
         auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
         if task == "score":
             kwargs["num_labels"] = 1
-        auto = vision.auto_class(str(name_or_path), task) or auto
-        model = auto.from_pretrained(str(name_or_path), **kwargs)
+        if vision.is_vision_folder(name_or_path):
+            model = vision.load_image_text_model(name_or_path, task, **kwargs)
+        else:
+            model = auto.from_pretrained(str(name_or_path), **kwargs)
     if task == "score" and model.config.pad_token_id is None:
         model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
     model.to(device)

@@ -164,10 +164,16 @@ class Engine(Protocol):
         """Make sampling use the policy's current weights (called before every rollout)."""
 
     def complete(
-        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seeds: list[int],
+        greedy: bool = False,
+        vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
         """``n`` completions per prompt, a prompt's samples consecutive, each prompt's sampling seeded by
-        its own seed (so what a prompt gets never depends on the rank or batch it was sampled in)."""
+        its own seed (so what a prompt gets never depends on the rank or batch it was sampled in);
+        ``vision[i]``: prompt ``i``'s image inputs (vision-language policies)."""
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -186,7 +192,12 @@ class HFEngine:
         """Nothing to copy: the policy samples itself."""
 
     def complete(
-        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seeds: list[int],
+        greedy: bool = False,
+        vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
         """Greedy decoding runs batched; sampling runs one prompt (its ``n`` samples) per ``generate``
         call under that prompt's seed."""
@@ -194,13 +205,19 @@ class HFEngine:
         kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         if greedy:
             batch = max(1, r.generation_batch_size // n)
-            return generate(self.policy, self.tokenizer, prompts, **kwargs, batch_size=batch)
+            return generate(self.policy, self.tokenizer, prompts, **kwargs, batch_size=batch, vision=vision)
         device = _device(self.policy)
         completions = []
-        for prompt, seed in zip(prompts, seeds, strict=True):
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)  # the training RNG untouched
                 completions += generate(
-                    self.policy, self.tokenizer, [prompt], **kwargs, do_sample=True, num_return_sequences=n
+                    self.policy,
+                    self.tokenizer,
+                    [prompt],
+                    **kwargs,
+                    do_sample=True,
+                    num_return_sequences=n,
+                    vision=None if vision is None else [vision[i]],
                 )
         return completions

@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def is_vision_config(config: Any) -> bool:
@@ -137,16 +140,91 @@ def concat_vision(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, 
     return {k: torch.cat([p[k] for p in present]) for k in sorted(keys)}
 
 
-def auto_class(path: str, task: str) -> type | None:
-    """The Auto class of a vision-language folder (AutoModelForCausalLM refuses VLM configs), else None."""
+def is_vision_folder(path: str | Path) -> bool:
+    """Whether a model folder (or cached id) holds a vision-language model."""
+    from transformers import AutoConfig
+
+    return is_vision_config(AutoConfig.from_pretrained(str(path)))
+
+
+def load_image_text_model(path: str | Path, task: str, **kwargs: Any) -> PreTrainedModel:
+    """A vision-language model from ``path`` (``AutoModelForCausalLM`` refuses their configs), with its
+    ``score`` head for task ``"score"`` (see :func:`add_score_head`)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path)
-    if not is_vision_config(config):
-        return None
-    if task != "causal-lm":
+    cls = AutoModelForImageTextToText._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+    if task != "score":
+        return cls.from_pretrained(str(path), **kwargs)
+    # the head is read by add_score_head: transformers must not report its weight as unexpected
+    ignored = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    cls._keys_to_ignore_on_load_unexpected = [*(ignored or []), rf"^{re.escape(SCORE_KEY)}$"]
+    try:
+        model = cls.from_pretrained(str(path), **kwargs)
+    finally:
+        if ignored is None:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = ignored
+    return add_score_head(model, path)
+
+
+# A vision-language reward / value model is the VLM with a ``score`` head: transformers has no
+# sequence-classification class for these models. The flag in its config says the saved weights hold one.
+SCORE_FLAG = "padless_score_head"
+SCORE_KEY = "score.weight"
+
+
+def add_score_head(model: PreTrainedModel, path: str | Path | None = None) -> PreTrainedModel:
+    """Give a vision-language model a scalar head: ``model.score``, a ``Linear(hidden, 1)`` that
+    :func:`padless.model.score_head` finds, applied to the language model's last hidden states.
+
+    The head is read back from ``path`` when its config says it was saved with one (``save_pretrained`` writes
+    ``score.weight`` beside the VLM's weights), else initialised like transformers' sequence classifiers'
+    (normal, ``initializer_range``). The LM head is then never used: frozen when it is not tied to the input
+    embeddings, so data-parallel wrappers see no parameter without a gradient.
+    """
+    config, text = model.config, model.config.get_text_config()
+    reference = model.get_input_embeddings().weight
+    head = torch.nn.Linear(text.hidden_size, 1, bias=False, dtype=reference.dtype, device=reference.device)
+    saved = _saved_score_weight(path) if path is not None and getattr(config, SCORE_FLAG, False) else None
+    with torch.no_grad():
+        if saved is None:
+            head.weight.normal_(0.0, getattr(text, "initializer_range", 0.02))
+        else:
+            head.weight.copy_(saved)
+    model.score = head
+    setattr(config, SCORE_FLAG, True)
+    for key in ("pad_token_id", "eos_token_id"):  # where scores are read (VLM configs keep them per part)
+        if getattr(config, key, None) is None:
+            setattr(config, key, getattr(text, key, None))
+    lm_head = model.get_output_embeddings()
+    if lm_head is not None and lm_head.weight is not reference:
+        lm_head.requires_grad_(False)
+    return model
+
+
+def _saved_score_weight(path: str | Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if SCORE_KEY in f.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
+                return f.get_tensor(SCORE_KEY)
+    raise ValueError(
+        f"{path}: config.json says {SCORE_FLAG} but no *.safetensors file holds {SCORE_KEY}; the folder "
+        f"is incomplete: save it again, or remove {SCORE_FLAG} from config.json to start a fresh head"
+    )
+
+
+def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: str) -> None:
+    """A reward or value model reads the policy's samples as they are: images (and M-RoPE positions) for a
+    vision-language policy, text for a text one. A mismatch would drop the images or misplace tokens."""
+    from padless.model import unwrap
+
+    want, got = is_vision_config(unwrap(policy).config), is_vision_config(unwrap(other).config)
+    if want != got:
+        kind = {True: "a vision-language model", False: "a text-only model"}
         raise ValueError(
-            f"{path} is a vision-language model ({type(config).__name__}); padless scores with VLMs through "
-            "their language-model head only: use it as a policy (task causal-lm)"
+            f"{role} is {kind[got]} but the policy is {kind[want]}: it would read the policy's samples "
+            f"without their {'images' if want else 'text positions'}; use {kind[want]} there too"
         )
-    return AutoModelForImageTextToText

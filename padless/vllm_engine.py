@@ -127,8 +127,15 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 
     def complete(
-        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seeds: list[int],
+        greedy: bool = False,
+        vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
+        if vision is not None and any(v is not None for v in vision):
+            raise ValueError("padless hands no images to vLLM yet; use rollout.engine: hf with image prompts")
         r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [

@@ -9,6 +9,7 @@ wrong position moves log-probs by far more than fp32 round-off (a random tiny mo
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from transformers import AutoModelForImageTextToText, Qwen2VLConfig, Qwen3VLConf
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import padless.attention as attention
-from padless.model import forward_packed, forward_padded, load_model
+from padless.model import forward_packed, forward_padded, forward_scores, load_model, score_head
 from padless.packing import Example, pack, to_padded, unpad
 from padless.tiny import PAD_TOKEN_ID
 from padless.tiny.vlm import (
@@ -29,7 +30,14 @@ from padless.tiny.vlm import (
     VLM_VOCAB_SIZE,
     tiny_qwen2_5_vl,
 )
-from padless.vision import RopeIndex, concat_vision, is_vision_config, load_processor, uses_mrope
+from padless.vision import (
+    RopeIndex,
+    add_score_head,
+    concat_vision,
+    is_vision_config,
+    load_processor,
+    uses_mrope,
+)
 
 FP32_TOL = 1e-5  # fp32 round-off of a different kernel / layout; measured 1e-6 to 3e-6
 LEAK_MIN = 0.1  # measured leaks: 1.0 to 3.4
@@ -284,3 +292,56 @@ def test_embedded_vlm_is_seeded():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def _shape_examples(processor: Any, config: Any, n: int = 4) -> list[Example]:
+    from padless.data import load_rows, tokenize_sft
+    from padless.data.images import ImageInputs
+
+    rows = load_rows("tiny:shapes_eval")[:n]
+    inputs = ImageInputs(processor, config)
+    examples, _ = tokenize_sft(rows, processor.tokenizer, max_length=256, images=inputs)
+    return examples
+
+
+def test_score_head_on_a_vlm_reads_images_and_round_trips(tmp_path):
+    """A VLM reward / value model: the VLM's backbone with padless's Linear(hidden, 1) ``score`` head (found
+    by score_head), scoring each token from the images too; saved as safetensors and read back exactly."""
+    model = load_model("tiny-qwen2.5-vl", task="score")
+    head = score_head(model)
+    assert isinstance(head, torch.nn.Linear) and tuple(head.weight.shape) == (1, 128)
+    assert model.config.padless_score_head and model.config.pad_token_id == PAD_TOKEN_ID
+    processor = load_processor("tiny-qwen2.5-vl")
+    batch = pack(_shape_examples(processor, model.config))
+    with torch.no_grad():
+        scores = forward_scores(model, batch)
+        other = dict(batch.vision, pixel_values=batch.vision["pixel_values"].flip(0))
+        moved = forward_scores(model, dataclasses.replace(batch, vision=other))
+    assert scores.shape == (batch.num_tokens,)
+    assert (scores - moved).abs().max() > 1e-4  # the images reach the head
+    model.save_pretrained(tmp_path)
+    again = load_model(str(tmp_path), task="score")
+    with torch.no_grad():
+        assert torch.equal(forward_scores(again, batch), scores)
+    assert not hasattr(load_model(str(tmp_path)), "score")  # as a policy it is the plain VLM
+
+
+def test_score_head_missing_weight_is_refused(tmp_path):
+    model = load_model("tiny-qwen2.5-vl", task="score", probe=False)
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no \*\.safetensors file holds score\.weight"):
+        load_model(str(tmp_path), task="score", probe=False)
+
+
+def test_untied_lm_head_is_frozen_in_a_score_model():
+    """The LM head of a score model gets no gradient: frozen when untied, so DDP sees no unused parameter."""
+    model = AutoModelForImageTextToText.from_config(_qwen2_vl())
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    add_score_head(model)
+    assert not model.get_output_embeddings().weight.requires_grad
+    assert model.score.weight.requires_grad

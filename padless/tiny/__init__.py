@@ -107,9 +107,9 @@ def build_tiny_model(name: str, seed: int = 0, task: str = "causal-lm", **kwargs
     """Randomly initialised tiny model; the same seed gives bitwise-identical weights.
 
     task "causal-lm" builds an LM-head model; "score" builds a sequence-classification model with one
-    output, for reward and value models. ``kwargs`` go to ``from_config`` (e.g. ``attn_implementation``,
-    ``dtype``). Initialisation runs on CPU inside a forked RNG, so the caller's global torch RNG state is
-    left untouched.
+    output, for reward and value models (a vision-language model gets padless's ``score`` head instead).
+    ``kwargs`` go to ``from_config`` (e.g. ``attn_implementation``, ``dtype``). Initialisation runs on CPU
+    inside a forked RNG, so the caller's global torch RNG state is left untouched.
     """
     from transformers import (
         AutoModelForCausalLM,
@@ -117,19 +117,21 @@ def build_tiny_model(name: str, seed: int = 0, task: str = "causal-lm", **kwargs
         AutoModelForSequenceClassification,
     )
 
+    from padless.vision import add_score_head
+
     _check_choice("task", task, TASKS)
     config = tiny_config(name)
-    if task == "score" and name in VISION_MODELS:
-        raise ValueError(f"{name} is a vision-language model: it has no scalar-head (task 'score') variant")
-    if task == "score":
+    image_text = name in VISION_MODELS
+    if task == "score" and not image_text:
         config.num_labels = 1
         auto = AutoModelForSequenceClassification
     else:
-        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+        auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     # Seed only the CPU generator: torch.manual_seed would also reseed (and so change) every CUDA generator.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        return auto.from_config(config, **kwargs)
+        model = auto.from_config(config, **kwargs)
+        return add_score_head(model) if task == "score" and image_text else model
 
 
 def data_path(name: str) -> Path:

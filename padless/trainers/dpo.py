@@ -10,6 +10,7 @@ import torch
 
 from padless.config import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
+from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, inner_engine
 from padless.losses import dpo_loss
 from padless.model import pad_token_id
@@ -114,13 +115,15 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
         ref_model = session.frozen(session.companion(cfg.dpo.ref_model))
     pad_id = pad_token_id(tokenizer)
+    images = ImageInputs.for_model(cfg.model.name, session.model)
     recipe = DPORecipe(
-        load_pairs(data.train, tokenizer, data),
+        load_pairs(data.train, tokenizer, data, images=images),
         cfg.train,
         cfg.dpo,
         pad_id,
         acc.device,
         ref_model,
-        load_pairs(data.eval, tokenizer, data) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, images=images) if data.eval else None,
     )
-    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()
+    saved = images.processor if images else tokenizer  # written beside each checkpoint
+    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()

@@ -75,4 +75,5 @@ def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
     session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
     recipe = GRPORecipe(**parts)
     engine = ModelEngine(session.model)
-    return Trainer(recipe, engine, session.tokenizer, cfg.train, session.accelerator).train()
+    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    return Trainer(recipe, engine, saved, cfg.train, session.accelerator).train()

@@ -8,6 +8,7 @@ import torch
 
 from padless.config import TrainSettings
 from padless.data import PairExample, load_rows, tokenize_preference
+from padless.data.images import ImageInputs
 from padless.packing import (
     IGNORE_INDEX,
     PackedBatch,
@@ -70,8 +71,11 @@ class PairRecipe:
         return batch
 
 
-def load_pairs(spec: str, tokenizer: Any, data: Any, margin: bool = False) -> list[PairExample]:
-    """Tokenized pairs; ``margin`` requires a numeric margin per row, else margins are dropped."""
+def load_pairs(
+    spec: str, tokenizer: Any, data: Any, margin: bool = False, images: ImageInputs | None = None
+) -> list[PairExample]:
+    """Tokenized pairs; ``margin`` requires a numeric margin per row, else margins are dropped. ``images``:
+    the model's image side (vision-language models), so rows with images keep them."""
     pairs, _ = tokenize_preference(
         load_rows(spec),
         tokenizer,
@@ -79,6 +83,7 @@ def load_pairs(spec: str, tokenizer: Any, data: Any, margin: bool = False) -> li
         truncation=data.truncation,
         skip_bad_rows=data.skip_bad_rows,
         require_margin=margin,
+        images=images,
     )
     if not margin:
         for p in pairs:

@@ -12,6 +12,7 @@ from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl, without_dropout
+from padless.vision import require_same_inputs
 
 
 class PPORecipe(RolloutRecipe):
@@ -90,9 +91,12 @@ class PPORecipe(RolloutRecipe):
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
     session, parts = start_rl(cfg, reference=True)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
+    role = f"ppo.value_model {cfg.ppo.value_model or cfg.model.name}"
+    require_same_inputs(session.model, value_model, role)
     without_dropout(value_model, "value model")
     recipe = PPORecipe(**parts)
     model = ModelEngine(session.model, value=value_model)  # one optimizer, wrapper and checkpoint for both
     value_lr = cfg.ppo.value_learning_rate
     rates = {"value.": value_lr} if value_lr is not None else None
-    return Trainer(recipe, model, session.tokenizer, cfg.train, session.accelerator, rates).train()
+    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    return Trainer(recipe, model, saved, cfg.train, session.accelerator, rates).train()

@@ -21,6 +21,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from padless.data import PromptExample, load_rows, reward_inputs, tokenize_prompts
+from padless.data.images import ImageInputs
 from padless.engine import inner_engine
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
@@ -31,6 +32,7 @@ from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
+from padless.vision import require_same_inputs
 
 Pass = Callable[[PackedBatch], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -60,13 +62,15 @@ class RolloutRecipe:
         reward_model: torch.nn.Module | None = None,
         eval_prompts: list[PromptExample] | None = None,
         ref_model: torch.nn.Module | None = None,
+        images: ImageInputs | None = None,
     ):
         """``policy``: the trained engine, replaced by its prepared form in :meth:`bind`; ``ref_model`` and
         ``reward_model``: prepared frozen engines; ``ref_model`` None for a LoRA policy (its adapters
-        switched off) or when the recipe uses no reference."""
+        switched off) or when the recipe uses no reference; ``images``: the policy's image side
+        (vision-language models), so each sample keeps its prompt's images in every pass."""
         self.prompts, self.cfg, self.tokenizer, self.policy = prompts, cfg, tokenizer, policy
         self.engine, self.device, self.rewards, self.reward_model = engine, device, rewards, reward_model
-        self.eval_prompts, self.ref_model = eval_prompts or [], ref_model
+        self.eval_prompts, self.ref_model, self.images = eval_prompts or [], ref_model, images
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
 
@@ -94,14 +98,21 @@ class RolloutRecipe:
         seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
-        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy)
+        vision = [p.vision for p in mine] if self.images is not None else None
+        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
         elapsed = time.perf_counter() - started
         examples = []
-        for c in completions:
+        for j, c in enumerate(completions):
+            prompt = mine[j // group]
             trained = c.finished or not self.cfg.rollout.mask_truncated
             targets = [False] * len(c.prompt_ids) + [trained] * len(c.completion_ids)
-            meta = {"length": len(c.completion_ids), "finished": c.finished, "sampling_s": elapsed}
-            examples.append(Example(c.prompt_ids + c.completion_ids, targets, meta))
+            meta = {
+                "length": len(c.completion_ids),
+                "finished": c.finished,
+                "sampling_s": elapsed,
+                "prompt_row": prompt.meta["row"],  # finds the prompt's images again on resume
+            }
+            examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
         if not greedy:
@@ -196,7 +207,21 @@ class RolloutRecipe:
         return [{"input_ids": e.input_ids, "loss_mask": e.loss_mask, "meta": e.meta} for e in self.rollout[1]]
 
     def restore_plan(self, epoch: int, state: list[dict[str, Any]]) -> None:
-        self.rollout = (epoch, [Example(**e) for e in state])
+        """The saved rollout back; image inputs come from the prompts (a checkpoint's plan holds tokens)."""
+        vision = {p.meta["row"]: p.vision for p in self.prompts}
+        examples = [
+            self.example(e["input_ids"], e["loss_mask"], e["meta"], vision[e["meta"]["prompt_row"]])
+            for e in state
+        ]
+        self.rollout = (epoch, examples)
+
+    def example(
+        self, ids: list[int], targets: list[bool], meta: dict[str, Any], vision: dict[str, Any] | None
+    ) -> Example:
+        """A sampled sequence; with a vision-language policy it carries its prompt's images and positions."""
+        if self.images is None:
+            return Example(ids, targets, meta)
+        return self.images.example(ids, targets, vision, meta)
 
     def micro_batches(self, examples: list[Example], epoch: int) -> list[MicroBatch]:
         """``updates`` passes over the rollout, each split into ``mini_batches`` optimizer steps."""
@@ -248,8 +273,15 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
     }
 
 
-def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str) -> Engine:
+def make_engine(
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+) -> Engine:
     if cfg.rollout.engine == "vllm":
+        if images is not None:
+            raise ValueError(
+                f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
+                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
+            )
         if strategy in ("fsdp2", "zero3"):
             raise ValueError(
                 f"rollout.engine: vllm with {strategy}: each rank holds only a shard of the policy, and the "
@@ -275,6 +307,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
+    images = ImageInputs.for_model(cfg.model.name, session.model)
 
     def prompts(spec: str) -> list[PromptExample]:
         return tokenize_prompts(
@@ -283,22 +316,25 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
             max_prompt_length=data.max_prompt_length,
             chat_template=data.chat_template,
             skip_bad_rows=data.skip_bad_rows,
+            images=images,
         )[0]
 
     reward_model = None
     if cfg.reward.model:
         pad_id = pad_token_id(load_tokenizer(cfg.reward.model))  # where its scores are read
         scorer = load_model(cfg.reward.model, task="score", device=device, pad_id=pad_id)
+        require_same_inputs(session.model, scorer, f"reward.model {cfg.reward.model}")
         reward_model = session.frozen(scorer)
     return session, {
         "prompts": prompts(data.train),
         "cfg": cfg,
         "tokenizer": tokenizer,
         "policy": session.model,
-        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator)),
+        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
         "device": device,
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,
         "eval_prompts": prompts(data.eval) if data.eval else None,
         "ref_model": session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
+        "images": images,
     }

@@ -10,6 +10,7 @@ import torch
 
 from padless.config import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
+from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, score_pad_id, score_positions, sequence_scores
 from padless.losses import bradley_terry_loss
 from padless.model import load_model, load_tokenizer, pad_token_id
@@ -52,14 +53,16 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     data = cfg.data
 
     pad_id = pad_token_id(tokenizer)
+    images = ImageInputs.for_model(cfg.model.name, session.model)
     recipe = RMRecipe(
-        load_pairs(data.train, tokenizer, data, cfg.rm.margin),
+        load_pairs(data.train, tokenizer, data, cfg.rm.margin, images),
         cfg.train,
         pad_id,
         acc.device,
-        load_pairs(data.eval, tokenizer, data, cfg.rm.margin) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, cfg.rm.margin, images) if data.eval else None,
     )
-    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()
+    saved = images.processor if images else tokenizer  # written beside each checkpoint
+    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
 
 
 @torch.no_grad()
@@ -89,7 +92,8 @@ def score_file(
     scorer = load_model(model_path, task="score", device=device, pad_id=pad_token_id(tokenizer))
     model = ModelEngine(scorer).eval()
     rows = load_rows(data)
-    scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length))
+    images = ImageInputs.for_model(model_path, scorer)
+    scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length, images=images))
     lines = [json.dumps({**row.data, "score": s}) for row, s in zip(rows, scores, strict=True)]
     if out is None:
         print("\n".join(lines))

@@ -192,4 +192,5 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         eval_prompts,
         eval_vision,
     )
-    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()
+    saved = images.processor if images else tokenizer  # written beside each checkpoint
+    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()

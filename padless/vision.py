@@ -228,3 +228,17 @@ def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: s
             f"{role} is {kind[got]} but the policy is {kind[want]}: it would read the policy's samples "
             f"without their {'images' if want else 'text positions'}; use {kind[want]} there too"
         )
+
+
+def model_keys(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights as ``save_pretrained`` wrote them, under the model's own parameter names.
+
+    transformers saves vision-language models under their original checkpoint names (``model.*`` for what
+    the module calls ``model.language_model.*``, ``visual.*`` for ``model.visual.*``) and renames them back
+    when loading; a checkpoint read back into a live model needs the same renaming.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return {rename_source_key(key, renamings, [])[0]: value for key, value in weights.items()}

@@ -33,6 +33,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from padless.engine import inner_engine
+from padless.vision import model_keys
 
 STATE_FILE = "trainer_state.json"
 PLAN_FILE = "plan.json"
@@ -347,6 +348,7 @@ def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         weights.update(load_file(file))
+    weights = model_keys(model, weights)  # the names save_pretrained changed (vision-language models)
     expected = dict(model.state_dict())
     tied = set(_tied_keys(model))
     missing = sorted(set(expected) - set(weights) - tied)

@@ -1,7 +1,7 @@
 """Embedded image data: one coloured shape per picture, drawn with PIL from a seed, with questions about its
 colour and its shape.
 
-The shape fills most of its picture, and pictures are 56 to 112 pixels a side (4 to 16 image tokens for
+The shape spans the picture's shorter side, and pictures are 56 to 112 pixels a side (4 to 16 image tokens for
 the tiny VLM), so rows differ in length. Why one big shape: with a tiny model trained for a few minutes,
 an answer can only come from the picture if most image tokens carry it. Measured with the tiny VLM
 (600 rows, 8 epochs): with 1-3 small shapes per picture (a sixteenth of the area each) and questions about
@@ -10,8 +10,8 @@ with one big shape, colour and shape questions are learned.
 
 Rows are built in memory (PNG bytes in an ``images`` column) and are the same for the same name on every
 machine: nothing is stored or downloaded. Names: ``shapes_sft``, ``shapes_eval``, ``shapes_preference``,
-``shapes_rl``. Every row keeps ``kind`` (``colour`` / ``shape``) and ``answer`` (the word), which
-:func:`says_answer` (a reward function) and :func:`accuracy` read.
+``shapes_preference_eval``, ``shapes_rl``. Every row keeps ``kind`` (``colour`` / ``shape``) and ``answer``
+(the word), which :func:`says_answer` (a reward function) and :func:`accuracy` read.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ SPLITS = {
     "shapes_eval": (3002, 150),
     "shapes_preference": (3003, 400),
     "shapes_rl": (3004, 300),
+    "shapes_preference_eval": (3005, 100),
 }
 
 
@@ -96,7 +97,7 @@ def rows(name: str) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"images": [{"bytes": png}], "kind": kind, "answer": facts[kind]}
         if name in ("shapes_sft", "shapes_eval"):
             row["messages"] = [user, {"role": "assistant", "content": answer(kind, facts)}]
-        elif name == "shapes_preference":
+        elif name.startswith("shapes_preference"):
             row["prompt"] = [user]
             row["chosen"] = [{"role": "assistant", "content": answer(kind, facts)}]
             row["rejected"] = [{"role": "assistant", "content": answer(kind, _wrong(kind, facts, rng))}]

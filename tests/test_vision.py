@@ -1,5 +1,6 @@
 """Vision-language models packed (padless.vision + the packed path): per-token invariance on tiny Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL built in code, with images of different sizes and text-only rows mixed.
+Qwen2.5-VL and Qwen3-VL built in code, with images of different sizes and text-only rows mixed; an
+InternVL (1-D RoPE) on the ordinary packed path; the VLM score head of reward and value models.
 
 The reference is transformers itself: each sample run alone through ``model(...)`` with no position ids, so
 the model computes its own M-RoPE positions. Weights are scaled up from the tiny init so that a leak or a
@@ -345,3 +346,93 @@ def test_untied_lm_head_is_frozen_in_a_score_model():
     add_score_head(model)
     assert not model.get_output_embeddings().weight.requires_grad
     assert model.score.weight.requires_grad
+
+
+# InternVL-style: a ViT tower on fixed-size tiles and a 1-D-RoPE language model (Qwen2 here). It needs no
+# rope index: the ordinary packed path (2D position ids restarting per sequence, cu_seqlens) holds for it.
+INTERNVL_TILE = 56  # 4x4 patches of 14, pixel-shuffled to 4 image tokens per tile
+
+
+def _internvl(backend: str) -> torch.nn.Module:
+    from transformers import InternVLConfig
+
+    text = {**TEXT, "model_type": "qwen2"}
+    vision = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": INTERNVL_TILE,
+        "patch_size": 14,
+    }
+    config = InternVLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID, image_seq_length=4
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(
+            config, attn_implementation=attention.hf_name(backend), dtype=torch.float32
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(WEIGHT_SCALE)
+    model.padless_attention = backend
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def internvl_examples() -> list[Example]:
+    """Rows with 1, 0, 3 and 2 tiles (a tile is InternVL's unit of image), text of different lengths."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for tiles, words in ((1, 9), (0, 30), (3, 4), (2, 17)):
+        ids = torch.randint(3, 4096, (3,), generator=gen).tolist()
+        for _ in range(tiles):
+            ids += [VISION_START_ID, *[IMAGE_TOKEN_ID] * 4, VISION_END_ID]
+        ids += torch.randint(3, 4096, (words,), generator=gen).tolist()
+        pixels = torch.randn(tiles, 3, INTERNVL_TILE, INTERNVL_TILE, generator=gen)
+        out.append(Example(ids, vision={"pixel_values": pixels} if tiles else None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def internvl_reference(internvl_examples) -> list[torch.Tensor]:
+    model = _internvl("sdpa")
+    assert is_vision_config(model.config) and not uses_mrope(model.config)
+    return [_alone(model, ex) for ex in internvl_examples]
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager"])
+def test_internvl_packed_equals_alone(internvl_examples, internvl_reference, backend):
+    batch = pack(internvl_examples)
+    assert tuple(batch.position_ids.shape) == (1, batch.num_tokens)  # the ordinary path
+    assert batch.vision["pixel_values"].shape[0] == 6  # every row's tiles, in order
+    assert _delta(_packed_logps(_internvl(backend), batch), internvl_reference) < FP32_TOL
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_internvl_padded_equals_alone(internvl_examples, internvl_reference, side):
+    padded = to_padded(pack(internvl_examples), side, PAD_TOKEN_ID)
+    with torch.no_grad():
+        flat = unpad(forward_padded(_internvl("varlen"), padded), padded.attention_mask)
+    got = [s[:-1] for s in flat.split([len(e) for e in internvl_examples])]
+    assert _delta(got, internvl_reference) < FP32_TOL
+
+
+def test_internvl_positions_running_on_leak(internvl_examples, internvl_reference):
+    """Positions that do not restart per sequence: sdpa attends across rows (the test above can fail)."""
+    batch = pack(internvl_examples)
+    running = torch.arange(batch.num_tokens)[None]
+    leaked = _packed_logps(_internvl("sdpa"), dataclasses.replace(batch, position_ids=running))
+    assert _delta(leaked, internvl_reference) > LEAK_MIN
+
+
+def test_internvl_vision_features_packed_equal_per_tile(internvl_examples):
+    model = _internvl("varlen")
+    with torch.no_grad():
+        features = model.model.get_image_features
+        tiles = concat_vision([ex.vision for ex in internvl_examples])["pixel_values"]
+        packed = features(tiles).pooler_output
+        alone = [features(ex.vision["pixel_values"]).pooler_output for ex in internvl_examples if ex.vision]
+    assert _delta(list(packed), [tile for per_row in alone for tile in per_row]) < FP32_TOL

@@ -11,6 +11,9 @@ Three facts shape this module (transformers 5.23):
   backend honours: pixel values of every sample concatenated encode exactly as each image alone.
 - The Qwen-VL processors list a video processor, which needs torchvision; :func:`image_only` builds the
   model's own processor class without it.
+
+Reward and value models of a VLM are the VLM with padless's ``score`` head (:func:`add_score_head`):
+transformers has no sequence-classification class for these models.
 """
 
 from __future__ import annotations

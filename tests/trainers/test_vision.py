@@ -4,11 +4,13 @@ and reward-model metrics do not depend on the layout, and GRPO / PPO sample, sco
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import shutil
 
 import pytest
 import torch
+from PIL import Image
 
 from padless.config import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainSettings, load_config
 from padless.data import load_rows, tokenize_preference
@@ -22,7 +24,7 @@ from padless.trainers.dpo import DPORecipe
 from padless.trainers.grpo import run_grpo
 from padless.trainers.loop import MicroBatch
 from padless.trainers.ppo import run_ppo
-from padless.trainers.rm import RMRecipe
+from padless.trainers.rm import RMRecipe, score_file
 from padless.trainers.sft import run_sft
 from padless.vision import load_processor
 
@@ -246,3 +248,23 @@ def test_vlm_sft_example_learns_to_read_the_pictures(tmp_path):
     completions = [json.loads(line)["completion"] for line in last.read_text().splitlines()]
     scores = shapes.accuracy(completions)
     assert scores["colour"] >= 0.6 and scores["shape"] >= 0.45 and scores["all"] >= 0.55, scores
+
+
+def test_rm_score_reads_image_rows(tmp_path, vlm_reward_model):
+    """``padless rm score`` with a VLM reward model: rows with image paths are scored with their pictures
+    (the same reply to two pictures of one size scores differently) and written back with a score."""
+    by_size: dict[tuple[int, int], list[dict]] = {}
+    for row in shapes.rows("shapes_rl"):  # two pictures of one size: the same tokens, other pixels
+        by_size.setdefault(Image.open(io.BytesIO(row["images"][0]["bytes"])).size, []).append(row)
+    rows = next(group for group in by_size.values() if len(group) >= 2)[:2]
+    lines = []
+    for i, row in enumerate(rows):
+        (tmp_path / f"{i}.png").write_bytes(row["images"][0]["bytes"])
+        prompt = [{"role": "user", "content": "<image>What colour is the shape?"}]
+        reply = [{"role": "assistant", "content": "It is red."}]
+        lines.append(json.dumps({"prompt": prompt, "response": reply, "images": [f"{i}.png"]}))
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    out = score_file(vlm_reward_model, str(tmp_path / "rows.jsonl"), str(tmp_path / "scored.jsonl"))
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["images"] for r in scored] == [["0.png"], ["1.png"]]
+    assert abs(scored[0]["score"] - scored[1]["score"]) > 1e-6

@@ -1,16 +1,24 @@
-"""Command line: ``padless check | doctor`` and the trainers."""
+"""Command line: ``padless check | doctor | generate`` and the trainers.
+
+Every failure ends in one message naming the file, row, key or path and the fix (exit 2 for input
+errors, 1 for runtime faults, 130 when interrupted); ``--debug`` or ``PADLESS_DEBUG=1`` adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from padless.attention import BACKENDS, AttentionError, set_varlen_kernel
+from padless.attention import BACKENDS, set_varlen_kernel
+from padless.errors import InputError, describe, exit_code
+from padless.logs import setup_logging
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -23,8 +31,14 @@ def _check(args: argparse.Namespace) -> int:
     if args.varlen_kernel:
         set_varlen_kernel(args.varlen_kernel)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, attn_implementation="varlen", dtype=dtype, device=device)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_model(
+        args.model,
+        attn_implementation="varlen",
+        dtype=dtype,
+        device=device,
+        trust_remote_code=args.trust_remote_code,
+    )
     pad_id = pad_token_id(tokenizer)
     seqs = probe_sequences(tokenizer)
     backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
@@ -83,11 +97,16 @@ def _rm(args: argparse.Namespace) -> int:
     parser.add_argument("--out", help="write scored rows here (default: print them)")
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     opts = parser.parse_args(args.overrides)
     from padless.trainers.rm import score_file
 
+    if opts.max_length < 1:
+        raise InputError(
+            f"--max-length {opts.max_length}: must be at least 1; fix: pass e.g. --max-length 4096"
+        )
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = score_file(opts.model, opts.data, opts.out, opts.max_length, device)
+    path = score_file(opts.model, opts.data, opts.out, opts.max_length, device, opts.trust_remote_code)
     if path:
         print(f"wrote {path}")
     return 0
@@ -97,9 +116,23 @@ def _generate(args: argparse.Namespace) -> int:
     from padless.model import load_model, load_tokenizer
     from padless.rollout import generate
 
+    if not 0 <= args.temperature < float("inf"):
+        raise InputError(
+            f"--temperature {args.temperature}: must be a finite number >= 0; fix: pass 0 for greedy "
+            "decoding or e.g. 0.7 to sample"
+        )
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1; fix: pass e.g. 64")
+    if not all(p.strip() for p in args.prompt):
+        raise InputError("--prompt is empty; fix: pass the text to answer, e.g. --prompt 'What is 2 + 3?'")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_model(
+        args.model,
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        trust_remote_code=args.trust_remote_code,
+    )
     messages = [{"role": "user", "content": p} for p in args.prompt]
     prompts = [
         list(
@@ -129,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padless", description="Post-training in which padding never changes a number."
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a failure (also PADLESS_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="prove per-token invariance across layouts and attention backends")
@@ -144,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--varlen-kernel", choices=["auto", "sdpa", "torch", "flash_attn"], help="pin varlen's kernel"
     )
     check.add_argument("--tolerance", type=float, help="max |delta log-prob| per token (default by dtype)")
+    check.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     check.set_defaults(func=_check)
 
     for name, (_, _, title) in TRAINERS.items():
@@ -165,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as it is")
     gen.add_argument("--device", choices=["cpu", "cuda"])
+    gen.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     gen.set_defaults(func=_generate)
 
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
@@ -173,12 +211,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
+    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("PADLESS_DEBUG", "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    command = "padless"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"padless {args.command}"
+        setup_logging()
         return args.func(args)
-    except (AttentionError, ValueError, FileNotFoundError) as e:  # ConfigError and DataError are ValueErrors
-        print(f"padless {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except SystemExit as e:  # argparse printed the usage error (or --help)
+        return e.code if isinstance(e.code, int) else 2
+    except BaseException as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{command}: error: {describe(e)}", file=sys.stderr)
+        return exit_code(e)
+    finally:
+        from padless.trainers.rundir import end_all_runs
+
+        end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
 
 
 if __name__ == "__main__":

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from padless import tiny
+from padless import sources
 from padless.attention import (
     assert_attention,
     attention_in_use,
@@ -46,13 +39,9 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Tokenizer for an embedded name (``tiny-qwen2``), a local directory or a cached model id."""
-    if name_or_path in tiny.TINY_MODELS:
-        return tiny.tiny_tokenizer()
-    if isinstance(name_or_path, Path) or Path(name_or_path).exists():
-        return AutoTokenizer.from_pretrained(str(name_or_path))
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return sources.load_tokenizer(name_or_path, trust_remote_code)
 
 
 def load_model(
@@ -65,29 +54,26 @@ def load_model(
     seed: int = 0,
     training: bool = False,
     probe: bool = True,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
-    Embedded names build the tiny models from ``seed``; anything else goes through ``from_pretrained``,
-    which gives the model a config object of its own.
+    Embedded names build the tiny models from ``seed``; anything else is checked and loaded from a local
+    folder by :mod:`padless.sources` (never downloaded), which gives the model a config object of its own.
     """
     require_backend(attn_implementation, device, training)
     torch_dtype = resolve_dtype(dtype)
     kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
-    if name_or_path in tiny.TINY_MODELS:
-        model = tiny.build_tiny_model(name_or_path, seed=seed, task=task, **kwargs)
-    else:
-        auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-        if task == "score":
-            kwargs["num_labels"] = 1
-        model = auto.from_pretrained(str(name_or_path), **kwargs)
+    model = sources.load_pretrained(
+        name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
+    )
     if task == "score" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     model.to(device)
     model.train(training)
     model.padless_attention = attn_implementation
     if probe:
-        probe_attention(model, attn_implementation)
+        model.padless_probe = probe_attention(model, attn_implementation)  # what ran: the run log says it
     else:
         assert_attention(model, attn_implementation)
     return model

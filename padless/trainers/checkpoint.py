@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ from safetensors.torch import load_file
 
 STATE_FILE = "trainer_state.json"
 PLAN_FILE = "plan.pt"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass
@@ -34,35 +32,6 @@ class TrainState:
     epoch: int = 0
     step_in_epoch: int = 0
     tokens_seen: int = 0
-
-
-def checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def resolve_resume(output_dir: str | Path, spec: str | None) -> Path | None:
-    """``None``, ``"latest"`` (the newest complete checkpoint in output_dir, if any) or a path."""
-    if spec is None:
-        return None
-    if spec == "latest":
-        found = checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(spec)
-    if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(
-            f"resume_from_checkpoint={spec!r} is not a complete padless checkpoint (no {STATE_FILE}); "
-            f"use 'latest' or one of: {', '.join(str(p) for p in checkpoints(output_dir)) or 'none found'}"
-        )
-    return path
 
 
 def skip_model_weights_in_state(accelerator: Accelerator) -> None:
@@ -115,14 +84,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Delete the oldest checkpoints beyond ``keep`` (0 keeps all)."""
-    if keep <= 0:
-        return
-    for old in checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old)
 
 
 def load_checkpoint(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> tuple[TrainState, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from padless.trainers.verify import verify_checkpoint
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -30,12 +31,12 @@ from padless.packing import balance_ranks
 from padless.trainers.checkpoint import (
     TrainState,
     load_checkpoint,
-    resolve_resume,
-    rotate_checkpoints,
     save_checkpoint,
     skip_model_weights_in_state,
 )
+from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
+from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoints
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -139,6 +140,7 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         accelerator.register_for_checkpointing(self.scheduler)
         skip_model_weights_in_state(accelerator)
 
@@ -183,6 +185,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 loss, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+                self.guard.watch(loss, k, len(step.micros))
                 # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
                 self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
@@ -191,7 +194,10 @@ class Trainer:
             sums["grad_norm"] = (
                 float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)) / world
             )
-        self.optimizer.step()
+        if self.guard.allow_step(sums.get("grad_norm")):
+            self.optimizer.step()
+        else:
+            sums.clear()  # a skipped step adds nothing to the metrics
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)
@@ -200,9 +206,10 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
-        resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+        resume = resume_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
         state = TrainState()
         if resume:
+            verify_checkpoint(resume, acc.unwrap_model(self.model))
             state, plan = load_checkpoint(acc, self.model, resume)
             if plan is not None and state.step_in_epoch > 0:
                 self.recipe.restore_plan(state.epoch, plan)
@@ -217,7 +224,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         window: dict[str, float] = defaultdict(float)
-        window_steps, window_tokens, window_time = 0, 0, 0.0
+        counts: dict[str, int] = defaultdict(int)  # steps that reported each metric (skipped ones do not)
+        window_tokens, window_time = 0, 0.0
         last: dict[str, float] = {}
         self.model.train()
         while state.step < self.total_steps:
@@ -226,6 +234,7 @@ class Trainer:
             if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
                 reporter.log(state.step + 1, plan_metrics(state.epoch))
             started = time.perf_counter()
+            self.guard.step = state.step + 1
             metrics = self._train_step(steps[state.step_in_epoch])
             elapsed = time.perf_counter() - started
             tokens = steps[state.step_in_epoch].tokens
@@ -237,38 +246,38 @@ class Trainer:
                 state.step_in_epoch = 0
             for key, value in metrics.items():
                 window[key] += value
-            window_steps, window_tokens, window_time = (
-                window_steps + 1,
-                window_tokens + tokens,
-                window_time + elapsed,
-            )
+                counts[key] += 1
+            window_tokens, window_time = window_tokens + tokens, window_time + elapsed
             lr = self.scheduler.get_last_lr()[0]
             bar.update(1)
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last = {f"train/{k}": v / window_steps for k, v in window.items()}
+                last = {f"train/{k}": v / counts[k] for k, v in window.items()}
                 last.update(
                     {
                         "train/lr": lr,
                         "train/tokens_per_s": window_tokens / window_time,
                         "train/epoch": state.epoch + state.step_in_epoch / len(steps),
+                        **self.guard.metrics(),
                     }
                 )
                 reporter.log(state.step, last)
-                window, window_steps, window_tokens, window_time = defaultdict(float), 0, 0, 0.0
+                window, counts, window_tokens, window_time = defaultdict(float), defaultdict(int), 0, 0.0
             final = state.step == self.total_steps
             if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
                 self._evaluate(state.step, reporter, last)
             if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
                 plan_state = getattr(self.recipe, "plan_state", None)
                 plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
+                self.guard.check_weights(self.model)
                 save_checkpoint(acc, self.model, self.tokenizer, state, cfg.output_dir, plan)
                 if acc.is_main_process:
                     rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
         bar.close()
         reporter.plot()
         reporter.close()
+        end_run(cfg.output_dir)
         return last
 
     def _eval_losses(self) -> dict[str, float]:

@@ -24,6 +24,7 @@ from padless.model import disable_dropout, forward_packed, load_model, unwrap
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
@@ -263,7 +264,10 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
 
     reward_model = None
     if cfg.reward.model:
-        reward_model = load_model(cfg.reward.model, task="score", device=device).requires_grad_(False)
+        require_scoring_model(cfg.reward.model)
+        reward_model = load_model(
+            cfg.reward.model, task="score", device=device, trust_remote_code=cfg.model.trust_remote_code
+        ).requires_grad_(False)
     return session, {
         "prompts": prompts(data.train),
         "cfg": cfg,

@@ -13,6 +13,7 @@ from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.losses import bradley_terry_loss
 from padless.model import load_model, load_tokenizer, pad_token_id, padded_scores, sequence_scores
 from padless.packing import Example, PackedBatch, budget_batches, pack
+from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.pairs import PairRecipe, load_pairs, shares, split_pairs
 from padless.trainers.session import start_session
@@ -72,11 +73,17 @@ def score_examples(model: torch.nn.Module, examples: list[Example], max_tokens: 
 
 
 def score_file(
-    model_path: str, data: str, out: str | None, max_length: int = 4096, device: str = "cpu"
+    model_path: str,
+    data: str,
+    out: str | None,
+    max_length: int = 4096,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
 ) -> Path | None:
     """``padless rm score``: score prompt / response rows and write them back with a ``score`` field."""
-    tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, task="score", device=device).eval()
+    require_scoring_model(model_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code)
+    model = load_model(model_path, task="score", device=device, trust_remote_code=trust_remote_code).eval()
     rows = load_rows(data)
     scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length))
     lines = [json.dumps({**row.data, "score": s}) for row, s in zip(rows, scores, strict=True)]

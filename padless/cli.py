@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
     (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PADLESS_DEBUG", "0") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

@@ -193,8 +193,22 @@ def _dataset_name(ds: Any) -> str:
 def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> list[Row]:
     """Read every row of ``spec`` as a dict with its provenance; never touches the network.
 
-    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object).
+    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object). A source
+    without a single row is an error: an empty file is never what a run meant to train on.
     """
+    rows = _load_rows(spec, split)
+    if not rows:
+        source = _dataset_name(spec) if not isinstance(spec, (str, Path)) else str(spec)
+        raise DataError(
+            f"{source}: has no rows (an empty file, or only blank lines); fix: point the data setting at "
+            "the file that holds the rows, or fill this one",
+            source=source,
+            reason="empty",
+        )
+    return rows
+
+
+def _load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str) -> list[Row]:
     if not isinstance(spec, (str, Path)):
         return _from_datasets(spec, _dataset_name(spec), split)
     if isinstance(spec, str) and spec.startswith("tiny:"):

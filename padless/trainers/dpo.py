@@ -40,7 +40,8 @@ class DPORecipe(PairRecipe):
         if self.reference_free:
             return None
         if "ref_logps" in pairs[0].meta:
-            return torch.tensor([x for p in pairs for x in p.meta["ref_logps"]], device=self.device)
+            ref = [x for p in pairs for x in p.meta["ref_logps"]]
+            return torch.tensor(ref, device=self.device, dtype=torch.float64)  # stored as fp64 sums
         adapters_off = self.dpo.reference == "adapters"
         reference = model if adapters_off else self.ref_model
         with torch.no_grad(), unwrap(model).disable_adapter() if adapters_off else contextlib.nullcontext():
@@ -111,13 +112,13 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
         ref_model = session.companion(cfg.dpo.ref_model)
     pad_id = pad_token_id(tokenizer)
     recipe = DPORecipe(
-        load_pairs(data.train, tokenizer, data),
+        load_pairs(data.train, tokenizer, data, cfg.train, "train"),
         cfg.train,
         cfg.dpo,
         pad_id,
         acc.device,
         ref_model,
-        load_pairs(data.eval, tokenizer, data) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, cfg.train, "eval") if data.eval else None,
     )
     if cfg.dpo.precompute_ref_logps:
         recipe.precompute_reference(session.model)

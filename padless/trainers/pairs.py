@@ -19,6 +19,7 @@ from padless.packing import (
     to_padded,
 )
 from padless.trainers.loop import MicroBatch
+from padless.trainers.reporting import report_data
 
 
 class PairRecipe:
@@ -68,9 +69,12 @@ class PairRecipe:
         return batch
 
 
-def load_pairs(spec: str, tokenizer: Any, data: Any, margin: bool = False) -> list[PairExample]:
-    """Tokenized pairs; ``margin`` requires a numeric margin per row, else margins are dropped."""
-    pairs, _ = tokenize_preference(
+def load_pairs(
+    spec: str, tokenizer: Any, data: Any, train: TrainSettings, role: str, margin: bool = False
+) -> list[PairExample]:
+    """Tokenized pairs of ``data.<role>`` (skips reported); ``margin`` requires a numeric margin per row,
+    else margins are dropped."""
+    pairs, stats = tokenize_preference(
         load_rows(spec),
         tokenizer,
         max_length=data.max_length,
@@ -78,6 +82,7 @@ def load_pairs(spec: str, tokenizer: Any, data: Any, margin: bool = False) -> li
         skip_bad_rows=data.skip_bad_rows,
         require_margin=margin,
     )
+    report_data(stats, role, spec, train.output_dir)
     if not margin:
         for p in pairs:
             p.meta.pop("margin", None)

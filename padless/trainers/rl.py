@@ -26,6 +26,7 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
 from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch
+from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
 
@@ -253,14 +254,16 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
 
-    def prompts(spec: str) -> list[PromptExample]:
-        return tokenize_prompts(
+    def prompts(spec: str, role: str) -> list[PromptExample]:
+        examples, stats = tokenize_prompts(
             load_rows(spec),
             tokenizer,
             max_prompt_length=data.max_prompt_length,
             chat_template=data.chat_template,
             skip_bad_rows=data.skip_bad_rows,
-        )[0]
+        )
+        report_data(stats, role, spec, cfg.train.output_dir)
+        return examples
 
     reward_model = None
     if cfg.reward.model:
@@ -269,7 +272,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
             cfg.reward.model, task="score", device=device, trust_remote_code=cfg.model.trust_remote_code
         ).requires_grad_(False)
     return session, {
-        "prompts": prompts(data.train),
+        "prompts": prompts(data.train, "train"),
         "cfg": cfg,
         "tokenizer": tokenizer,
         "policy": session.model,
@@ -277,6 +280,6 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
         "device": device,
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,
-        "eval_prompts": prompts(data.eval) if data.eval else None,
+        "eval_prompts": prompts(data.eval, "eval") if data.eval else None,
         "ref_model": session.companion() if reference and cfg.model.lora is None else None,
     }

@@ -49,11 +49,11 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
 
     pad_id = pad_token_id(tokenizer)
     recipe = RMRecipe(
-        load_pairs(data.train, tokenizer, data, cfg.rm.margin),
+        load_pairs(data.train, tokenizer, data, cfg.train, "train", cfg.rm.margin),
         cfg.train,
         pad_id,
         acc.device,
-        load_pairs(data.eval, tokenizer, data, cfg.rm.margin) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, cfg.train, "eval", cfg.rm.margin) if data.eval else None,
     )
     return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
 

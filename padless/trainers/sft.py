@@ -22,6 +22,7 @@ from padless.packing import (
 )
 from padless.rollout import generate
 from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.reporting import report_data
 from padless.trainers.session import start_session
 
 
@@ -146,9 +147,9 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
 
-    def tokenize(spec: str) -> tuple[list[Any], list[Example]]:
+    def tokenize(spec: str, role: str) -> tuple[list[Any], list[Example]]:
         rows = load_rows(spec)
-        examples, _ = tokenize_sft(
+        examples, stats = tokenize_sft(
             rows,
             tokenizer,
             format=data.format,
@@ -157,12 +158,13 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             completion_only_loss=data.completion_only_loss,
             skip_bad_rows=data.skip_bad_rows,
         )
+        report_data(stats, role, spec, cfg.train.output_dir)
         return rows, examples
 
-    _, examples = tokenize(data.train)
+    _, examples = tokenize(data.train, "train")
     eval_examples, eval_prompts = None, None
     if data.eval:
-        eval_rows, eval_examples = tokenize(data.eval)
+        eval_rows, eval_examples = tokenize(data.eval, "eval")
         if cfg.train.eval_generate:
             eval_prompts = eval_prompt_ids(eval_rows, tokenizer)
     recipe = SFTRecipe(

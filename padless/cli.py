@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -82,6 +83,11 @@ def _train(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
         config, overrides = None, [config, *overrides]
+    if config and not Path(config).exists() and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", config):
+        raise InputError(
+            f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
+            "or give the path of a YAML config"
+        )
     metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0

@@ -588,9 +588,16 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
 REPORTERS = ("tensorboard", "jsonl")
 
 
+def _require_finite(name: str, value: Any) -> None:
+    """Configs built in Python skip the YAML reader's check: inf is no rate, size or count either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(name, f"must be a finite number, got {value!r}", f"set {name} to a finite value")
+
+
 def _require_positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
+        _require_finite(name, value)
         if not value > 0:
             raise invalid(name, f"must be > 0, got {value!r}", f"set {name} to a positive value")
 
@@ -598,6 +605,7 @@ def _require_positive(obj: Any, *names: str) -> None:
 def _require_non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
+        _require_finite(name, value)
         if not value >= 0:
             raise invalid(name, f"must be >= 0, got {value!r}", f"set {name} to 0 or more")
 

@@ -151,19 +151,22 @@ def check_weights(folder: Path, name: str) -> None:
         check_safetensors(file)
 
 
+def _not_a_model(folder: Path, name: str) -> InputError:
+    checkpoints = sorted(folder.glob("checkpoint-*"))
+    hint = (
+        f"it holds run checkpoints: pass one of them, e.g. {checkpoints[-1]}"
+        if checkpoints
+        else "pass the folder written by save_pretrained (config.json and *.safetensors)"
+    )
+    found = _listing(folder)
+    return InputError(f"{name} is not a model folder: no config.json (found: {found}); fix: {hint}")
+
+
 def check_model_folder(folder: Path, name: str, trust_remote_code: bool) -> dict[str, Any]:
     """``config.json`` of a model folder, after checking the folder holds a loadable model."""
     config_file = folder / "config.json"
     if not config_file.exists():
-        checkpoints = sorted(folder.glob("checkpoint-*"))
-        hint = (
-            f"it holds run checkpoints: pass one of them, e.g. {checkpoints[-1]}"
-            if checkpoints
-            else "pass the folder written by save_pretrained (config.json and *.safetensors)"
-        )
-        raise InputError(
-            f"{name} is not a model folder: no config.json (found: {_listing(folder)}); fix: {hint}"
-        )
+        raise _not_a_model(folder, name)
     config = _read_json(config_file)
     if "model_type" not in config:
         raise InputError(
@@ -181,7 +184,11 @@ def check_model_folder(folder: Path, name: str, trust_remote_code: bool) -> dict
 
 
 def check_tokenizer_folder(folder: Path, name: str, trust_remote_code: bool) -> None:
+    if (folder / "config.json").exists():
+        _read_json(folder / "config.json")  # AutoTokenizer reads it too, and reports it less clearly
     if not any((folder / f).exists() for f in TOKENIZER_FILES) and not list(folder.glob("*.tiktoken")):
+        if not (folder / "config.json").exists():
+            raise _not_a_model(folder, name)
         raise InputError(
             f"{name} has no tokenizer files ({', '.join(TOKENIZER_FILES)}; found: {_listing(folder)}); fix: "
             "save the base model's tokenizer into it (tokenizer.save_pretrained(folder)), or load the "
@@ -202,7 +209,7 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
 
     if embedded(str(name)):
         return tiny.tiny_tokenizer()
-    folder = local_folder(name, "tokenizer of")
+    folder = local_folder(name)
     if (folder / ADAPTER_CONFIG).exists() and not any((folder / f).exists() for f in TOKENIZER_FILES):
         return load_tokenizer(adapter_base(folder), trust_remote_code)
     check_tokenizer_folder(folder, str(name), trust_remote_code)

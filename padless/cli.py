@@ -19,7 +19,7 @@ import torch
 
 from padless.attention import BACKENDS, set_varlen_kernel
 from padless.errors import InputError, describe, exit_code
-from padless.logs import setup_logging
+from padless.logs import log_failure, setup_logging
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if debug:
             traceback.print_exc()
-        print(f"{command}: error: {describe(e)}", file=sys.stderr)
+        message = f"{command}: error: {describe(e)}"
+        print(message, file=sys.stderr)
+        log_failure(message)
         return exit_code(e)
     finally:
         from padless.trainers.rundir import end_all_runs

@@ -81,6 +81,15 @@ def log_to_file(output_dir: str | Path | None, main_process: bool = True) -> Pat
     return path
 
 
+def log_failure(message: str) -> None:
+    """Write the message a run ended with into its ``log.txt`` (the console already shows it)."""
+    logger = logging.getLogger(_ROOT)
+    record = logger.makeRecord(_ROOT, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logger.handlers:
+        if isinstance(handler, _FileHandler):
+            handler.handle(record)
+
+
 def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) -> str:
     """One line that says what a run runs on: backend and the kernel the load-time probe proved, precision,
     engine and world size."""

@@ -143,7 +143,6 @@ def _check_contents(root: Path, resume: Path | None, spec: str | None, overwrite
     if resuming_here or not entries:
         return
     if spec == "auto" and all(_OWNED.match(p.name) for p in entries):
-        log.info("resume_from_checkpoint=auto: no checkpoint in %s yet, starting fresh", root)
         overwrite = True  # a run that died before its first checkpoint: nothing there to keep
     if not overwrite:
         shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
@@ -223,6 +222,8 @@ def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
         raise
     if resume is not None:
         log.info("resuming from %s (resume_from_checkpoint=%s)", resume, spec)
+    elif spec == "auto":
+        log.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", root)
     return resume
 
 

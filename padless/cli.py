@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
     (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("PADLESS_DEBUG", "0") not in ("", "0")
@@ -242,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         from padless.trainers.rundir import end_all_runs
 
         end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Where a model and its tokenizer come from, checked before ``from_pretrained`` sees them.
 
-A name is an embedded model (``tiny-qwen2``, or ``tiny-qwen2@3`` for init seed 3), a local folder, or a
-Hugging Face id already in the local cache. padless never downloads during a run: every name is resolved
-to a local folder first and only folders reach ``from_pretrained`` (with ``local_files_only=True``), so
-nothing touches the network. A folder is checked for what it claims to hold (``config.json``, safetensors
-weights whose sizes match their headers, tokenizer files, custom code) so that a mistake is reported as
-that mistake, with the path and the fix, rather than as whatever transformers trips over later.
-Weights are read from safetensors only: pickle files are never loaded.
+A name is an embedded model (``tiny-qwen2``, or ``tiny-qwen2@3`` for init seed 3), a model shipped with
+padless (``tiny-llama-arith``), a local folder, or a Hugging Face id already in the local cache. padless
+never downloads during a run: every name is resolved to a local folder first and only folders reach
+``from_pretrained`` (with ``local_files_only=True``), so nothing touches the network. A folder is checked
+for what it claims to hold (``config.json``, safetensors weights whose sizes match their headers,
+tokenizer files, custom code) so that a mistake is reported as that mistake, with the path and the fix,
+rather than as whatever transformers trips over later. Weights are read from safetensors only: pickle
+files are never loaded.
 
 A LoRA adapter folder (``adapter_config.json``) loads its base model by ``base_model_name_or_path``
 (an embedded name, a folder, or a cached id; a relative path is also looked up next to the adapter),
@@ -62,7 +63,9 @@ def _listing(path: Path) -> str:
 
 
 def local_folder(name: str | Path, what: str = "model") -> Path:
-    """The local folder behind ``name``: the path itself, or the cached snapshot of a hub id."""
+    """The folder behind ``name``: a shipped model, the path itself, or the cached snapshot of a hub id."""
+    if str(name) in tiny.SHIPPED_MODELS:
+        return tiny.SHIPPED_MODELS[str(name)]
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -75,7 +78,7 @@ def local_folder(name: str | Path, what: str = "model") -> Path:
     from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    names = ", ".join(tiny.TINY_MODELS)
+    names = ", ".join([*tiny.TINY_MODELS, *tiny.SHIPPED_MODELS])
     try:
         return Path(snapshot_download(str(name), local_files_only=True))
     except HFValidationError:  # not a hub id: a path that does not exist
@@ -207,7 +210,7 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
     files: its base model's)."""
     from transformers import AutoTokenizer
 
-    if embedded(str(name)):
+    if embedded(str(name)) or str(name) in tiny.SHIPPED_MODELS:
         return tiny.tiny_tokenizer()
     folder = local_folder(name)
     if (folder / ADAPTER_CONFIG).exists() and not any((folder / f).exists() for f in TOKENIZER_FILES):

@@ -322,7 +322,9 @@ def _load_adapter(
             "LoRA settings it was trained with"
         )
     log.info("loaded LoRA adapter %s onto %s and merged it", folder, base_name)
-    return model.merge_and_unload()
+    merged = model.merge_and_unload()
+    merged.name_or_path = str(folder)  # a new adapter trained on this model has base + this adapter as base
+    return merged
 
 
 def require_scoring_model(name: str | Path) -> None:

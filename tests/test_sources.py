@@ -150,3 +150,20 @@ def test_row_slices_of_a_source(tmp_path):
     odd.write_text('{"text": "a"}\n{"text": "b"}\n')
     assert len(load_rows(str(odd))) == 2
     assert Path(str(odd)).exists()
+
+
+def test_an_adapter_trained_from_an_adapter_checkpoint_names_it_as_its_base(tmp_path):
+    """Training LoRA on a LoRA checkpoint trains on base + first adapter (merged): the second adapter's
+    recorded base is the first checkpoint, so loading it rebuilds the whole chain."""
+    lora = ["model.lora.r=2", "model.lora.target_modules=[q_proj,v_proj]", "model.lora.dropout=0"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main(["sft", "model.name=tiny-llama", *lora, *FAST, f"train.output_dir={first}"]) == 0
+    ckpt = first / "checkpoint-1"
+    assert main(["sft", f"model.name={ckpt}", *lora, *FAST, f"train.output_dir={second}"]) == 0
+    config = json.loads((second / "checkpoint-1" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(ckpt.resolve())
+    chain = PeftModel.from_pretrained(load_model(str(ckpt)), str(second / "checkpoint-1"))
+    ids = tiny_tokenizer()("What is 2 + 3? It is 5.")["input_ids"]
+    torch.testing.assert_close(
+        logps(load_model(str(second / "checkpoint-1")), ids), logps(chain, ids), atol=1e-5, rtol=0
+    )

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from padless.trainers.verify import verify_checkpoint
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -37,6 +36,7 @@ from padless.trainers.checkpoint import (
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
 from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoints
+from padless.trainers.verify import verify_checkpoint
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 

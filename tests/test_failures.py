@@ -148,45 +148,55 @@ def not_a_dataset_dir(tmp: Path) -> Path:
 
 
 CONFIG_CASES = {
-    "unknown key": Case(["sft", "train.learnig_rate=1e-4"], 2, ("train.learnig_rate", "learning_rate")),
-    "unknown section": Case(["sft", "trian.max_steps=1"], 2, ("trian", "valid top-level keys")),
+    "unknown key": Case(
+        ["sft", "train.learnig_rate=1e-4"], 2, ("train.learnig_rate", "learning_rate", "did you mean")
+    ),
+    "unknown section": Case(
+        ["sft", "trian.max_steps=1"], 2, ("trian", "valid top-level keys", "did you mean 'train'")
+    ),
     "lr inf": Case(["sft", "train.learning_rate=.inf"], 2, ("train.learning_rate", "finite", "fix:")),
     "lr nan": Case(["sft", "train.learning_rate=.nan"], 2, ("train.learning_rate", "finite", "fix:")),
-    "lr overflow": Case(["sft", "train.learning_rate=1e400"], 2, ("train.learning_rate", "finite")),
+    "lr overflow": Case(["sft", "train.learning_rate=1e400"], 2, ("train.learning_rate", "finite", "fix:")),
     "lr zero": Case(["sft", "train.learning_rate=0"], 2, ("train.learning_rate", "must be > 0", "fix:")),
-    "lr negative": Case(["sft", "train.learning_rate=-1e-4"], 2, ("train.learning_rate", "must be > 0")),
+    "lr negative": Case(
+        ["sft", "train.learning_rate=-1e-4"], 2, ("train.learning_rate", "must be > 0", "fix:")
+    ),
     "lr text": Case(["sft", "train.learning_rate=fast"], 2, ("train.learning_rate", "write a number")),
     "max_steps float": Case(["sft", "train.max_steps=1.5"], 2, ("train.max_steps", "whole number")),
     "accumulation 0": Case(
-        ["sft", "train.gradient_accumulation_steps=0"], 2, ("gradient_accumulation", "> 0")
+        ["sft", "train.gradient_accumulation_steps=0"], 2, ("gradient_accumulation", "> 0", "fix:")
     ),
-    "grad norm inf": Case(["sft", "train.max_grad_norm=.inf"], 2, ("train.max_grad_norm", "finite")),
-    "warmup ratio": Case(["sft", "train.warmup_ratio=1.5"], 2, ("train.warmup_ratio", "[0, 1)")),
-    "adam beta": Case(["sft", "train.adam_beta2=1"], 2, ("train.adam_beta2", "[0, 1)")),
+    "grad norm inf": Case(["sft", "train.max_grad_norm=.inf"], 2, ("train.max_grad_norm", "finite", "fix:")),
+    "warmup ratio": Case(["sft", "train.warmup_ratio=1.5"], 2, ("train.warmup_ratio", "[0, 1)", "fix:")),
+    "adam beta": Case(["sft", "train.adam_beta2=1"], 2, ("train.adam_beta2", "[0, 1)", "fix:")),
     "no steps": Case(
-        ["sft", "train.num_epochs=0"], 2, ("train.num_epochs", "max_steps", "no training steps")
+        ["sft", "train.num_epochs=0"], 2, ("train.num_epochs", "max_steps", "no training steps", "fix:")
     ),
     "reporter": Case(["sft", "train.report_to=[wandb]"], 2, ("train.report_to", "wandb", "subset")),
-    "resume empty": Case(["sft", "train.resume_from_checkpoint=''"], 2, ("resume_from_checkpoint", "empty")),
+    "resume empty": Case(
+        ["sft", "train.resume_from_checkpoint=''"], 2, ("resume_from_checkpoint", "empty", "fix:")
+    ),
     "overwrite and resume": Case(
         ["sft", "train.overwrite_output_dir=true", "train.resume_from_checkpoint=latest"],
         2,
         ("overwrite_output_dir", "resume_from_checkpoint", "fix:"),
     ),
     "nonfinite policy": Case(
-        ["sft", "train.on_nonfinite=ignore"], 2, ("train.on_nonfinite", "'stop', 'skip'")
+        ["sft", "train.on_nonfinite=ignore"], 2, ("train.on_nonfinite", "'stop', 'skip'", "fix:")
     ),
-    "log level": Case(["sft", "train.log_level=verbose"], 2, ("train.log_level", "'debug'")),
+    "log level": Case(["sft", "train.log_level=verbose"], 2, ("train.log_level", "'debug'", "did you mean")),
     "attention typo": Case(["sft", "model.attn_implementation=sdpaa"], 2, ("attn_implementation", "'sdpa'")),
     "dtype": Case(["sft", "model.dtype=fp16"], 2, ("model.dtype", "float16")),
-    "lora r": Case(["sft", "model.lora.r=0"], 2, ("model.lora.r", "> 0")),
+    "lora r": Case(["sft", "model.lora.r=0"], 2, ("model.lora.r", "> 0", "fix:")),
     "trust remote code": Case(
         ["sft", "model.trust_remote_code=yes"], 2, ("trust_remote_code", "true or false")
     ),
-    "max length": Case(["sft", "data.max_length=0"], 2, ("data.max_length", "> 0")),
-    "model name empty": Case(["sft", "model.name=''"], 2, ("model.name", "empty")),
+    "max length": Case(["sft", "data.max_length=0"], 2, ("data.max_length", "> 0", "fix:")),
+    "model name empty": Case(["sft", "model.name=''"], 2, ("model.name", "empty", "fix:")),
     "kernel ignored": Case(
-        ["sft", "model.attn_implementation=sdpa", "model.varlen_kernel=sdpa"], 2, ("varlen_kernel", "ignored")
+        ["sft", "model.attn_implementation=sdpa", "model.varlen_kernel=sdpa"],
+        2,
+        ("varlen_kernel", "ignored", "fix:"),
     ),
     "eval without data": Case(["sft", "train.eval_steps=5"], 2, ("train.eval_steps", "data.eval", "fix:")),
     "override without =": Case(["sft", "train.max_steps"], 2, ("train.max_steps", "key=value")),
@@ -198,25 +208,30 @@ CONFIG_CASES = {
         {"cfg": text_file("train:\n  a: [\n", "run.yaml")},
     ),
     "config list": Case(
-        ["sft", "{cfg}"], 2, ("run.yaml", "mapping of sections"), {"cfg": text_file("- 1\n", "run.yaml")}
+        ["sft", "{cfg}"],
+        2,
+        ("run.yaml", "mapping of sections", "fix:"),
+        {"cfg": text_file("- 1\n", "run.yaml")},
     ),
     "config duplicate": Case(
         ["sft", "{cfg}"],
         2,
-        ("run.yaml", "duplicate key"),
+        ("run.yaml", "duplicate key", "fix:"),
         {"cfg": text_file("train:\n  max_steps: 1\n  max_steps: 2\n", "run.yaml")},
     ),
     "config directory": Case(["sft", "{tmp}"], 2, ("is a directory", "fix:")),
-    "dpo beta": Case(["dpo", "dpo.beta=0"], 2, ("dpo.beta", "> 0")),
-    "dpo beta inf": Case(["dpo", "dpo.beta=.inf"], 2, ("dpo.beta", "finite")),
+    "dpo beta": Case(["dpo", "dpo.beta=0"], 2, ("dpo.beta", "> 0", "fix:")),
+    "dpo beta inf": Case(["dpo", "dpo.beta=.inf"], 2, ("dpo.beta", "finite", "fix:")),
     "rm margin": Case(["rm", "rm.margin=maybe"], 2, ("rm.margin", "true or false")),
-    "grpo temperature": Case(["grpo", "rollout.temperature=0"], 2, ("rollout.temperature", "greedy")),
+    "grpo temperature": Case(["grpo", "rollout.temperature=0"], 2, ("rollout.temperature", "greedy", "fix:")),
     "grpo generations": Case(
-        ["grpo", "rollout.num_generations=1"], 2, ("rollout.num_generations", "at least 2")
+        ["grpo", "rollout.num_generations=1"], 2, ("rollout.num_generations", "at least 2", "fix:")
     ),
-    "ppo value lr": Case(["ppo", "ppo.value_learning_rate=.inf"], 2, ("ppo.value_learning_rate", "finite")),
-    "ppo gamma": Case(["ppo", "ppo.gamma=2"], 2, ("ppo.gamma", "[0, 1]")),
-    "unknown command": Case(["frobnicate"], 2, ("invalid choice",)),
+    "ppo value lr": Case(
+        ["ppo", "ppo.value_learning_rate=.inf"], 2, ("ppo.value_learning_rate", "finite", "fix:")
+    ),
+    "ppo gamma": Case(["ppo", "ppo.gamma=2"], 2, ("ppo.gamma", "[0, 1]", "fix:")),
+    "unknown command": Case(["frobnicate"], 2, ("invalid choice", "choose from")),
     "generate temperature": Case(
         ["generate", "--model", "tiny-llama", "--prompt", "hi", "--temperature", "-1"],
         2,
@@ -233,7 +248,7 @@ CONFIG_CASES = {
     "check varlen kernel": Case(
         ["check", "--device", "cpu", "--varlen-kernel", "torch", "--backends", "varlen"],
         2,
-        ("'torch'", "CUDA"),
+        ("'torch'", "CUDA", "use varlen_kernel=sdpa"),
     ),
 }
 
@@ -254,7 +269,10 @@ DATA_CASES = {
         {"d": text_file(json.dumps(GOOD[0]) + "\n{oops\n", "data.jsonl")},
     ),
     "not an object": Case(
-        ["sft", "data.train={d}"], 2, ("data.jsonl row 1", "expected a JSON object"), {"d": jsonl([[1, 2]])}
+        ["sft", "data.train={d}"],
+        2,
+        ("data.jsonl row 1", "expected a JSON object", "fix the row"),
+        {"d": jsonl([[1, 2]])},
     ),
     "csv": Case(
         ["sft", "data.train={d}"],
@@ -262,17 +280,19 @@ DATA_CASES = {
         ("data.csv", "unsupported file type", "Accepted"),
         {"d": text_file("a,b\n", "data.csv")},
     ),
-    "plain dir": Case(["sft", "data.train={d}"], 2, ("somedir", "save_to_disk"), {"d": not_a_dataset_dir}),
+    "plain dir": Case(
+        ["sft", "data.train={d}"], 2, ("somedir", "save_to_disk", "Accepted"), {"d": not_a_dataset_dir}
+    ),
     "invalid utf8": Case(
         ["sft", "data.train={d}"],
         2,
-        ("data.jsonl row 1", "UTF-8"),
+        ("data.jsonl row 1", "UTF-8", "Re-encode"),
         {"d": text_file(b'{"text": "\xff\xfe"}\n', "data.jsonl")},
     ),
     "json not list": Case(
         ["sft", "data.train={d}"],
         2,
-        ("data.json", "list of objects"),
+        ("data.json", "list of objects", "Wrap the rows"),
         {"d": text_file('{"rows": 1}', "data.json")},
     ),
     "missing field": Case(
@@ -284,13 +304,13 @@ DATA_CASES = {
     "all skipped": Case(
         ["sft", "data.train={d}", "data.skip_bad_rows=true"],
         2,
-        ("data.train", "data.jsonl", "all 2 rows were skipped"),
+        ("data.train", "data.jsonl", "all 2 rows were skipped", "Fix the row"),
         {"d": jsonl([{"messages": []}, {"messages": 3}])},
     ),
     "eval all skipped": Case(
         ["sft", "data.train={d}", "data.eval={e}", "data.skip_bad_rows=true"],
         2,
-        ("data.eval", "eval.jsonl", "all 1 rows were skipped"),
+        ("data.eval", "eval.jsonl", "all 1 rows were skipped", "Fix the row"),
         {"d": jsonl(GOOD), "e": jsonl([{"messages": []}], "eval.jsonl")},
     ),
     "too long": Case(
@@ -299,29 +319,32 @@ DATA_CASES = {
         ("data.jsonl row 1", "max_length", "skip_bad_rows"),
         {"d": jsonl(GOOD)},
     ),
-    "unknown embedded": Case(["sft", "data.train=tiny:nope"], 2, ("tiny:nope", "tiny:sft")),
+    "unknown embedded": Case(["sft", "data.train=tiny:nope"], 2, ("tiny:nope", "tiny:sft", "valid:")),
     "dpo equal sides": Case(
         ["dpo", "data.train={d}"],
         2,
-        ("data.jsonl row 1", "chosen", "rejected"),
+        ("data.jsonl row 1", "chosen", "rejected", "Fix the row"),
         {"d": jsonl([{"prompt": "Hi", "chosen": " same", "rejected": " same"}])},
     ),
     "dpo missing rejected": Case(
         ["dpo", "data.train={d}"],
         2,
-        ("data.jsonl row 1", "rejected"),
+        ("data.jsonl row 1", "rejected", "Give every row"),
         {"d": jsonl([{"prompt": "Hi", "chosen": " a"}])},
     ),
     "grpo missing prompt": Case(
-        ["grpo", "data.train={d}"], 2, ("data.jsonl row 1", "prompt"), {"d": jsonl([{"q": "x"}])}
+        ["grpo", "data.train={d}"],
+        2,
+        ("data.jsonl row 1", "prompt", "Add a 'prompt'"),
+        {"d": jsonl([{"q": "x"}])},
     ),
     "grpo empty": Case(
-        ["grpo", "data.train={d}"], 2, ("data.jsonl", "no rows"), {"d": text_file("", "data.jsonl")}
+        ["grpo", "data.train={d}"], 2, ("data.jsonl", "no rows", "fix:"), {"d": text_file("", "data.jsonl")}
     ),
     "rm score empty": Case(
         ["rm", "score", "--model", "{m}", "--data", "{d}"],
         2,
-        ("data.jsonl", "no rows"),
+        ("data.jsonl", "no rows", "fix:"),
         {
             "m": model_folder(config={"architectures": ["LlamaForSequenceClassification"]}),
             "d": text_file("", "data.jsonl"),
@@ -347,7 +370,7 @@ MODEL_CASES = {
     "no weights": Case(
         ["sft", "model.name={m}"],
         2,
-        ("no weights", "safetensors"),
+        ("no weights", "safetensors", "fix:"),
         {"m": model_folder(drop=("model.safetensors",))},
     ),
     "pickle only": Case(
@@ -369,21 +392,33 @@ MODEL_CASES = {
         ["sft", "model.name={m}"], 2, ("auto_map", "model.trust_remote_code: true"), {"m": remote_code}
     ),
     "config not json": Case(
-        ["sft", "model.name={m}"], 2, ("config.json", "not valid JSON"), {"m": lambda t: _bad_config(t)}
+        ["sft", "model.name={m}"],
+        2,
+        ("config.json", "not valid JSON", "fix:"),
+        {"m": lambda t: _bad_config(t)},
     ),
     "no model type": Case(
-        ["sft", "model.name={m}"], 2, ("config.json", "model_type"), {"m": lambda t: _no_model_type(t)}
+        ["sft", "model.name={m}"],
+        2,
+        ("config.json", "model_type", "fix:"),
+        {"m": lambda t: _no_model_type(t)},
     ),
-    "seed suffix": Case(["sft", "model.name=tiny-llama@x"], 2, ("tiny-llama@x", "whole number")),
+    "seed suffix": Case(["sft", "model.name=tiny-llama@x"], 2, ("tiny-llama@x", "whole number", "fix:")),
     "flash on cpu": Case(
-        ["sft", *LLAMA, "model.attn_implementation=flash_attention_2"], 2, ("flash_attention_2", "CUDA")
+        ["sft", *LLAMA, "model.attn_implementation=flash_attention_2"],
+        2,
+        ("flash_attention_2", "CUDA", "use attn_implementation=varlen"),
     ),
     "flex training on cpu": Case(
-        ["sft", *LLAMA, "model.attn_implementation=flex_attention"], 2, ("flex_attention", "backward")
+        ["sft", *LLAMA, "model.attn_implementation=flex_attention"],
+        2,
+        ("flex_attention", "backward", "train with attn_implementation=varlen"),
     ),
-    "varlen torch on cpu": Case(["sft", *LLAMA, "model.varlen_kernel=torch"], 2, ("'torch'", "CUDA")),
+    "varlen torch on cpu": Case(
+        ["sft", *LLAMA, "model.varlen_kernel=torch"], 2, ("'torch'", "CUDA", "use varlen_kernel=sdpa")
+    ),
     "generate missing": Case(
-        ["generate", "--model", "{tmp}/gone", "--prompt", "hi"], 2, ("gone", "no such folder")
+        ["generate", "--model", "{tmp}/gone", "--prompt", "hi"], 2, ("gone", "no such folder", "fix:")
     ),
     "generate adapter without base": Case(
         ["generate", "--model", "{m}", "--prompt", "hi"],
@@ -403,9 +438,11 @@ MODEL_CASES = {
         ("randomly initialised", "padless rm"),
     ),
     "grpo reward model plain lm": Case(
-        ["grpo", *LLAMA, "reward.model={m}"], 2, ("not a reward model",), {"m": model_folder()}
+        ["grpo", *LLAMA, "reward.model={m}"], 2, ("not a reward model", "fix:"), {"m": model_folder()}
     ),
-    "dpo ref model missing": Case(["dpo", *LLAMA, "dpo.ref_model={tmp}/ref"], 2, ("ref", "no such folder")),
+    "dpo ref model missing": Case(
+        ["dpo", *LLAMA, "dpo.ref_model={tmp}/ref"], 2, ("ref", "no such folder", "fix:")
+    ),
 }
 
 RUN_FOLDER_CASES = {
@@ -417,7 +454,7 @@ RUN_FOLDER_CASES = {
     "locked": Case(
         ["sft", "train.output_dir={o}"],
         2,
-        ("in use by another padless run", "run.lock"),
+        ("in use by another padless run", "run.lock", "wait for that run"),
         {"o": locked_folder},
     ),
     "latest without checkpoint": Case(
@@ -426,7 +463,7 @@ RUN_FOLDER_CASES = {
     "resume path not a checkpoint": Case(
         ["sft", "train.resume_from_checkpoint={tmp}/elsewhere"],
         2,
-        ("elsewhere", "not a complete padless checkpoint"),
+        ("elsewhere", "not a complete padless checkpoint", "use latest, auto"),
     ),
 }
 
@@ -532,7 +569,12 @@ CHECKPOINT_CASES = {
         [],
         ("pytorch_model.bin", "pickle", "fix:"),
     ),
-    "no weights": ("full", lambda c: (c / "model.safetensors").unlink(), [], ("no weights", "checkpoint")),
+    "no weights": (
+        "full",
+        lambda c: (c / "model.safetensors").unlink(),
+        [],
+        ("no weights", "checkpoint", "fix:"),
+    ),
     "other model": ("full", None, ["model.name=tiny-qwen2"], ("does not fit", "model.name")),
     "lora on full": ("full", None, LORA, ("holds full weights", "model.lora")),
     "full on lora": ("lora", None, ["model.lora=null"], ("holds a LoRA adapter", "model.lora")),
@@ -546,13 +588,13 @@ CHECKPOINT_CASES = {
         "lora",
         None,
         ["model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"],
-        ("other shapes",),
+        ("other shapes", "fix:"),
     ),
     "truncated adapter": (
         "lora",
         truncate("adapter_model.safetensors"),
         LORA,
-        ("adapter_model.safetensors", "truncated"),
+        ("adapter_model.safetensors", "truncated", "fix:"),
     ),
     "state unreadable": (
         "full",
@@ -564,7 +606,7 @@ CHECKPOINT_CASES = {
         "full",
         write("trainer_state.json", '{"step": 1}'),
         [],
-        ("trainer_state.json", "epoch"),
+        ("trainer_state.json", "epoch", "fix:"),
     ),
 }
 
@@ -608,7 +650,7 @@ RUNTIME_CASES = {
     "disk full": (
         OSError(28, "No space left on device", "/runs/x/checkpoint-5"),
         1,
-        ("no space left", "/runs/x"),
+        ("no space left", "/runs/x", "fix:"),
     ),
     "missing file": (FileNotFoundError(2, "No such file", "/data/x.jsonl"), 2, ("/data/x.jsonl", "fix:")),
 }

@@ -120,6 +120,19 @@ def _gemma3() -> PretrainedConfig:
     )
 
 
+def _gemma3_bidirectional() -> PretrainedConfig:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            use_bidirectional_attention=True,
+            layer_types=["full_attention", "full_attention"],
+        )
+    )
+
+
 def _phi3() -> PretrainedConfig:
     from transformers import Phi3Config
 
@@ -161,6 +174,15 @@ def _gpt_oss() -> PretrainedConfig:
             num_experts_per_tok=2,
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,  # max_position_embeddings / original_max_position_embeddings
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
         )
     )
 
@@ -224,11 +246,14 @@ ZOO: dict[str, ZooEntry] = {
     "mistral": ZooEntry(_mistral, f"sliding window {WINDOW} on every layer"),
     "gemma2": ZooEntry(_gemma2, f"attention soft-cap 2, final soft-cap 30, sliding window {WINDOW}"),
     "gemma3": ZooEntry(_gemma3, f"q/k norm, sliding window {WINDOW} / full layers"),
+    "gemma3-bidirectional": ZooEntry(
+        _gemma3_bidirectional, "bidirectional attention (module.is_causal False), as in EmbeddingGemma"
+    ),
     "phi3": ZooEntry(_phi3, f"fused qkv, sliding window {2 * WINDOW}"),
     "olmo2": ZooEntry(_olmo2, "q/k norm after projection, post-norm blocks"),
     "smollm3": ZooEntry(_smollm3, "NoPE layers (no rotary on every 2nd layer)"),
     "granite": ZooEntry(_granite, "attention / embedding / residual multipliers, logits scaling"),
-    "gpt-oss": ZooEntry(_gpt_oss, f"attention sinks, sliding window {WINDOW} / full layers, MoE"),
+    "gpt-oss": ZooEntry(_gpt_oss, f"attention sinks, sliding window {WINDOW} / full layers, YaRN, MoE"),
     "deepseek-v3": ZooEntry(_deepseek_v3, "MLA: q/k head size 24, value head size 8; MoE"),
     "qwen3-next": ZooEntry(_qwen3_next, "hybrid: gated delta-net linear attention + gated full attention"),
 }

@@ -321,14 +321,15 @@ def zoo_failures(results: list[ZooResult], requested: tuple[str, ...] | None = N
 
 
 def format_zoo(results: list[ZooResult], markdown: bool = False) -> str:
-    """One line per architecture, one column per backend: exact / refused (reason below) / FAILED."""
+    """One line per architecture, one column per backend: exact / refused (first sentence of the reason
+    below: ``ValueError`` is transformers refusing, ``AttentionError`` padless) / FAILED."""
     backends = [r.backend for r in results[0].rows] if results else []
     reasons: dict[str, int] = {}
 
     def cell(row: BackendRow) -> str:
         text = _status(row)
         if row.refused:
-            number = reasons.setdefault(row.refused, len(reasons) + 1)
+            number = reasons.setdefault(row.refused.split(". ")[0], len(reasons) + 1)
             text += f" [{number}]"
         return text
 

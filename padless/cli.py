@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from padless.attention import BACKENDS, AttentionError, set_varlen_kernel, validate_backend_name
+from padless.attention import (
+    BACKENDS,
+    AttentionError,
+    backend_problem,
+    set_varlen_kernel,
+    validate_backend_name,
+)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -22,9 +28,17 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = tuple(b.strip() for b in args.backends.split(",")) if args.backends else BACKENDS
+    if args.zoo and not args.backends and device == "cpu":
+        # flex_attention compiles one kernel per shape on CPU: minutes per architecture.
+        backends = tuple(b for b in backends if b != "flex_attention")
     for backend in backends:
         validate_backend_name(backend)  # an unknown name stops before any work, with a suggestion
     requested = backends if args.backends else None
+    missing = {b: problem for b in backends if (problem := backend_problem(b, device))}
+    if len(missing) == len(backends):  # fail before building anything
+        print("FAILED: nothing was checked:", file=sys.stderr)
+        print("\n".join(f"  {b}: {problem}" for b, problem in missing.items()), file=sys.stderr)
+        return 1
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 must mean fp32 in an fp32 check
     if args.varlen_kernel:
@@ -40,7 +54,7 @@ def _check(args: argparse.Namespace) -> int:
     if not args.markdown:
         print(
             f"{name}  device {device}  dtype {str(dtype).removeprefix('torch.')}  "
-            f"sequence lengths {[len(s) for s in seqs]}\n"
+            f"sequence lengths {[len(s) for s in seqs]}  backends {','.join(backends)}\n"
         )
     if args.zoo:
         results = check.run_zoo(seqs, pad_id, backends, dtype=dtype, device=device)
@@ -156,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="tiny-qwen2", help="embedded name, model directory or cached model id"
     )
     which.add_argument(
-        "--zoo", action="store_true", help="every architecture of padless.zoo (tiny configs built in code)"
+        "--zoo",
+        action="store_true",
+        help="every architecture of padless.zoo (tiny configs built in code); on CPU without --backends, "
+        "flex_attention is left out (it compiles a kernel per shape: minutes per architecture)",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     check.add_argument(

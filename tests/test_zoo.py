@@ -200,3 +200,26 @@ def test_readme_support_table_is_generated(zoo_results):
         return [re.sub(r"\d+\.\d+(e[-+]\d+)?", "#", line) for line in table.splitlines()]
 
     assert without_numbers(pasted) == without_numbers(generated)
+
+
+def test_hybrid_linear_attention_really_cannot_be_packed(probe_seqs):
+    """Why qwen3-next is refused: packed through position ids (sdpa), its linear-attention layers carry
+    state from one sequence into the next; given cu_seqlens, transformers' PyTorch path refuses them.
+    If a transformers release fixes both, this test fails: revisit the refusal."""
+    from padless.packing import Example, pack
+
+    model = build_zoo_model("qwen3-next", "sdpa")
+    batch = pack([Example(s) for s in probe_seqs])
+    with torch.no_grad():
+        alone = torch.cat(
+            [model(input_ids=torch.tensor(s)[None], use_cache=False).logits[0] for s in probe_seqs]
+        )
+        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
+        assert (packed - alone).abs().max() > 1e-2
+        with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+            model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                **batch.attention_kwargs(),
+            )

@@ -12,14 +12,16 @@ from accelerate.utils import set_seed
 
 from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings, save_config
+from padless.engine import ModelEngine
 from padless.model import Task, load_model, load_tokenizer
+from padless.strategy import prepare_frozen, start_accelerator
 
 
 @dataclass
 class Session:
     accelerator: Accelerator
     tokenizer: Any
-    model: torch.nn.Module
+    model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
 
     def companion(
@@ -37,6 +39,10 @@ class Session:
         )
         return model if trainable else model.requires_grad_(False)
 
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as a prepared frozen engine (reference, reward model): sharded like the trained one."""
+        return prepare_frozen(self.accelerator, ModelEngine(model))
+
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on CUDA (where kernels are fast in it) and fp32 on CPU (exact)."""
@@ -49,7 +55,7 @@ def start_session(
     model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
 ) -> Session:
     """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True lets `accelerate launch` use gloo
+    accelerator = start_accelerator(config.train.max_grad_norm)
     set_seed(seed)
     set_varlen_kernel(model_cfg.varlen_kernel)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)

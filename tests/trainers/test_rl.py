@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
 from padless.data import load_rows
+from padless.engine import ModelEngine
 from padless.model import forward_packed, load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
@@ -30,9 +31,10 @@ FAST = ["train.logging_steps=1", "train.progress_bar=false", "train.report_to=[j
 def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
     """Completions of different lengths, EOS at different places, scored in packed micro-batches."""
     model = load_model("tiny-llama")
+    engine = ModelEngine(model)
     cfg = load_config(GRPOConfig, None, ["train.max_tokens_per_batch=64"])
     recipe = GRPORecipe(
-        [], cfg, tokenizer, model, HFEngine(model, tokenizer, cfg.rollout), torch.device("cpu")
+        [], cfg, tokenizer, engine, HFEngine(engine, tokenizer, cfg.rollout), torch.device("cpu")
     )
     gen = torch.Generator().manual_seed(0)
     eos = tokenizer.eos_token_id
@@ -41,7 +43,7 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
         prompt = torch.randint(3, 4096, (prompt_len,), generator=gen).tolist()
         completion = [*torch.randint(3, 4096, (completion_len - 1,), generator=gen).tolist(), eos]
         examples.append(Example(prompt + completion, [False] * prompt_len + [True] * completion_len))
-    recipe.store(examples, {"ref_logps": recipe.logps_pass(model)})
+    recipe.store(examples, {"ref_logps": recipe.logps_pass(engine)}, filler=examples[0])
     with torch.no_grad():
         for e in examples:
             batch = pack([e])
@@ -56,12 +58,13 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
     """No second copy of the weights for a LoRA policy: reference log-probs are the base model's. And the
     run trains without LoRA's dropout (on by default), which would make log-prob ratios noise."""
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
-    policy = get_peft_model(load_model("tiny-llama"), lora)
+    policy = ModelEngine(get_peft_model(load_model("tiny-llama"), lora))
     cfg = load_config(GRPOConfig, None, [])
     engine = HFEngine(policy, tokenizer, cfg.rollout)
     recipe = GRPORecipe([], cfg, tokenizer, policy, engine, torch.device("cpu"))
     examples = [Example(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
-    recipe.store(examples, {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)})
+    passes = {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)}
+    recipe.store(examples, passes, filler=examples[0])
     base = load_model("tiny-llama")
     with torch.no_grad():
         for e in examples:

@@ -604,17 +604,31 @@ def _probe_inputs(config: Any, device: torch.device) -> tuple[list[torch.Tensor]
     }
 
 
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every config object the model and its modules read their attention kernel from."""
+    found: dict[int, Any] = {}
+    stack = [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    while stack:
+        config = stack.pop()
+        if config is None or not hasattr(config, "_attn_implementation_internal") or id(config) in found:
+            continue
+        found[id(config)] = config
+        stack += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return list(found.values())
+
+
 @contextlib.contextmanager
-def _eager(model: torch.nn.Module, backend: str) -> Iterator[None]:
-    """Run ``model`` on transformers' eager attention inside the block, then on ``backend`` again."""
-    if backend == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
+def _eager(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` on transformers' eager attention inside the block; afterwards every config (and
+    sub-config) dispatches exactly where it did before."""
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
     try:
+        for config, _ in saved:
+            config._attn_implementation_internal = "eager"
         yield
     finally:
-        model.set_attn_implementation(hf_name(backend))
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
 
 
 def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | None = None) -> dict[str, Any]:
@@ -641,7 +655,7 @@ def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | Non
             with count_attention_calls() as counts:
                 packed = decoder(**packed_kwargs, use_cache=False).last_hidden_state[0].float()
             kernels = sorted((KERNEL_CALLS - kernels_before).keys())
-            with _eager(model, backend):
+            with _eager(model):
                 alone = torch.cat(
                     [
                         decoder(

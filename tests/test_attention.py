@@ -175,6 +175,19 @@ def test_probe_catches_a_layer_running_another_kernel():
         probe_attention(model, "varlen")
 
 
+def test_probe_reference_runs_on_eager_and_every_config_is_restored():
+    """The probe's reference runs on transformers' eager kernel; afterwards each config (here one layer
+    holding a config of its own) dispatches exactly where it did before."""
+    model = load_model("tiny-qwen2", attn_implementation="varlen")
+    layer = model.model.layers[1].self_attn
+    layer.config = copy.deepcopy(layer.config)
+    layer.config._attn_implementation = "sdpa"
+    with attention._eager(model), count_attention_calls() as calls, torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    assert dict(calls) == {}  # eager is the built-in default: no registered function ran
+    assert model.config._attn_implementation == VARLEN_NAME and layer.config._attn_implementation == "sdpa"
+
+
 def _leaky_varlen(module, query, key, value, attention_mask, **kwargs):
     """The varlen function with the sequence boundaries dropped: one causal attention over the whole row."""
     for k in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids"):

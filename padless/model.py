@@ -65,11 +65,14 @@ def load_model(
     seed: int = 0,
     training: bool = False,
     probe: bool = True,
+    pad_id: int | None = None,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
     Embedded names build the tiny models from ``seed``; anything else goes through ``from_pretrained``,
-    which gives the model a config object of its own.
+    which gives the model a config object of its own. A scorer whose config names no pad token gets
+    ``pad_id`` (its tokenizer's, see :func:`pad_token_id`): scores are read at the last token that is not
+    it, as transformers' sequence classifiers read them.
     """
     require_backend(attn_implementation, device, training)
     torch_dtype = resolve_dtype(dtype)
@@ -82,7 +85,7 @@ def load_model(
             kwargs["num_labels"] = 1
         model = auto.from_pretrained(str(name_or_path), **kwargs)
     if task == "score" and model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+        model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
     model.to(device)
     model.train(training)
     model.padless_attention = attn_implementation

@@ -121,6 +121,13 @@ def start_accelerator(max_grad_norm: float) -> Accelerator:
     accelerator = Accelerator(cpu=not cuda, **kwargs)  # cpu=True lets `accelerate launch` use gloo
     if not cuda and strategy in ("fsdp2", "zero"):
         _force_on_cpu(accelerator, strategy, kwargs, requested_precision)
+    if strategy == "zero":
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        # accelerate registers its DeepSpeed config with transformers whatever zero3_init_flag says, and
+        # transformers would then build every model already partitioned (zero.Init): models load whole
+        # and are sharded when prepared
+        unset_hf_deepspeed_config()
     if accelerator.mixed_precision != requested_precision:
         raise StrategyError(
             f"mixed_precision={requested_precision} was requested but accelerate runs "

@@ -15,6 +15,7 @@ from padless.config import GRPOConfig, load_config
 from padless.model import load_model
 from padless.rollout import HFEngine
 from padless.trainers.grpo import run_grpo
+from padless.trainers.rl import make_engine
 from padless.vllm_engine import inference_weights, to_completions
 
 
@@ -97,3 +98,10 @@ def test_vllm_greedy_completions_follow_the_policy_through_weight_syncs(tokenize
         expected = hf.complete(prompts, 1, [0] * len(prompts), greedy=True)
         got = vllm.complete(prompts, 1, [0] * len(prompts), greedy=True)
         assert [c.completion_ids for c in got] == [c.completion_ids for c in expected], change
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_vllm_with_sharded_weights_is_refused_at_start(strategy):
+    cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm"])
+    with pytest.raises(ValueError, match=rf"vllm with {strategy}: .*rollout.engine: hf"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, strategy)

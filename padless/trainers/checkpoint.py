@@ -138,19 +138,18 @@ def _deepspeed_optimizer(optimizer: Any) -> Any | None:
     return inner if type(inner).__module__.startswith("deepspeed.") else None
 
 
-def _fp32_partitions(zero: Any) -> list[torch.Tensor]:
-    """ZeRO's fp32 master partitions of this rank (the weights the optimizer steps)."""
-    groups = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1 / 2
-    return groups if groups is not None else zero.fp32_partitioned_groups_flat  # ZeRO-3
-
-
 def optimizer_state(optimizer: Any) -> Any:
     """This rank's optimizer state: under ZeRO the base optimizer's state over its flat partitions plus
     the fp32 master partitions; otherwise the optimizer's own state dict (FSDP2: DTensor shards)."""
     zero = _deepspeed_optimizer(optimizer)
     if zero is None:
         return optimizer.state_dict()
-    return {"base": zero.optimizer.state_dict(), "fp32": list(_fp32_partitions(zero))}
+    if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1 / 2
+        return {"base": zero.optimizer.state_dict(), "fp32": list(zero.single_partition_of_fp32_groups)}
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+
+    state = zero._rigid_state_dict()  # ZeRO-3 attaches its partitions to the base optimizer only here
+    return {"base": state[OPTIMIZER_STATE_DICT], "fp32": list(state[FP32_FLAT_GROUPS])}
 
 
 def restore_optimizer(optimizer: Any, path: Path) -> None:
@@ -158,13 +157,22 @@ def restore_optimizer(optimizer: Any, path: Path) -> None:
     saved = load_tree(path)
     if zero is None:
         optimizer.load_state_dict(_reshard(saved, optimizer))
-        return
-    zero.optimizer.load_state_dict(saved["base"])
-    for current, fp32 in zip(_fp32_partitions(zero), saved["fp32"], strict=True):
-        current.data.copy_(fp32)
-    bit16 = getattr(zero, "fp16_partitioned_groups_flat", None)  # ZeRO-3: the weights are partitions too
-    for weights, fp32 in zip(bit16 or [], saved["fp32"], strict=False):
-        weights.data.copy_(fp32)
+    elif hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1 / 2: weights come from the HF export
+        zero.optimizer.load_state_dict(saved["base"])
+        for current, fp32 in zip(zero.single_partition_of_fp32_groups, saved["fp32"], strict=True):
+            current.data.copy_(fp32)
+    else:  # ZeRO-3: the partitioned weights are rebuilt from the fp32 partitions
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+
+        zero._rigid_load_state_dict(
+            {
+                LOSS_SCALER: zero.loss_scaler,
+                "dynamic_loss_scale": zero.dynamic_loss_scale,
+                "overflow": False,
+                OPTIMIZER_STATE_DICT: saved["base"],
+                FP32_FLAT_GROUPS: saved["fp32"],
+            }
+        )
 
 
 def _reshard(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:

@@ -22,11 +22,12 @@ from accelerate.utils import gather_object
 
 from padless.data import PromptExample, load_rows, reward_inputs, tokenize_prompts
 from padless.engine import inner_engine
-from padless.model import disable_dropout, load_model
+from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.ranks import equal_share, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
@@ -247,8 +248,14 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
     }
 
 
-def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
+def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str) -> Engine:
     if cfg.rollout.engine == "vllm":
+        if strategy in ("fsdp2", "zero3"):
+            raise ValueError(
+                f"rollout.engine: vllm with {strategy}: each rank holds only a shard of the policy, and the "
+                "colocated vLLM engine is fed the whole policy every rollout; use DDP or ZeRO-2 with vLLM, "
+                "or rollout.engine: hf (which samples through the sharded engine)"
+            )
         from padless.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
@@ -280,13 +287,15 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
 
     reward_model = None
     if cfg.reward.model:
-        reward_model = session.frozen(load_model(cfg.reward.model, task="score", device=device))
+        pad_id = pad_token_id(load_tokenizer(cfg.reward.model))  # where its scores are read
+        scorer = load_model(cfg.reward.model, task="score", device=device, pad_id=pad_id)
+        reward_model = session.frozen(scorer)
     return session, {
         "prompts": prompts(data.train),
         "cfg": cfg,
         "tokenizer": tokenizer,
         "policy": session.model,
-        "engine": make_engine(cfg, session.model, tokenizer),
+        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator)),
         "device": device,
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,

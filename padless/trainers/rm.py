@@ -86,7 +86,8 @@ def score_file(
 ) -> Path | None:
     """``padless rm score``: score prompt / response rows and write them back with a ``score`` field."""
     tokenizer = load_tokenizer(model_path)
-    model = ModelEngine(load_model(model_path, task="score", device=device)).eval()
+    scorer = load_model(model_path, task="score", device=device, pad_id=pad_token_id(tokenizer))
+    model = ModelEngine(scorer).eval()
     rows = load_rows(data)
     scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length))
     lines = [json.dumps({**row.data, "score": s}) for row, s in zip(rows, scores, strict=True)]

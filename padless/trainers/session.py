@@ -13,7 +13,7 @@ from accelerate.utils import set_seed
 from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings, save_config
 from padless.engine import ModelEngine
-from padless.model import Task, load_model, load_tokenizer
+from padless.model import Task, load_model, load_tokenizer, pad_token_id
 from padless.strategy import prepare_frozen, start_accelerator
 
 
@@ -36,6 +36,7 @@ class Session:
             device=self.accelerator.device,
             seed=self.model_cfg.seed,
             training=trainable,
+            pad_id=pad_token_id(self.tokenizer),
         )
         return model if trainable else model.requires_grad_(False)
 
@@ -60,7 +61,7 @@ def start_session(
     set_varlen_kernel(model_cfg.varlen_kernel)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name)
-    model = load_trainable(model_cfg, accelerator.device, dtype, task)
+    model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer))
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         save_config(config, Path(output_dir) / "config.yaml")
@@ -68,7 +69,7 @@ def start_session(
 
 
 def load_trainable(
-    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task
+    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task, pad_id: int | None
 ) -> torch.nn.Module:
     model = load_model(
         model_cfg.name,
@@ -78,6 +79,7 @@ def load_trainable(
         device=device,
         seed=model_cfg.seed,
         training=True,
+        pad_id=pad_id,
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -15,13 +15,16 @@ from safetensors.torch import load_file
 from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
 from padless.data import load_rows
 from padless.engine import ModelEngine
-from padless.model import forward_packed, load_model
+from padless.model import forward_packed, hidden_states, load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
 from padless.tiny import build_tiny_model, tiny_tokenizer
+from padless.trainers import grpo
 from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
+from padless.trainers.loop import Trainer
 from padless.trainers.ppo import run_ppo
+from padless.trainers.rl import start_rl
 from padless.trainers.session import Session
 from padless.trainers.sft import run_sft
 
@@ -270,3 +273,50 @@ def test_ppo_value_learning_rate_applies_to_the_value_model_only(tmp_path):
         after = load_file(path / "model.safetensors")
         largest = max((after[k] - before[k]).abs().max().item() for k in after)
         assert 0.9 * lr < largest < 1.02 * lr, (task, largest)  # fp32 rounds a change near 1 by ~1e-7
+
+
+def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_path):
+    """fp32 weights with bf16 autocast, logits of realistic size (|logit| ~ 25): the stored old log-probs
+    and the update's log-probs both run through the prepared engine under one precision policy, so the
+    policy ratio at the first update is 1. The same old log-probs computed outside autocast (as every
+    no-grad pass used to be) are off by far more: the test can fail."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=1",
+        "grpo.beta=0",
+        "grpo.updates_per_rollout=2",  # old log-probs are stored by a no-grad pass, not reused
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=6",
+        "rollout.mask_truncated=false",
+        *FAST,
+    ]
+    cfg = load_config(GRPOConfig, None, overrides)
+    session, parts = start_rl(cfg, reference=False)
+    assert session.accelerator.mixed_precision == "bf16"
+    probe = pack([Example(list(range(3, 40)))])
+    with torch.no_grad():
+        hidden = hidden_states(session.model, probe)[0]
+        head = session.model.get_output_embeddings()
+        head.weight.mul_(25.0 / head(hidden).abs().max().item())
+    recipe = GRPORecipe(**parts)
+    seen = []
+    loss = recipe.loss
+    monkeypatch.setattr(recipe, "loss", lambda model, micro, n: seen.append(micro) or loss(model, micro, n))
+    captured = []
+    policy_loss = grpo.clipped_policy_loss
+    monkeypatch.setattr(
+        grpo,
+        "clipped_policy_loss",
+        lambda new, old, *a: captured.append((new.detach(), old)) or policy_loss(new, old, *a),
+    )
+    Trainer(recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator).train()
+    new, old = captured[0]
+    ratio = (new - old).exp()
+    assert (ratio - 1).abs().max().item() <= 1e-6, ratio
+    batch = pack(seen[0].data)
+    with torch.no_grad():
+        outside = forward_packed(session.model, batch).logps[batch.loss_mask[0]]
+    assert (new - outside).abs().max().item() > 1e-2  # what a pass outside the policy would have given

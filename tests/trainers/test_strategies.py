@@ -1,13 +1,20 @@
-"""Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo: each of
-SFT, DPO (frozen reference model), RM, GRPO and PPO under FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
+"""Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
+launched with its config from ``examples/accelerate/``: each of SFT, DPO (frozen reference model), RM,
+GRPO and PPO under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
 same per-step losses and final weights as one process with the same global batch, and a run resumed from
-a mid-run checkpoint (mid-rollout for RL) continues exactly.
+a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are deliberately uneven: 3 RL
+prompts on 2 ranks (one rank samples a filler), eval sets and rollouts whose micro-batch counts differ
+per rank; sharded engines would deadlock (the launch has a timeout) if ranks ran different pass counts.
 
 Tolerances (fp32): the 2-process runs sum the same per-token terms in a different order (each rank
 packs its own micro-batches, gradients are reduced across ranks), so losses agree to ~1e-6 relative;
-we allow 1e-5. Weights after a few AdamW steps: Adam's update ``m / sqrt(v)`` is insensitive to the
-relative round-off of a gradient unless that gradient is ~0, so weights agree to ~1e-7 absolute; we allow
-``2e-6 + 1e-5 |w|``. A resumed run repeats the very same operations: 1e-6 relative and 1e-7 absolute.
+we allow 1e-5. Weights after a few AdamW steps at lr 1e-3: Adam divides each gradient entry by its own
+running RMS, so an entry whose gradient is itself at round-off level (embedding rows of tokens seen once or
+twice, and DPO's gradients, which are differences of nearly equal log-prob sums) moves by a visible
+fraction of the learning rate; we allow 3e-5 absolute (3 % of one step's largest move, measured up to
+1.1e-5) plus 1e-5 relative. A wrong normaliser, a lost micro-batch or an unsynced rank moves
+weights by a whole step (~1e-3). A resumed run repeats the very same operations: 1e-6 relative and
+1e-7 absolute.
 """
 
 from __future__ import annotations
@@ -72,7 +79,12 @@ TRAINERS = {
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
 }
 RESUME_FROM = {"sft": 2, "dpo": 2, "rm": 2, "grpo": 3, "ppo": 3}
-CONFIGS = {"fsdp2": "fsdp2.yaml", "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml"}
+CONFIGS = {
+    "ddp": "ddp.yaml",
+    "fsdp2": "fsdp2.yaml",
+    "zero2": "deepspeed_zero2.yaml",
+    "zero3": "deepspeed_zero3.yaml",
+}
 
 
 def argv(kind: str, out: Path, *extra: str) -> list[str]:
@@ -99,7 +111,9 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 def assert_weights_close(got: dict, want: dict, atol: float, rtol: float, label: str) -> None:
     assert got.keys() == want.keys(), label
     for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=atol, rtol=rtol, msg=f"{label}: {key}")
+        excess = ((got[key] - want[key]).abs() - (atol + rtol * want[key].abs())).max().item()
+        worst = (got[key] - want[key]).abs().max().item()
+        assert excess <= 0, f"{label}: {key} differs by up to {worst:.3g} (atol {atol}, rtol {rtol})"
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +154,9 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
     for kind in TRAINERS:
         facts = json.loads((tmp_path / f"{kind}.json").read_text())
         assert facts["strategy"] == strategy and facts["world"] == 2, (kind, facts)
-        if strategy == "fsdp2":
+        if strategy == "ddp":
+            assert facts["model_type"] == "DistributedDataParallel", (kind, facts)
+        elif strategy == "fsdp2":
             assert facts["param_type"] == "DTensor", (kind, facts)
         else:
             assert facts["model_type"] == "DeepSpeedEngine", (kind, facts)
@@ -152,7 +168,7 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
             assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (kind, step)
         last = max(one)
         assert_weights_close(
-            weights(tmp_path / kind, last), weights(one_process[kind], last), 2e-6, 1e-5, f"{kind} vs 1 proc"
+            weights(tmp_path / kind, last), weights(one_process[kind], last), 3e-5, 1e-5, f"{kind} vs 1 proc"
         )
 
         resumed = losses(tmp_path / f"{kind}-resumed")

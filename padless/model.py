@@ -165,8 +165,9 @@ def _chunk_logps(
     temperature: float,
     softcap: float | None,
     with_entropy: bool,
+    logits_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float()
+    logits = head(hidden).float() / logits_scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
@@ -215,6 +216,7 @@ def logps_from_hidden(
     vocab = head.weight.shape[0]
     step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    logits_scaling = getattr(model.config.get_text_config(), "logits_scaling", 1.0)  # Granite divides by it
     logps, ents = [], []
     for start in range(0, hidden.shape[0], step):
         args = (
@@ -224,6 +226,7 @@ def logps_from_hidden(
             temperature,
             softcap,
             entropy,
+            logits_scaling,
         )
         if torch.is_grad_enabled() and hidden.requires_grad:
             picked, ent = checkpoint(_chunk_logps, *args, use_reentrant=False)

@@ -350,7 +350,11 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
         engine = parts["engine"]
         engine.complete = timed(engine.complete, recorder.generation)
         recipe = GRPORecipe(**parts)
-        trainer = loop.Trainer(recipe, session.model, session.tokenizer, cfg.train, session.accelerator)
+        from padless.engine import ModelEngine
+
+        trainer = loop.Trainer(
+            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
+        )
 
         def count(micro: loop.MicroBatch) -> None:
             examples: list[Example] = micro.data

@@ -54,12 +54,15 @@ def load_model(
     seed: int = 0,
     training: bool = False,
     probe: bool = True,
+    pad_id: int | None = None,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
     Embedded names build the tiny models from ``seed``; anything else is checked and loaded from a local
     folder by :mod:`padless.sources` (never downloaded), which gives the model a config object of its own.
+    A scorer whose config names no pad token gets ``pad_id`` (its tokenizer's, see :func:`pad_token_id`):
+    scores are read at the last token that is not it, as transformers' sequence classifiers read them.
     """
     require_backend(attn_implementation, device, training)
     torch_dtype = resolve_dtype(dtype)
@@ -68,7 +71,7 @@ def load_model(
         name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
     )
     if task == "score" and model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+        model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
     model.to(device)
     model.train(training)
     model.padless_attention = attn_implementation
@@ -124,32 +127,21 @@ def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
     }
 
 
-def captured_forward(
-    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, modules: list[torch.nn.Module], **extra: Any
-) -> list[Any]:
-    """Run ``batch`` through ``model`` (so DDP / FSDP hooks fire) and return each of ``modules``' output.
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The part of an HF model (or a PEFT wrapper's) that returns hidden states: embeddings, layers, norm."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return inner.base_model
+
+
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
     backend = checked_backend(model)
-    captured: dict[int, Any] = {}
-    handles = [
-        m.register_forward_hook(lambda _m, _i, out, k=k: captured.setdefault(k, out))
-        for k, m in enumerate(modules)
-    ]
-    try:
-        with runtime_context(backend, batch.input_ids.device):
-            model(**model_inputs(batch), use_cache=False, **extra)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [captured[k] for k in range(len(modules))]
-
-
-def backbone_hidden(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Last hidden states ``[T, H]`` of a causal LM on a packed batch (logits only for one token)."""
-    decoder = unwrap(model).get_decoder()
-    return captured_forward(model, batch, [decoder], logits_to_keep=1)[0].last_hidden_state[0]
+    with runtime_context(backend, batch.input_ids.device):
+        return backbone(model)(**model_inputs(batch), use_cache=False).last_hidden_state
 
 
 def _chunk_logps(
@@ -159,8 +151,9 @@ def _chunk_logps(
     temperature: float,
     softcap: float | None,
     with_entropy: bool,
+    logits_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float()
+    logits = head(hidden).float() / logits_scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
@@ -184,7 +177,7 @@ def forward_packed(
     With gradients on, each chunk is recomputed in backward, so the fp32 ``[T, vocab]`` logits never
     exist at once: memory holds only one chunk of ``LOGIT_CHUNK_ELEMENTS`` floats.
     """
-    hidden = backbone_hidden(model, batch)
+    hidden = hidden_states(model, batch)[0]
     return logps_from_hidden(
         unwrap(model),
         hidden,
@@ -209,6 +202,7 @@ def logps_from_hidden(
     vocab = head.weight.shape[0]
     step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    logits_scaling = getattr(model.config.get_text_config(), "logits_scaling", 1.0)  # Granite divides by it
     logps, ents = [], []
     for start in range(0, hidden.shape[0], step):
         args = (
@@ -218,6 +212,7 @@ def logps_from_hidden(
             temperature,
             softcap,
             entropy,
+            logits_scaling,
         )
         if torch.is_grad_enabled() and hidden.requires_grad:
             picked, ent = checkpoint(_chunk_logps, *args, use_reentrant=False)
@@ -230,12 +225,16 @@ def logps_from_hidden(
     return TokenOutputs(logps=logp, entropy=torch.cat(ents) * keep if entropy else None)
 
 
-def forward_padded(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
     backend = checked_backend(model)
     with runtime_context(backend, batch.input_ids.device):
         logits = model(**model_inputs(batch), use_cache=False).logits
-    logps = logits.float().log_softmax(-1).gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    logps = (
+        (logits.float() / temperature)
+        .log_softmax(-1)
+        .gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    )
     return logps * (batch.labels != IGNORE_INDEX)
 
 
@@ -250,19 +249,7 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Per-token scalars ``[T]`` (fp32) from a scalar head, on the packed path."""
-    return captured_forward(model, batch, [score_head(unwrap(model))])[0][0, :, 0].float()
-
-
-def sequence_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """One score per sequence ``[N]``, read at each sequence's last token from ``cu_seqlens``."""
-    return forward_scores(model, batch)[batch.last_token_index]
-
-
-def padded_scores(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
-    """One score per row ``[N]`` of a padded batch, read at its last real token (comparison mode only)."""
-    scores = captured_forward(model, batch, [score_head(unwrap(model))])[0][..., 0].float()
-    positions = torch.arange(batch.input_ids.shape[1], device=scores.device)
-    last = (positions * batch.attention_mask).argmax(1)
-    return scores.gather(1, last[:, None])[:, 0]
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+    scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
+    return scores[0] if isinstance(batch, PackedBatch) else scores

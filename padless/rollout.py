@@ -19,7 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from padless.attention import attention_in_use, hf_name
+from padless.engine import as_engine, inner_engine
 from padless.model import pad_token_id, unwrap
+from padless.strategy import strategy_in_use
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
@@ -89,9 +91,16 @@ def generate(
     batch_size: int = 8,
     num_return_sequences: int = 1,
 ) -> list[Completion]:
-    """Complete each prompt (``num_return_sequences`` times, consecutive in the result)."""
-    inner = unwrap(model)
-    device = next(inner.parameters()).device
+    """Complete each prompt (``num_return_sequences`` times, consecutive in the result).
+
+    ``model`` is a (prepared) engine or a plain model; decoding runs inside the engine's forward, so sharded
+    weights are gathered for it, and under FSDP2 / ZeRO-3 every rank keeps stepping until all are done
+    (``synced_gpus``): ranks must call this with the same number of prompts.
+    """
+    engine = as_engine(model)
+    inner = unwrap(inner_engine(engine).model)
+    synced = strategy_in_use(engine) in ("fsdp2", "zero3")
+    device = _device(engine)
     pad_id = pad_token_id(tokenizer)
     eos_ids = eos_token_ids(inner, tokenizer)
     # Exactly the policy's distribution (at this temperature / top_p): a checkpoint's generation_config
@@ -106,16 +115,19 @@ def generate(
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
                 ids, mask = left_pad(chunk, pad_id, device)
-                out = inner.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=do_sample,
-                    num_return_sequences=num_return_sequences,
-                    pad_token_id=pad_id,
-                    eos_token_id=sorted(eos_ids),
-                    use_cache=True,
-                    **sampling,
+                out = engine(
+                    generate=dict(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=do_sample,
+                        num_return_sequences=num_return_sequences,
+                        pad_token_id=pad_id,
+                        eos_token_id=sorted(eos_ids),
+                        use_cache=True,
+                        synced_gpus=synced,
+                        **sampling,
+                    )
                 )
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
@@ -125,12 +137,20 @@ def generate(
     return results
 
 
+def _device(engine: torch.nn.Module) -> torch.device:
+    """Where inputs go (a sharded parameter's device is its shard's)."""
+    return getattr(engine, "device", None) or next(engine.parameters()).device
+
+
 class Engine(Protocol):
     def sync_weights(self) -> None:
         """Make sampling use the policy's current weights (called before every rollout)."""
 
-    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
-        """``n`` completions per prompt, a prompt's samples consecutive, sampling seeded by ``seed``."""
+    def complete(
+        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[Completion]:
+        """``n`` completions per prompt, a prompt's samples consecutive, each prompt's sampling seeded by
+        its own seed (so what a prompt gets never depends on the rank or batch it was sampled in)."""
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -148,19 +168,22 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Nothing to copy: the policy samples itself."""
 
-    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+    def complete(
+        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[Completion]:
+        """Greedy decoding runs batched; sampling runs one prompt (its ``n`` samples) per ``generate``
+        call under that prompt's seed."""
         r = self.rollout
-        device = next(unwrap(self.policy).parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)  # sampling seeded per rollout, the training RNG untouched
-            return generate(
-                self.policy,
-                self.tokenizer,
-                prompts,
-                max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                do_sample=not greedy,
-                batch_size=max(1, r.generation_batch_size // n),
-                num_return_sequences=n,
-            )
+        kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        if greedy:
+            batch = max(1, r.generation_batch_size // n)
+            return generate(self.policy, self.tokenizer, prompts, **kwargs, batch_size=batch)
+        device = _device(self.policy)
+        completions = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)  # the training RNG untouched
+                completions += generate(
+                    self.policy, self.tokenizer, [prompt], **kwargs, do_sample=True, num_return_sequences=n
+                )
+        return completions

@@ -8,7 +8,6 @@ back as token ids: nothing is re-tokenized, and no padding exists anywhere.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -37,34 +36,38 @@ def require_vllm() -> Any:
     return vllm
 
 
-@contextlib.contextmanager
-def merged_adapters(model: torch.nn.Module) -> Iterator[None]:
-    """LoRA adapters folded into the base weights for the duration (a plain model is left alone)."""
-    merge = getattr(model, "merge_adapter", None)
-    if merge is None:
-        yield
-        return
-    merge()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
+def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{base-layer weight name: its active adapters' delta}`` of every LoRA layer (empty for a plain
+    model): merging is computed out of place, so the base weights are never written — an in-place merge
+    and unmerge in bf16 does not give the base weights back, and the adapters-off reference would drift."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in unwrap(model).named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if active:
+                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in active)
+    return deltas
 
 
+@torch.no_grad()
 def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` as in the base model's own checkpoint: PEFT prefixes and LoRA factors dropped, a
-    tied weight given once. Use inside :func:`merged_adapters`: the tensors are the live parameters, so the
-    base weights carry the adapters only until the context ends."""
+    """``(name, tensor)`` as in the base model's own checkpoint, LoRA adapters merged into new tensors:
+    PEFT prefixes and LoRA factors dropped, a tied weight given once. Tensors without an adapter are the
+    live parameters (detached): copy them if they must outlive the next optimizer step."""
+    deltas = _lora_deltas(model)
     seen: set[int] = set()
-    for name, tensor in unwrap(model).state_dict().items():
-        if "lora_" in name or ".original_module." in name:
+    for full, tensor in unwrap(model).state_dict().items():
+        if "lora_" in full or ".original_module." in full:
             continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        name = full.removeprefix("base_model.model.").replace(".base_layer.", ".")
         name = name.replace(".modules_to_save.default.", ".")
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        yield name, tensor.detach()
+        delta = deltas.get(full)
+        yield name, tensor.detach() if delta is None else tensor.detach() + delta.to(tensor.dtype)
 
 
 def to_completions(
@@ -72,15 +75,16 @@ def to_completions(
 ) -> list[Completion]:
     """vLLM ``RequestOutput`` s (one per prompt, ``n`` samples each) as completions cut after the first EOS.
 
-    A sample that vLLM stopped on a stop token it left out of ``token_ids`` gets that token back, so the
-    trained sequence ends the way the model ended it.
+    A sample that vLLM stopped on one of ``eos_ids`` it left out of ``token_ids`` (vLLM names it in
+    ``stop_reason``) gets that token back, so the trained sequence ends the way the model ended it; no
+    token vLLM did not sample is ever added.
     """
     completions = []
     for prompt, request in zip(prompts, outputs, strict=True):
         for sample in sorted(request.outputs, key=lambda o: o.index):
             tokens, finished = cut_at_eos(list(sample.token_ids), eos_ids, pad_id)
-            if not finished and sample.finish_reason == "stop":
-                stop = sample.stop_reason if isinstance(sample.stop_reason, int) else min(eos_ids)
+            stop = sample.stop_reason
+            if not finished and sample.finish_reason == "stop" and isinstance(stop, int) and stop in eos_ids:
                 tokens, finished = [*tokens, stop], True
             completions.append(Completion(prompt, tokens, finished))
     return completions
@@ -112,19 +116,19 @@ class VLLMEngine:
         )
 
     def _write_policy(self, path: Path) -> None:
-        with merged_adapters(self.policy):
-            weights = {n: t.to("cpu", copy=True).contiguous() for n, t in inference_weights(self.policy)}
+        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in inference_weights(self.policy)}
         unwrap(self.policy).config.save_pretrained(path)  # a PEFT model answers with its base's config
         save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
         self.tokenizer.save_pretrained(path)
 
     def sync_weights(self) -> None:
-        with merged_adapters(self.policy), torch.no_grad():
-            weights = list(inference_weights(self.policy))
-            self.llm.apply_model(lambda model: model.load_weights(weights))
+        weights = list(inference_weights(self.policy))
+        self.llm.apply_model(lambda model: model.load_weights(weights))
         self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 
-    def complete(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[Completion]:
+    def complete(
+        self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[Completion]:
         r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [
@@ -134,9 +138,10 @@ class VLLMEngine:
                 top_p=1.0 if greedy else r.top_p,
                 max_tokens=r.max_new_tokens,
                 stop_token_ids=sorted(self.eos_ids),
-                seed=seed + i,  # per prompt: a prompt's samples do not depend on what it is batched with
+                ignore_eos=True,  # stop on exactly padless's EOS ids (stop_token_ids), not vLLM's own
+                seed=seed,  # per prompt: a prompt's samples do not depend on what it is batched with
             )
-            for i in range(len(prompts))
+            for seed in seeds
         ]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return to_completions(outputs, prompts, self.eos_ids, self.pad_id)

@@ -7,18 +7,18 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from padless.attention import attention_in_use
+from padless.engine import ModelEngine, sequence_scores
 from padless.model import (
     DTYPES,
-    backbone_hidden,
     disable_dropout,
     forward_packed,
     forward_padded,
     forward_scores,
+    hidden_states,
     load_model,
     load_tokenizer,
     resolve_dtype,
     score_head,
-    sequence_scores,
 )
 from padless.packing import IGNORE_INDEX, Example, pack, to_padded, unpad
 
@@ -134,11 +134,11 @@ def test_forward_padded_matches_packed(lm, examples, full_logits, pad_id, side):
     torch.testing.assert_close(unpad(logps, padded.attention_mask), want, rtol=0, atol=FP32_TOL)
 
 
-def test_backbone_hidden_shape(lm, examples):
+def test_hidden_states_shape(lm, examples):
     batch = pack(examples)
     with torch.no_grad():
-        hidden = backbone_hidden(lm, batch)
-    assert hidden.shape == (batch.num_tokens, lm.config.hidden_size)
+        hidden = hidden_states(lm, batch)
+    assert hidden.shape == (1, batch.num_tokens, lm.config.hidden_size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def alone_scores(scorer, probe_seqs) -> torch.Tensor:
 
 def test_sequence_scores_match_alone(scorer, probe_seqs, alone_scores):
     with torch.no_grad():
-        scores = sequence_scores(scorer, pack([Example(s) for s in probe_seqs]))
+        scores = sequence_scores(ModelEngine(scorer), pack([Example(s) for s in probe_seqs]))
     assert scores.shape == (len(probe_seqs),)
     torch.testing.assert_close(scores, alone_scores, rtol=0, atol=FP32_TOL)
     assert (alone_scores.max() - alone_scores.min()) > 1e-3  # distinct sequences, distinct scores
@@ -172,7 +172,7 @@ def test_sequence_scores_match_alone(scorer, probe_seqs, alone_scores):
 @pytest.mark.parametrize("order", [[2, 0, 1], [1, 2], [0], [2, 1, 0, 2]])
 def test_sequence_scores_invariant_to_batch_composition(scorer, probe_seqs, alone_scores, order):
     with torch.no_grad():
-        scores = sequence_scores(scorer, pack([Example(probe_seqs[i]) for i in order]))
+        scores = sequence_scores(ModelEngine(scorer), pack([Example(probe_seqs[i]) for i in order]))
     torch.testing.assert_close(scores, alone_scores[order], rtol=0, atol=FP32_TOL)
 
 

@@ -10,8 +10,9 @@ import torch
 
 from padless.config import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
+from padless.engine import ModelEngine, inner_engine
 from padless.losses import dpo_loss
-from padless.model import pad_token_id, unwrap
+from padless.model import pad_token_id
 from padless.packing import budget_batches
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.pairs import PairRecipe, load_pairs, sequence_logps, shares, split_pairs
@@ -44,22 +45,25 @@ class DPORecipe(PairRecipe):
             return torch.tensor(ref, device=self.device, dtype=torch.float64)  # stored as fp64 sums
         adapters_off = self.dpo.reference == "adapters"
         reference = model if adapters_off else self.ref_model
-        with torch.no_grad(), unwrap(model).disable_adapter() if adapters_off else contextlib.nullcontext():
+        off = inner_engine(model).model.disable_adapter() if adapters_off else contextlib.nullcontext()
+        with torch.no_grad(), off:
             return sequence_logps(reference, batch)[0]
 
-    def precompute_reference(self, model: torch.nn.Module) -> None:
-        """Store reference log-probs in each pair's meta once, so training needs no reference forward."""
+    def bind(self, model: torch.nn.Module) -> None:
+        """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
+        prepared engines, so training needs no reference forward; the reference model is then freed.
+        Every rank computes every pair (every rank plans every step), so ranks run the same passes."""
+        if not self.dpo.precompute_ref_logps or self.reference_free:
+            return
         for pairs in (self.pairs, self.eval_pairs):
-            groups = (
-                budget_batches([len(p) for p in pairs], self.cfg.max_tokens_per_batch, shuffle=False)
-                if pairs
-                else []
-            )
+            budget = self.cfg.max_tokens_per_batch
+            groups = budget_batches([len(p) for p in pairs], budget, shuffle=False) if pairs else []
             for g in groups:
                 chunk = [pairs[i] for i in g]
                 ref = self.reference_logps(model, chunk, self.collate(chunk)).tolist()
                 for k, p in enumerate(chunk):
                     p.meta["ref_logps"] = (ref[2 * k], ref[2 * k + 1])
+        self.ref_model = None
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
@@ -109,7 +113,7 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
 
     ref_model = None
     if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
-        ref_model = session.companion(cfg.dpo.ref_model)
+        ref_model = session.frozen(session.companion(cfg.dpo.ref_model))
     pad_id = pad_token_id(tokenizer)
     recipe = DPORecipe(
         load_pairs(data.train, tokenizer, data, cfg.train, "train"),
@@ -120,7 +124,4 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
         ref_model,
         load_pairs(data.eval, tokenizer, data, cfg.train, "eval") if data.eval else None,
     )
-    if cfg.dpo.precompute_ref_logps:
-        recipe.precompute_reference(session.model)
-        recipe.ref_model = None  # no longer needed: free its memory
-    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
+    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()

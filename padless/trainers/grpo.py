@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from padless.config import GRPOConfig
+from padless.engine import ModelEngine
 from padless.losses import clipped_policy_loss, group_advantages, kl_k3
-from padless.model import forward_packed
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
@@ -43,7 +43,7 @@ class GRPORecipe(RolloutRecipe):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         examples: list[Example] = micro.data
         batch = pack(examples, device=self.device)
-        out = forward_packed(model, batch, entropy=True, temperature=self.cfg.rollout.temperature)
+        out = model(batch, logps=True, entropy=True, temperature=self.cfg.rollout.temperature)
         mask = batch.loss_mask[0]
         logps = out.logps[mask]
         counts = torch.tensor([e.num_targets for e in examples], device=self.device)
@@ -74,4 +74,5 @@ class GRPORecipe(RolloutRecipe):
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
     session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
     recipe = GRPORecipe(**parts)
-    return Trainer(recipe, session.model, session.tokenizer, cfg.train, session.accelerator).train()
+    engine = ModelEngine(session.model)
+    return Trainer(recipe, engine, session.tokenizer, cfg.train, session.accelerator).train()

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from padless.errors import DivergenceError
+from padless.errors import DivergenceError, InputError
+from padless.strategy import expected_strategy
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,14 @@ FIX = (
 class DivergenceGuard:
     def __init__(self, policy: str, accelerator: Any):
         self.policy, self.acc = policy, accelerator
+        # DeepSpeed's engine applies the gradients inside backward: a step cannot be dropped afterwards
+        self.steps_in_backward = expected_strategy(accelerator).startswith("zero")
+        if policy == "skip" and self.steps_in_backward:
+            raise InputError(
+                "train.on_nonfinite=skip cannot drop a step under DeepSpeed (its engine applies the "
+                "gradients inside backward, before padless sees the norm); fix: use on_nonfinite=stop, or "
+                "the fsdp2 / ddp strategy"
+            )
         self.step = 0  # the optimizer step being computed, 1-based; set by the loop
         self.skipped = 0
         self._bad: str | None = None  # this rank's first non-finite loss of the step
@@ -57,9 +66,10 @@ class DivergenceGuard:
             return True
         what = local or (f"gradient norm {grad_norm}" if bad_norm else "a non-finite loss on another rank")
         if self.policy == "stop":
+            when = "after DeepSpeed applied it" if self.steps_in_backward else "before applying it"
             raise DivergenceError(
-                f"training diverged at step {self.step}: {what}; the run stopped before applying it (no "
-                f"checkpoint holds this state). Fix: {FIX}"
+                f"training diverged at step {self.step}: {what}; the run stopped {when} (no checkpoint "
+                f"holds this state). Fix: {FIX}"
             )
         self.skipped += 1
         log.warning("step %d skipped: %s (%d skipped so far)", self.step, what, self.skipped)
@@ -70,10 +80,7 @@ class DivergenceGuard:
 
     def check_weights(self, model: torch.nn.Module) -> None:
         """Refuse to save weights that are not finite (an update can overflow without a NaN loss first)."""
-        bad = next(
-            (n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()),
-            None,
-        )
+        bad = next((n for n, p in model.named_parameters() if not _finite(p)), None)
         flag = torch.tensor([float(bad is not None)], device=self.acc.device)
         if self.acc.num_processes > 1:
             flag = self.acc.reduce(flag, "sum")
@@ -82,3 +89,11 @@ class DivergenceGuard:
                 f"training diverged by step {self.step}: weight {bad or 'on another rank'} is not finite, so "
                 f"no checkpoint was written. Fix: {FIX}"
             )
+
+
+def _finite(param: torch.Tensor) -> bool:
+    """This rank's part of a parameter (an FSDP2 shard; ZeRO-3 keeps its data in the optimizer)."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return not local.is_floating_point() or bool(torch.isfinite(local).all())

@@ -5,6 +5,9 @@ and computes a micro-batch's loss as a share of the step's loss. The loop does t
 micro-batches across data-parallel ranks, the global normaliser, gradient accumulation, clipping,
 optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 
+A recipe that runs passes outside ``loss`` (reference precompute, rollouts) has ``bind(model)``: it is
+handed the prepared engine, the only model object every pass may go through.
+
 A recipe whose plan is costly and not reproducible from a seed (a sampled rollout) also has
 ``steps_per_epoch()`` (so steps are counted without planning), ``plan_state(epoch)`` (the planned data, saved
 with ``torch.save`` in a checkpoint taken mid-epoch) and ``restore_plan(epoch, state)`` (so a run resumed
@@ -27,11 +30,11 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from padless.packing import balance_ranks
+from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers.checkpoint import (
     TrainState,
     load_checkpoint,
     save_checkpoint,
-    skip_model_weights_in_state,
 )
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
@@ -79,7 +82,9 @@ def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank
     """Group an epoch's micro-batches into optimizer steps and take this rank's share of each.
 
     Steps hold ``accumulation`` micro-batches per rank, unless the recipe numbered its micro-batches'
-    ``step`` itself (then each numbered group is one step, whatever its size).
+    ``step`` itself (then each numbered group is one step, whatever its size). Every rank gets the same
+    number of micro-batches in every step — zero-weight fillers make up a short share — because sharded
+    engines (FSDP2, ZeRO-3) gather and reduce in every forward and backward: uneven counts deadlock.
     """
     if micros and micros[0].step is not None:
         groups = [list(g) for _, g in itertools.groupby(micros, key=lambda m: m.step)]
@@ -90,8 +95,8 @@ def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank
     for group in groups:
         per_rank = math.ceil(len(group) / num_ranks)
         mine = [group[i] for i in balance_ranks([m.tokens for m in group], num_ranks, per_rank)[rank]]
-        if not mine:  # the last step is short: this rank still joins the gradient all-reduce
-            mine = [replace(group[0], scale=0.0)]
+        filler = replace(min(group, key=lambda m: m.tokens), scale=0.0)
+        mine += [filler] * (per_rank - len(mine))
         steps.append(Step(mine, max(sum(m.units for m in group), 1e-12), sum(m.tokens for m in group)))
     return steps
 
@@ -141,8 +146,11 @@ class Trainer:
         )
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
-        accelerator.register_for_checkpointing(self.scheduler)
-        skip_model_weights_in_state(accelerator)
+        self.strategy = expected_strategy(accelerator)
+        verify_strategy(accelerator, self.model, self.strategy)
+        bind = getattr(recipe, "bind", None)  # recipes that run passes outside ``loss`` get the engine
+        if bind is not None:
+            bind(self.model)
 
     def steps_of(self, epoch: int) -> list[Step]:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
@@ -178,21 +186,23 @@ class Trainer:
         return max(1, total)
 
     def _train_step(self, step: Step) -> dict[str, float]:
+        """One optimizer step through accelerate's own accumulation switch: DDP and FSDP2 skip the
+        gradient sync and DeepSpeed its engine step on every micro-batch but the last."""
         sums: dict[str, float] = defaultdict(float)
         world = self.acc.num_processes
         for k, micro in enumerate(step.micros):
             last = k == len(step.micros) - 1
-            sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
-            with sync, self.acc.autocast():
+            self.acc.sync_gradients = last
+            with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
                 loss, metrics = self.recipe.loss(self.model, micro, step.normaliser)
                 self.guard.watch(loss, k, len(step.micros))
-                # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
+                # Ranks average gradients; the normaliser is already global, so undo the mean.
                 self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:
-            sums["grad_norm"] = (
-                float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)) / world
+            sums["grad_norm"] = float(
+                self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             )
         if self.guard.allow_step(sums.get("grad_norm")):
             self.optimizer.step()
@@ -202,15 +212,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)
         totals = self.acc.reduce(torch.tensor([sums[k] for k in keys], device=self.acc.device), "sum")
-        return dict(zip(keys, totals.tolist(), strict=True))
+        metrics = dict(zip(keys, totals.tolist(), strict=True))
+        if "grad_norm" in metrics:  # the same on every rank, not a share to sum
+            metrics["grad_norm"] /= world
+        return metrics
 
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
         resume = resume_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-        state = TrainState()
+        state = TrainState(strategy=self.strategy, world_size=acc.num_processes)
         if resume:
-            verify_checkpoint(resume, acc.unwrap_model(self.model))
-            state, plan = load_checkpoint(acc, self.model, resume)
+            verify_checkpoint(resume, self.model)
+            state, plan = load_checkpoint(
+                acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
+            )
+            state.strategy, state.world_size = self.strategy, acc.num_processes
             if plan is not None and state.step_in_epoch > 0:
                 self.recipe.restore_plan(state.epoch, plan)
         reporter = Reporter(
@@ -271,7 +287,16 @@ class Trainer:
                 plan_state = getattr(self.recipe, "plan_state", None)
                 plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
                 self.guard.check_weights(self.model)
-                save_checkpoint(acc, self.model, self.tokenizer, state, cfg.output_dir, plan)
+                save_checkpoint(
+                    acc,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.tokenizer,
+                    state,
+                    cfg.output_dir,
+                    plan,
+                )
                 if acc.is_main_process:
                     rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
         bar.close()

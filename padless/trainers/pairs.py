@@ -8,7 +8,6 @@ import torch
 
 from padless.config import TrainSettings
 from padless.data import PairExample, load_rows, tokenize_preference
-from padless.model import forward_packed, forward_padded
 from padless.packing import (
     IGNORE_INDEX,
     PackedBatch,
@@ -62,8 +61,11 @@ class PairRecipe:
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         return {}
 
+    def pack(self, pairs: list[PairExample]) -> PackedBatch:
+        return pack([seq for p in pairs for seq in (p.chosen, p.rejected)], device=self.device)
+
     def collate(self, pairs: list[PairExample]) -> PackedBatch | PaddedBatch:
-        batch = pack([seq for p in pairs for seq in (p.chosen, p.rejected)], device=self.device)
+        batch = self.pack(pairs)
         if self.cfg.batching == "padded":
             return to_padded(batch, self.cfg.padding_side, self.pad_id)
         return batch
@@ -92,11 +94,11 @@ def load_pairs(
 def sequence_logps(
     model: torch.nn.Module, batch: PackedBatch | PaddedBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs and completion lengths per sequence, ``[N]`` each, in either layout."""
+    """Summed completion log-probs and completion lengths per sequence, ``[N]`` each, in either layout,
+    through a (prepared) engine."""
+    logps = model(batch, logps=True).logps
     if isinstance(batch, PackedBatch):
-        logps = forward_packed(model, batch).logps
         return batch.sequence_sums(logps), batch.sequence_sums(batch.loss_mask[0].float())
-    logps = forward_padded(model, batch)
     return logps.sum(1), (batch.labels != IGNORE_INDEX).sum(1).float()
 
 

@@ -3,13 +3,14 @@ and mini-batch steps. Padding exists only inside the sampling engine; every scor
 on packed token-budget micro-batches. One "epoch" of the shared loop is one rollout.
 
 With several data-parallel ranks, each rank samples, scores and runs the no-grad passes for its own slice
-of the rollout's prompts; the slices are then gathered so every rank plans the same global steps.
+of the rollout's prompts (equal slices, fillers where prompts run out: every rank runs the same passes);
+the slices are then gathered so every rank plans the same global steps. Every pass — sampling included —
+goes through the prepared engine the recipe is bound to.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -20,11 +21,14 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from padless.data import PromptExample, load_rows, reward_inputs, tokenize_prompts
-from padless.model import disable_dropout, forward_packed, load_model, unwrap
+from padless.engine import inner_engine
+from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
+from padless.ranks import equal_share, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
 from padless.sources import require_scoring_model
+from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -59,8 +63,9 @@ class RolloutRecipe:
         eval_prompts: list[PromptExample] | None = None,
         ref_model: torch.nn.Module | None = None,
     ):
-        """``ref_model``: a frozen reference, or None for a LoRA policy (its adapters switched off) or when
-        the recipe uses no reference."""
+        """``policy``: the trained engine, replaced by its prepared form in :meth:`bind`; ``ref_model`` and
+        ``reward_model``: prepared frozen engines; ``ref_model`` None for a LoRA policy (its adapters
+        switched off) or when the recipe uses no reference."""
         self.prompts, self.cfg, self.tokenizer, self.policy = prompts, cfg, tokenizer, policy
         self.engine, self.device, self.rewards, self.reward_model = engine, device, rewards, reward_model
         self.eval_prompts, self.ref_model = eval_prompts or [], ref_model
@@ -86,13 +91,12 @@ class RolloutRecipe:
         Each example's meta holds ``reward``, ``reward/<source>``, ``length`` and ``finished``; targets
         are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
-        state = PartialState()
-        size = math.ceil(len(prompts) / state.num_processes)
-        mine = prompts[state.process_index * size : (state.process_index + 1) * size]
+        mine, real = equal_share(prompts)
+        first = PartialState().process_index * len(mine)  # this rank's first prompt in the rollout
+        seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
-        seed += 104_729 * state.process_index
-        completions = self.engine.complete([p.prompt_ids for p in mine], group, seed, greedy) if mine else []
+        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy)
         elapsed = time.perf_counter() - started
         examples = []
         for c in completions:
@@ -100,25 +104,30 @@ class RolloutRecipe:
             targets = [False] * len(c.prompt_ids) + [trained] * len(c.completion_ids)
             meta = {"length": len(c.completion_ids), "finished": c.finished, "sampling_s": elapsed}
             examples.append(Example(c.prompt_ids + c.completion_ids, targets, meta))
-        if examples:
-            self.score(mine, examples, completions, group)
-            if not greedy:
-                self.store(examples, self.passes())
+        filler, examples = examples[0], examples[: real * group]
+        self.score(mine[:real], examples, completions[: real * group], group, filler)
+        if not greedy:
+            self.store(examples, self.passes(), filler)
         return gather_object(examples)
 
     def score(
-        self, prompts: list[PromptExample], examples: list[Example], completions: list[Completion], group: int
+        self,
+        prompts: list[PromptExample],
+        examples: list[Example],
+        completions: list[Completion],
+        group: int,
+        filler: Example,
     ) -> None:
         """Total reward per completion and each source's part, into meta."""
         totals = torch.zeros(len(examples))
         sources: dict[str, list[float | None]] = {}
-        if self.rewards is not None:
+        if self.rewards is not None and examples:
             texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
             prompt_texts, fields = reward_inputs(prompts, group)
             functions, sources = self.rewards(prompt_texts, texts, fields)
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
-            scores = score_examples(self.reward_model, examples)
+            scores = score_examples(self.reward_model, examples, filler=filler)
             totals += self.cfg.reward.model_weight * torch.tensor(scores)
             sources["reward_model"] = scores
         for i, e in enumerate(examples):
@@ -126,21 +135,30 @@ class RolloutRecipe:
             e.meta.update({f"reward/{name}": values[i] for name, values in sources.items()})
 
     @torch.no_grad()
-    def store(self, examples: list[Example], passes: dict[str, Pass]) -> None:
+    def store(self, examples: list[Example], passes: dict[str, Pass], filler: Example) -> None:
         """Run each no-grad pass (per-token values ``[T]``) on packed micro-batches; keep targets in meta."""
         budget = self.cfg.train.max_tokens_per_batch
-        for group in budget_batches([len(e) for e in examples], budget, shuffle=False):
-            chunk = [examples[i] for i in group]
+        groups = budget_batches([len(e) for e in examples], budget, shuffle=False) if examples else []
+        for chunk, real in lockstep([[examples[i] for i in g] for g in groups], [filler]):
             batch = pack(chunk, device=self.device)
             for key, run in passes.items():
                 values = run(batch)[batch.loss_mask[0]].tolist()
+                if not real:
+                    continue
                 start = 0
                 for e in chunk:
                     e.meta[key] = values[start : start + e.num_targets]
                     start += e.num_targets
 
+    def bind(self, model: torch.nn.Module) -> None:
+        """Sample and score through the prepared engine from now on."""
+        self.policy = model
+        if isinstance(self.engine, HFEngine):
+            self.engine.policy = model
+
     def logps_pass(self, model: torch.nn.Module) -> Pass:
-        return lambda batch: forward_packed(model, batch, temperature=self.cfg.rollout.temperature).logps
+        temperature = self.cfg.rollout.temperature
+        return lambda batch: model(batch, logps=True, temperature=temperature).logps
 
     def reference_pass(self) -> Pass:
         """Reference log-probs: from the frozen copy, or from the LoRA policy with its adapters off (the
@@ -149,7 +167,7 @@ class RolloutRecipe:
             return self.logps_pass(self.ref_model)
 
         def adapters_off(batch: PackedBatch) -> torch.Tensor:
-            with unwrap(self.policy).disable_adapter():
+            with inner_engine(self.policy).model.disable_adapter():
                 return self.logps_pass(self.policy)(batch)
 
         return adapters_off
@@ -232,8 +250,14 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
     }
 
 
-def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
+def make_engine(cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str) -> Engine:
     if cfg.rollout.engine == "vllm":
+        if strategy in ("fsdp2", "zero3"):
+            raise ValueError(
+                f"rollout.engine: vllm with {strategy}: each rank holds only a shard of the policy, and the "
+                "colocated vLLM engine is fed the whole policy every rollout; use DDP or ZeRO-2 with vLLM, "
+                "or rollout.engine: hf (which samples through the sharded engine)"
+            )
         from padless.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
@@ -268,18 +292,21 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     reward_model = None
     if cfg.reward.model:
         require_scoring_model(cfg.reward.model)
-        reward_model = load_model(
-            cfg.reward.model, task="score", device=device, trust_remote_code=cfg.model.trust_remote_code
-        ).requires_grad_(False)
+        trust = cfg.model.trust_remote_code
+        pad_id = pad_token_id(load_tokenizer(cfg.reward.model, trust))  # where its scores are read
+        scorer = load_model(
+            cfg.reward.model, task="score", device=device, pad_id=pad_id, trust_remote_code=trust
+        )
+        reward_model = session.frozen(scorer)
     return session, {
         "prompts": prompts(data.train, "train"),
         "cfg": cfg,
         "tokenizer": tokenizer,
         "policy": session.model,
-        "engine": make_engine(cfg, session.model, tokenizer),
+        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator)),
         "device": device,
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,
         "eval_prompts": prompts(data.eval, "eval") if data.eval else None,
-        "ref_model": session.companion() if reference and cfg.model.lora is None else None,
+        "ref_model": session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
     }

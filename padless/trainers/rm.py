@@ -10,9 +10,11 @@ import torch
 
 from padless.config import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
+from padless.engine import ModelEngine, score_pad_id, score_positions, sequence_scores
 from padless.losses import bradley_terry_loss
-from padless.model import load_model, load_tokenizer, pad_token_id, padded_scores, sequence_scores
-from padless.packing import Example, PackedBatch, budget_batches, pack
+from padless.model import load_model, load_tokenizer, pad_token_id
+from padless.packing import Example, PackedBatch, budget_batches, pack, unpad
+from padless.ranks import lockstep
 from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.pairs import PairRecipe, load_pairs, shares, split_pairs
@@ -24,10 +26,13 @@ class RMRecipe(PairRecipe):
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         pairs: list[PairExample] = micro.data
+        packed = self.pack(pairs)
         batch = self.collate(pairs)
-        scores = (
-            sequence_scores(model, batch) if isinstance(batch, PackedBatch) else padded_scores(model, batch)
-        )
+        if isinstance(batch, PackedBatch):
+            scores = sequence_scores(model, batch)
+        else:  # comparison mode: pad compute, read at the same tokens as the packed path
+            values = unpad(model(batch, values=True).values, batch.attention_mask)
+            scores = values[score_positions(packed, score_pad_id(model))]
         chosen, rejected = split_pairs(scores)
         margin = None
         if "margin" in pairs[0].meta:
@@ -55,20 +60,25 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
         acc.device,
         load_pairs(data.eval, tokenizer, data, cfg.train, "eval", cfg.rm.margin) if data.eval else None,
     )
-    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
+    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()
 
 
 @torch.no_grad()
-def score_examples(model: torch.nn.Module, examples: list[Example], max_tokens: int = 8192) -> list[float]:
-    """One score per example, in order, on packed batches."""
+def score_examples(
+    model: torch.nn.Module, examples: list[Example], max_tokens: int = 8192, filler: Example | None = None
+) -> list[float]:
+    """One score per example, in order, on packed batches, through a (prepared) scoring engine; ranks
+    run in lockstep on ``filler`` once their own examples are done."""
     scores = [0.0] * len(examples)
     device = next(model.parameters()).device
-    for group in budget_batches(
-        [len(e) for e in examples], max(max_tokens, max(map(len, examples))), shuffle=False
-    ):
-        values = sequence_scores(model, pack([examples[i] for i in group], device=device)).tolist()
-        for i, v in zip(group, values, strict=True):
-            scores[i] = v
+    budget = max([max_tokens, *map(len, examples)])
+    groups = budget_batches([len(e) for e in examples], budget, shuffle=False) if examples else []
+    for group, real in lockstep(groups, [-1]):
+        chunk = [examples[i] if i >= 0 else filler for i in group]
+        values = sequence_scores(model, pack(chunk, device=device)).tolist()
+        if real:
+            for i, v in zip(group, values, strict=True):
+                scores[i] = v
     return scores
 
 
@@ -83,7 +93,14 @@ def score_file(
     """``padless rm score``: score prompt / response rows and write them back with a ``score`` field."""
     require_scoring_model(model_path)
     tokenizer = load_tokenizer(model_path, trust_remote_code)
-    model = load_model(model_path, task="score", device=device, trust_remote_code=trust_remote_code).eval()
+    scorer = load_model(
+        model_path,
+        task="score",
+        device=device,
+        pad_id=pad_token_id(tokenizer),
+        trust_remote_code=trust_remote_code,
+    )
+    model = ModelEngine(scorer).eval()
     rows = load_rows(data)
     scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length))
     lines = [json.dumps({**row.data, "score": s}) for row, s in zip(rows, scores, strict=True)]

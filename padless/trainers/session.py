@@ -13,8 +13,10 @@ from accelerate.utils import set_seed
 
 from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings, save_config
+from padless.engine import ModelEngine
 from padless.logs import describe_run, log_to_file, setup_logging
-from padless.model import Task, load_model, load_tokenizer
+from padless.model import Task, load_model, load_tokenizer, pad_token_id
+from padless.strategy import prepare_frozen, start_accelerator
 from padless.trainers import rundir
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 class Session:
     accelerator: Accelerator
     tokenizer: Any
-    model: torch.nn.Module
+    model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
 
     def companion(
@@ -40,8 +42,13 @@ class Session:
             seed=self.model_cfg.seed,
             training=trainable,
             trust_remote_code=self.model_cfg.trust_remote_code,
+            pad_id=pad_token_id(self.tokenizer),
         )
         return model if trainable else model.requires_grad_(False)
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as a prepared frozen engine (reference, reward model): sharded like the trained one."""
+        return prepare_frozen(self.accelerator, ModelEngine(model))
 
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -55,7 +62,7 @@ def start_session(
     model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
 ) -> Session:
     """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True lets `accelerate launch` use gloo
+    accelerator = start_accelerator(config.train.max_grad_norm)
     setup_logging(config.train.log_level, accelerator.is_main_process)
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
     log_to_file(output_dir, accelerator.is_main_process)
@@ -63,7 +70,7 @@ def start_session(
     set_varlen_kernel(model_cfg.varlen_kernel)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
-    model = load_trainable(model_cfg, accelerator.device, dtype, task)
+    model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer))
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -72,7 +79,7 @@ def start_session(
 
 
 def load_trainable(
-    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task
+    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task, pad_id: int | None
 ) -> torch.nn.Module:
     model = load_model(
         model_cfg.name,
@@ -83,6 +90,7 @@ def load_trainable(
         seed=model_cfg.seed,
         training=True,
         trust_remote_code=model_cfg.trust_remote_code,
+        pad_id=pad_id,
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
+from padless.engine import ModelEngine
 from padless.losses import sft_loss
-from padless.model import forward_packed, forward_padded, pad_token_id, unwrap
+from padless.model import pad_token_id
 from padless.packing import (
     Example,
     PackedBatch,
@@ -20,6 +23,7 @@ from padless.packing import (
     pack,
     to_padded,
 )
+from padless.ranks import equal_share
 from padless.rollout import generate
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.reporting import report_data
@@ -48,11 +52,9 @@ class SFTRecipe:
         device: torch.device,
         eval_examples: list[Example] | None = None,
         eval_prompts: list[list[int]] | None = None,
-        main_process: bool = True,
     ):
         self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
         self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
-        self.main_process = main_process  # generation eval runs on the main process only
         self.pad_id = pad_token_id(tokenizer)
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
@@ -80,9 +82,10 @@ class SFTRecipe:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and target mask, flat, in whatever layout the config asks for."""
         batch = self.collate(examples)
+        logps = model(batch, logps=True).logps
         if isinstance(batch, PackedBatch):
-            return forward_packed(model, batch).logps, batch.loss_mask[0]
-        return forward_padded(model, batch).flatten(), (batch.labels != -100).flatten()
+            return logps, batch.loss_mask[0]
+        return logps.flatten(), (batch.labels != -100).flatten()
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
@@ -97,18 +100,24 @@ class SFTRecipe:
         return [self.micro([self.eval_examples[i] for i in g]) for g in groups]
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        if self.cfg.eval_generate and self.eval_prompts and self.main_process:
+        if self.cfg.eval_generate and self.eval_prompts:
             self.write_predictions(model, step)
         return {}
 
-    def write_predictions(self, model: torch.nn.Module, step: int) -> Path:
+    def write_predictions(self, model: torch.nn.Module, step: int) -> Path | None:
+        """Greedy completions of the eval prompts, each rank on an equal share (sharded engines decode in
+        lockstep), written by the main process."""
+        mine, real = equal_share(self.eval_prompts)
         completions = generate(
-            unwrap(model),
+            model,
             self.tokenizer,
-            self.eval_prompts,
+            mine,
             max_new_tokens=self.cfg.eval_max_new_tokens,
             batch_size=self.cfg.eval_batch_size,
         )
+        completions = gather_object(completions[:real])
+        if not PartialState().is_main_process:
+            return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
         with path.open("w") as f:
             for c in completions:
@@ -174,6 +183,5 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         acc.device,
         eval_examples,
         eval_prompts,
-        main_process=acc.is_main_process,
     )
-    return Trainer(recipe, session.model, tokenizer, cfg.train, acc).train()
+    return Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, acc).train()

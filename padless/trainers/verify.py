@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from padless.engine import inner_engine
 from padless.errors import InputError
 from padless.sources import ADAPTER_WEIGHTS, check_safetensors, check_weights
 from padless.trainers.rundir import STATE_FILE
@@ -27,13 +28,14 @@ FIX = (
 
 
 def verify_checkpoint(path: Path, model: torch.nn.Module) -> None:
-    """Raise :class:`InputError` unless ``path`` has a readable train state and weights fitting ``model``."""
+    """Raise :class:`InputError` unless ``path`` has a readable train state and weights that fit ``model``,
+    the prepared engine (a :class:`~padless.engine.ModelEngine`, possibly wrapped)."""
     _verify_state(path / STATE_FILE)
-    if hasattr(model, "load_hf_weights"):  # several HF models in one (PPO): each child in its own folder
-        for name, child in model.named_children():
-            _verify_weights(child, path / name if (path / name).is_dir() else path, path)
-    else:
-        _verify_weights(model, path, path)
+    engine = inner_engine(model)
+    for name, where in (("model", path), ("value", path / "value")):  # the layout export_model writes
+        part = getattr(engine, name)
+        if part is not None:
+            _verify_weights(part, where, path)
 
 
 def _verify_state(file: Path) -> None:

@@ -19,7 +19,8 @@ from padless.config import (
     TrainSettings,
 )
 from padless.data import load_rows, tokenize_preference
-from padless.model import load_model, sequence_scores
+from padless.engine import ModelEngine, sequence_scores
+from padless.model import load_model
 from padless.packing import budget_batches, pack
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers.dpo import DPORecipe, run_dpo
@@ -77,8 +78,8 @@ def assert_same(reference, got, label, beta: float = 1.0):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
 def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type):
-    policy = load_model("tiny-llama", training=True)
-    ref = None if loss_type == "simpo" else load_model("tiny-llama", seed=1)
+    policy = ModelEngine(load_model("tiny-llama", training=True))
+    ref = None if loss_type == "simpo" else ModelEngine(load_model("tiny-llama", seed=1))
     dpo = DPOSettings(beta=0.5, loss_type=loss_type, rpo_alpha=0.3 if loss_type == "sigmoid" else None)
     reference = None
     for batching, side in [("tokens", "right"), ("padded", "left"), ("padded", "right")]:
@@ -98,21 +99,22 @@ def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type):
 
 
 def test_dpo_precomputed_reference_equals_live_reference(pairs, tokenizer):
-    policy = load_model("tiny-llama", training=True)
-    ref = load_model("tiny-llama", seed=1)
+    policy = ModelEngine(load_model("tiny-llama", training=True))
+    ref = ModelEngine(load_model("tiny-llama", seed=1))
     cfg = TrainSettings()
     live = DPORecipe(pairs, cfg, DPOSettings(), tokenizer.pad_token_id, CPU, ref)
     stored_pairs = [replace(p, meta=dict(p.meta)) for p in pairs]
-    stored = DPORecipe(stored_pairs, cfg, DPOSettings(), tokenizer.pad_token_id, CPU, ref)
-    stored.precompute_reference(policy)
-    stored.ref_model = None
+    settings = DPOSettings(precompute_ref_logps=True)
+    stored = DPORecipe(stored_pairs, cfg, settings, tokenizer.pad_token_id, CPU, ref)
+    stored.bind(policy)
+    assert stored.ref_model is None and all("ref_logps" in p.meta for p in stored_pairs)
     groups = groups_for(600, pairs)
     live_step = step_metrics(live, policy, groups, pairs)
     assert_same(live_step, step_metrics(stored, policy, groups, stored_pairs), "stored", 0.1)
 
 
 def test_rm_scores_invariant_to_batch_composition_and_layout(pairs, tokenizer):
-    model = load_model("tiny-qwen2", task="score")
+    model = ModelEngine(load_model("tiny-qwen2", task="score"))
     seqs = [s for p in pairs[:6] for s in (p.chosen, p.rejected)]
     with torch.no_grad():
         alone = torch.tensor([sequence_scores(model, pack([s])).item() for s in seqs])

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from padless.config import SFTConfig, load_config
-from padless.errors import DivergenceError
+from padless.errors import DivergenceError, InputError
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
 from padless.trainers.sft import SFTRecipe, run_sft
@@ -25,7 +26,9 @@ FAST = [
     "train.logging_steps=1",
     "train.max_tokens_per_batch=700",
 ]
-SINGLE = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
+SINGLE = SimpleNamespace(
+    num_processes=1, process_index=0, device=torch.device("cpu"), distributed_type=DistributedType.NO
+)
 
 
 def poison(monkeypatch, calls: set[int]) -> None:
@@ -93,3 +96,13 @@ def test_metrics_jsonl_writes_non_finite_values_as_null(tmp_path):
     reporter.log(1, {"a": math.nan, "b": math.inf, "c": 1.5})
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=pytest.fail)
     assert record == {"step": 1, "a": None, "b": None, "c": 1.5}
+
+
+def test_skip_is_refused_where_the_engine_steps_inside_backward():
+    deepspeed = SimpleNamespace(
+        **{**vars(SINGLE), "distributed_type": DistributedType.DEEPSPEED},
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)),
+    )
+    with pytest.raises(InputError, match="cannot drop a step under DeepSpeed"):
+        DivergenceGuard("skip", deepspeed)
+    assert DivergenceGuard("stop", deepspeed).steps_in_backward

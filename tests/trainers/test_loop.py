@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 
 from padless.config import TrainSettings
-from padless.trainers.loop import MicroBatch, Trainer, parameter_groups
+from padless.trainers.loop import MicroBatch, Trainer, parameter_groups, plan_steps
 
 
 class Pair(torch.nn.Module):
@@ -57,3 +57,29 @@ class Growing:
 def test_steps_are_counted_on_every_epochs_own_plan(tmp_path, epochs, total):
     settings = TrainSettings(output_dir=str(tmp_path), num_epochs=epochs)
     assert Trainer(Growing(), Pair(), None, settings, Accelerator(cpu=True)).total_steps == total
+
+
+@pytest.mark.parametrize(
+    ("count", "ranks", "accumulation", "numbered"), [(13, 4, 1, False), (5, 2, 2, False), (7, 3, 1, True)]
+)
+def test_every_rank_runs_the_same_number_of_micro_batches_in_every_step(count, ranks, accumulation, numbered):
+    """Sharded engines deadlock on uneven counts (13 micro-batches on 4 ranks used to give [1, 1, 1, 2]):
+    each rank gets as many micro-batches as the busiest one, fillers with weight 0; every real micro-batch
+    is run exactly once with weight 1 and the step's normaliser and token count are the whole step's."""
+    micros = [
+        MicroBatch(i, units=i + 1, tokens=10 * (i + 1), step=(i // 3 if numbered else None))
+        for i in range(count)
+    ]
+    plans = [plan_steps(micros, accumulation, ranks, rank) for rank in range(ranks)]
+    assert len({len(p) for p in plans}) == 1
+    real = []
+    for s in range(len(plans[0])):
+        steps = [p[s] for p in plans]
+        assert len({len(step.micros) for step in steps}) == 1, [len(step.micros) for step in steps]
+        assert len({(step.normaliser, step.tokens) for step in steps}) == 1
+        done = [m.data for step in steps for m in step.micros if m.scale == 1.0]
+        assert steps[0].normaliser == sum(i + 1 for i in done)
+        assert all(m.scale in (0.0, 1.0) for step in steps for m in step.micros)
+        real += done
+    assert sorted(real) == list(range(count))
+    assert any(m.scale == 0.0 for p in plans for step in p for m in step.micros)  # fillers were needed

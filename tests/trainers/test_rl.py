@@ -14,13 +14,17 @@ from safetensors.torch import load_file
 
 from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
 from padless.data import load_rows
-from padless.model import forward_packed, load_model
+from padless.engine import ModelEngine
+from padless.model import forward_packed, hidden_states, load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
 from padless.tiny import build_tiny_model, tiny_tokenizer
+from padless.trainers import grpo
 from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
+from padless.trainers.loop import Trainer
 from padless.trainers.ppo import run_ppo
+from padless.trainers.rl import start_rl
 from padless.trainers.session import Session
 from padless.trainers.sft import run_sft
 
@@ -30,9 +34,10 @@ FAST = ["train.logging_steps=1", "train.progress_bar=false", "train.report_to=[j
 def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
     """Completions of different lengths, EOS at different places, scored in packed micro-batches."""
     model = load_model("tiny-llama")
+    engine = ModelEngine(model)
     cfg = load_config(GRPOConfig, None, ["train.max_tokens_per_batch=64"])
     recipe = GRPORecipe(
-        [], cfg, tokenizer, model, HFEngine(model, tokenizer, cfg.rollout), torch.device("cpu")
+        [], cfg, tokenizer, engine, HFEngine(engine, tokenizer, cfg.rollout), torch.device("cpu")
     )
     gen = torch.Generator().manual_seed(0)
     eos = tokenizer.eos_token_id
@@ -41,7 +46,7 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
         prompt = torch.randint(3, 4096, (prompt_len,), generator=gen).tolist()
         completion = [*torch.randint(3, 4096, (completion_len - 1,), generator=gen).tolist(), eos]
         examples.append(Example(prompt + completion, [False] * prompt_len + [True] * completion_len))
-    recipe.store(examples, {"ref_logps": recipe.logps_pass(model)})
+    recipe.store(examples, {"ref_logps": recipe.logps_pass(engine)}, filler=examples[0])
     with torch.no_grad():
         for e in examples:
             batch = pack([e])
@@ -56,12 +61,13 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
     """No second copy of the weights for a LoRA policy: reference log-probs are the base model's. And the
     run trains without LoRA's dropout (on by default), which would make log-prob ratios noise."""
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
-    policy = get_peft_model(load_model("tiny-llama"), lora)
+    policy = ModelEngine(get_peft_model(load_model("tiny-llama"), lora))
     cfg = load_config(GRPOConfig, None, [])
     engine = HFEngine(policy, tokenizer, cfg.rollout)
     recipe = GRPORecipe([], cfg, tokenizer, policy, engine, torch.device("cpu"))
     examples = [Example(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
-    recipe.store(examples, {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)})
+    passes = {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)}
+    recipe.store(examples, passes, filler=examples[0])
     base = load_model("tiny-llama")
     with torch.no_grad():
         for e in examples:
@@ -267,3 +273,50 @@ def test_ppo_value_learning_rate_applies_to_the_value_model_only(tmp_path):
         after = load_file(path / "model.safetensors")
         largest = max((after[k] - before[k]).abs().max().item() for k in after)
         assert 0.9 * lr < largest < 1.02 * lr, (task, largest)  # fp32 rounds a change near 1 by ~1e-7
+
+
+def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_path):
+    """fp32 weights with bf16 autocast, logits of realistic size (|logit| ~ 25): the stored old log-probs
+    and the update's log-probs both run through the prepared engine under one precision policy, so the
+    policy ratio at the first update is 1. The same old log-probs computed outside autocast (as every
+    no-grad pass used to be) are off by far more: the test can fail."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=1",
+        "grpo.beta=0",
+        "grpo.updates_per_rollout=2",  # old log-probs are stored by a no-grad pass, not reused
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=6",
+        "rollout.mask_truncated=false",
+        *FAST,
+    ]
+    cfg = load_config(GRPOConfig, None, overrides)
+    session, parts = start_rl(cfg, reference=False)
+    assert session.accelerator.mixed_precision == "bf16"
+    probe = pack([Example(list(range(3, 40)))])
+    with torch.no_grad():
+        hidden = hidden_states(session.model, probe)[0]
+        head = session.model.get_output_embeddings()
+        head.weight.mul_(25.0 / head(hidden).abs().max().item())
+    recipe = GRPORecipe(**parts)
+    seen = []
+    loss = recipe.loss
+    monkeypatch.setattr(recipe, "loss", lambda model, micro, n: seen.append(micro) or loss(model, micro, n))
+    captured = []
+    policy_loss = grpo.clipped_policy_loss
+    monkeypatch.setattr(
+        grpo,
+        "clipped_policy_loss",
+        lambda new, old, *a: captured.append((new.detach(), old)) or policy_loss(new, old, *a),
+    )
+    Trainer(recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator).train()
+    new, old = captured[0]
+    ratio = (new - old).exp()
+    assert (ratio - 1).abs().max().item() <= 1e-6, ratio
+    batch = pack(seen[0].data)
+    with torch.no_grad():
+        outside = forward_packed(session.model, batch).logps[batch.loss_mask[0]]
+    assert (new - outside).abs().max().item() > 1e-2  # what a pass outside the policy would have given

@@ -12,6 +12,7 @@ import torch
 
 from padless.config import DataSettings, ModelSettings, SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
+from padless.engine import ModelEngine
 from padless.model import load_model
 from padless.packing import budget_batches
 from padless.trainers.loop import MicroBatch
@@ -40,7 +41,7 @@ def step_loss_and_grads(model, recipe, groups, examples) -> tuple[float, list[to
 
 @pytest.mark.parametrize("backend", ["varlen", "sdpa", "eager"])
 def test_loss_and_grads_same_for_any_layout_and_split(backend, examples, tokenizer):
-    model = load_model("tiny-llama", attn_implementation=backend, training=True)
+    model = ModelEngine(load_model("tiny-llama", attn_implementation=backend, training=True))
     n = len(examples)
     reference = None
     splits = {
@@ -64,7 +65,7 @@ def test_loss_and_grads_same_for_any_layout_and_split(backend, examples, tokeniz
 
 
 def test_loss_is_token_mean_not_mean_of_sequence_means(examples, tokenizer):
-    model = load_model("tiny-llama", training=False)
+    model = ModelEngine(load_model("tiny-llama", training=False))
     recipe = SFTRecipe(examples, TrainSettings(), tokenizer, torch.device("cpu"))
     with torch.no_grad():
         logps, mask = recipe.token_logps(model, examples)

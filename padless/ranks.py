@@ -1,0 +1,42 @@
+"""Ranks in lockstep. Sharded engines (FSDP2, ZeRO-3) gather parameters in every forward and reduce
+gradients in every backward, and DDP broadcasts buffers in every forward: a rank that runs one pass fewer
+than the others leaves them waiting forever. Work is shared out so every rank runs the same count of
+passes, with fillers (real data whose results are dropped) where a rank's share runs out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TypeVar
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather
+
+T = TypeVar("T")
+
+
+def equal_share(items: list[T]) -> tuple[list[T], int]:
+    """This rank's contiguous slice of ``items`` padded with fillers (copies of ``items[0]``) to the same
+    length on every rank; returns the slice and how many of its items are real (they come first)."""
+    if not items:
+        raise ValueError("nothing to share out between ranks")
+    state = PartialState()
+    size = math.ceil(len(items) / state.num_processes)
+    mine = items[state.process_index * size : (state.process_index + 1) * size]
+    return mine + [items[0]] * (size - len(mine)), len(mine)
+
+
+def common_count(count: int) -> int:
+    """The largest ``count`` over all ranks."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return count
+    return int(gather(torch.tensor([count], device=state.device)).max())
+
+
+def lockstep(batches: list[T], filler: T) -> Iterator[tuple[T, bool]]:
+    """``batches`` (flagged real), then ``filler`` (flagged not real) until every rank has run as many."""
+    total = common_count(len(batches))
+    for i in range(total):
+        yield (batches[i], True) if i < len(batches) else (filler, False)

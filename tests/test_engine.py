@@ -1,0 +1,63 @@
+"""The model engine: every head inside one forward, and scores read where transformers reads them."""
+
+from __future__ import annotations
+
+import torch
+
+from padless.engine import ModelEngine, score_positions, sequence_scores
+from padless.model import forward_packed, forward_scores, load_model
+from padless.packing import Example, pack
+from padless.tiny import build_tiny_model, tiny_tokenizer
+
+
+def test_engine_outputs_are_the_model_functions(probe_seqs):
+    """Log-probs, entropy and values from one engine forward equal the functions each head runs."""
+    policy = load_model("tiny-llama")
+    value = load_model("tiny-llama", task="score", seed=1)
+    engine = ModelEngine(policy, value=value)
+    batch = pack([Example(s) for s in probe_seqs])
+    with torch.no_grad():
+        out = engine(batch, logps=True, entropy=True, values=True, temperature=0.7)
+        tokens = forward_packed(policy, batch, entropy=True, temperature=0.7)
+        assert torch.equal(out.logps, tokens.logps) and torch.equal(out.entropy, tokens.entropy)
+        assert torch.equal(out.values, forward_scores(value, batch))
+        only = engine(batch, logps=True)
+    assert only.entropy is None and only.values is None
+    assert isinstance(out, tuple)  # a NamedTuple: FSDP2 registers its backward hooks on these tensors
+
+
+def test_score_positions_skip_trailing_pad_like_transformers():
+    eos = 2
+    batch = pack([Example([5, 6, eos]), Example([7, eos, eos]), Example([8, 9]), Example([eos, eos])])
+    # starts at 0, 3, 6, 8: last non-pad token per sequence, or the last token when all are pad
+    assert score_positions(batch, eos).tolist() == [1, 3, 7, 9]
+    assert score_positions(batch, None).tolist() == [2, 5, 7, 9]
+
+
+def test_reward_model_with_pad_equal_to_eos_scores_like_transformers():
+    """A reward model saved the TRL / transformers way (pad == eos): padless reads the same token as the
+    model's own forward, which skips a trailing EOS; reading the last token instead is visibly off."""
+    scorer = load_model("tiny-qwen2", task="score", seed=3)
+    eos = tiny_tokenizer().eos_token_id
+    scorer.config.pad_token_id = eos
+    with torch.no_grad():
+        scorer.score.weight.mul_(20.0)  # scores of realistic spread
+    seqs = [[11, 12, 13, eos], [21, 22, 23, 24, 25, eos], [31, 32, 33]]
+    with torch.no_grad():
+        alone = torch.stack([scorer(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs])
+        got = sequence_scores(ModelEngine(scorer), pack([Example(s) for s in seqs]))
+        last = ModelEngine(scorer)(pack([Example(s) for s in seqs]), values=True).values[[3, 9, 12]]
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+    assert (last[:2] - alone[:2]).abs().min() > 1e-2
+
+
+def test_scorer_without_a_pad_in_its_config_gets_its_tokenizers_pad_not_eos(tmp_path):
+    tokenizer = tiny_tokenizer()
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    saved = build_tiny_model("tiny-llama", task="score")
+    saved.config.pad_token_id = None
+    saved.save_pretrained(tmp_path)
+    scorer = load_model(str(tmp_path), task="score", pad_id=tokenizer.pad_token_id)
+    assert scorer.config.pad_token_id == tokenizer.pad_token_id
+    # a tokenizer with no pad of its own: eos, the convention its reward models were trained with
+    assert load_model(str(tmp_path), task="score").config.pad_token_id == tokenizer.eos_token_id

@@ -30,11 +30,11 @@ from typing import Any
 from padless.attention import set_varlen_kernel
 from padless.errors import InputError
 from padless.logs import log_to_file
+from padless.trainers.checkpoint import STATE_FILE  # written last into a checkpoint: present means complete
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-STATE_FILE = "trainer_state.json"  # written last into a checkpoint: its presence means complete
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-checkpoint-\d+$")
 # What a padless run writes into its folder: what overwrite_output_dir deletes.

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 
 
-class StrategyError(RuntimeError):
+class StrategyError(ValueError):
     """The requested data-parallel strategy cannot run as asked."""
 
 

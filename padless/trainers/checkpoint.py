@@ -32,6 +32,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from padless.engine import inner_engine
+from padless.errors import InputError
 
 STATE_FILE = "trainer_state.json"
 PLAN_FILE = "plan.json"
@@ -269,7 +270,7 @@ def load_checkpoint(
     world = accelerator.num_processes
     sharded = {"fsdp2", "zero2", "zero3"}
     if {state.strategy, strategy} & sharded and (state.strategy, state.world_size) != (strategy, world):
-        raise RuntimeError(
+        raise InputError(
             f"{path} was written by {state.strategy} on {state.world_size} process(es); this run is "
             f"{strategy} on {world}: optimizer shards only fit the layout that wrote them. Resume with "
             f"the same accelerate config and process count, or start a new run from {path} as the model"
@@ -313,7 +314,7 @@ def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
     missing = sorted(set(expected) - set(weights) - tied)
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
-        raise RuntimeError(
+        raise InputError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; resume with the model settings it was trained with"
         )

@@ -2,10 +2,11 @@
 
 ``varlen`` is our own backend, registered with transformers' ``AttentionInterface``: it reads the
 sequence boundaries (``cu_seq_lens_q/k``) that :func:`padless.model.forward_packed` passes through the
-model's forward and runs one causal attention per sequence. transformers' own ``sdpa``, ``eager``,
-``flex_attention`` and ``flash_attention_2`` are driven through position_ids that restart per sequence,
-with no attention mask and no KV cache (with a cache, transformers skips its per-sequence mask and
-packed sequences silently attend to each other).
+model's forward and runs attention within each sequence, honouring every argument transformers passes
+(causal or not, sliding windows, soft-caps, sinks, scale, MLA head sizes) or refusing. transformers' own
+``sdpa``, ``eager``, ``flex_attention`` and ``flash_attention_2`` are driven through position_ids that
+restart per sequence, with no attention mask and no KV cache (with a cache, transformers skips its
+per-sequence mask and packed sequences silently attend to each other).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
+import logging
+import math
 from collections import Counter
 from collections.abc import Iterator
-from itertools import pairwise
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -23,11 +27,16 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from padless.tolerance import bound
 from padless.vision import uses_mrope
 
 BACKENDS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 VARLEN_NAME = "padless_varlen"  # the name under which transformers sees our backend
 VARLEN_KERNELS = ("auto", "sdpa", "torch", "flash_attn")
+FUSED_DTYPES = (torch.float16, torch.bfloat16)  # all that flash-attn and PyTorch's varlen_attn take
+FUSED_MAX_HEAD_DIM = 256  # both kernels' documented limit
+
+log = logging.getLogger(__name__)
 
 # kernel name -> number of attention-layer calls; read by the load-time probe and by `padless check`.
 KERNEL_CALLS: Counter[str] = Counter()
@@ -117,17 +126,19 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel ``varlen`` runs for tensors on ``device`` in ``dtype``.
 
     CUDA half precision uses flash-attn when installed, else PyTorch's ``varlen_attn``; everything else
-    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact per-sequence SDPA.
+    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact per-sequence attention
+    (``sdpa``). A layer that asks for something the fused kernel lacks runs exact too (see
+    :func:`varlen_attention_forward`).
     """
     choice = _varlen_kernel_choice
     if choice == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if device.type == "cuda" and dtype in FUSED_DTYPES:
             return "flash_attn" if flash_attn_installed() else "torch"
         return "sdpa"
     problem = varlen_kernel_problem(choice, device)
     if problem:
         raise AttentionError(problem)
-    if choice != "sdpa" and dtype not in (torch.float16, torch.bfloat16):
+    if choice != "sdpa" and dtype not in FUSED_DTYPES:
         raise AttentionError(f"varlen kernel {choice!r} runs fp16/bf16 only, got {dtype}; use dtype=bfloat16")
     return choice
 
@@ -143,10 +154,21 @@ def _spans(
     if cu is not None:
         if batch != 1:
             raise AttentionError(f"cu_seq_lens describe one packed row, got a batch of {batch} rows")
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k.to(cu.device, cu.dtype), cu):
+            raise AttentionError(
+                "cu_seq_lens_k differs from cu_seq_lens_q: varlen runs self-attention over whole sequences "
+                "only (no cross-attention, no KV cache)"
+            )
         bounds = cu.tolist()
         return [(0, s, e) for s, e in pairwise(bounds)]
     spans = []
     if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise AttentionError(
+                f"varlen takes a 2D padding mask, got a {attention_mask.dim()}D mask: this model builds its "
+                "own attention mask, which varlen would not follow; use attn_implementation=sdpa or eager"
+            )
         for row in range(batch):
             real = torch.nonzero(attention_mask[row]).flatten().tolist()
             if real and real[-1] - real[0] + 1 != len(real):
@@ -167,34 +189,151 @@ def _spans(
     return spans
 
 
-def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window, causal=True) -> torch.Tensor:
-    """Exact attention, one SDPA call per sequence: cost sum of L_i^2, never a [T, T] mask.
+@dataclass(frozen=True)
+class AttentionArgs:
+    """What one attention call asks for besides q, k, v and where the sequences lie."""
+
+    scale: float
+    causal: bool
+    window: int | None  # transformers' sliding_window: query i sees key j when 0 <= i - j < window
+    softcap: float | None  # scores -> softcap * tanh(scores / softcap), before the mask
+    sinks: torch.Tensor | None  # [H]: one learned logit per head in the softmax's denominator, value zero
+    dropout: float
+
+
+# Read by varlen to find the sequences.
+_BOUNDARY_KWARGS = frozenset(
+    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"}
+)
+# Flags of the model's forward that transformers hands on to every attention call; none of them changes
+# what attention computes.
+_INERT_KWARGS = frozenset(
+    {
+        "use_cache",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "image_sizes",  # InternVL's forward hands its language model the image sizes, unused there
+    }
+)
+
+
+def architecture(module: torch.nn.Module) -> str:
+    """``Gemma2Attention (gemma2)``: how errors name the layer that asked."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return type(module).__name__ + (f" ({model_type})" if model_type else "")
+
+
+def _attention_args(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> AttentionArgs:
+    """Every argument transformers passed, honoured or refused: an argument varlen does not know stops."""
+    unknown = sorted(set(kwargs) - _BOUNDARY_KWARGS - _INERT_KWARGS - {"output_attentions"})
+    if unknown:
+        raise AttentionError(
+            f"{architecture(module)} passes {', '.join(unknown)} to its attention function, which padless's "
+            "varlen backend does not implement; it stops rather than ignore it. Use attn_implementation="
+            "eager for this model, or report it with `padless doctor` output."
+        )
+    if kwargs.get("output_attentions"):
+        raise AttentionError(
+            "varlen computes no attention weights (output_attentions=True); use attn_implementation=eager"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if sliding_window is not None and not causal:
+        raise AttentionError(
+            f"{architecture(module)} asks for bidirectional sliding-window attention; transformers' own "
+            "kernels disagree on its width (masks: |i - j| <= window, flash: < window), so varlen refuses "
+            "rather than pick one. Use attn_implementation=eager."
+        )
+    if s_aux is not None and s_aux.shape != (query.shape[1],):
+        raise AttentionError(
+            f"{architecture(module)} passes attention sinks of shape {tuple(s_aux.shape)}; varlen takes one "
+            f"sink per query head ({query.shape[1]},)"
+        )
+    return AttentionArgs(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        causal=causal,
+        window=sliding_window,
+        softcap=softcap or None,
+        sinks=s_aux,
+        dropout=dropout,
+    )
+
+
+def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Tensor | None:
+    """``[L, L]`` bool: which keys each query of one sequence sees (``None``: all of them)."""
+    if not args.causal:
+        return None
+    i = torch.arange(length, device=device)
+    allowed = i[:, None] >= i[None]
+    if args.window is not None:
+        allowed &= i[:, None] - i[None] < args.window
+    return allowed
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """One sequence written out: q ``[H, L, Dqk]``, k ``[Hkv, L, Dqk]``, v ``[Hkv, L, Dv]`` -> ``[H, L, Dv]``.
+
+    For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
+    eager kernels do; memory ``H * L^2`` for this one sequence only.
+    """
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * args.scale
+    if args.softcap is not None:
+        scores = torch.tanh(scores / args.softcap) * args.softcap
+    allowed = _allowed(q.shape[1], args, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    if args.sinks is not None:
+        sink = args.sinks.float().reshape(-1, 1, 1).expand(-1, q.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    if args.dropout:
+        probs = F.dropout(probs, p=args.dropout)
+    return probs.to(v.dtype) @ v
+
+
+def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
+    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask.
 
     Outputs are concatenated (zeros where a row is padding) rather than written into a preallocated
     tensor, whose backward would copy the whole tensor once per sequence.
     """
-    batch, heads, length, dim = q.shape
+    batch, heads, length, _ = q.shape
+    dim = v.shape[-1]
     rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     ends = [0] * batch
     for row, s, e in spans:
         if s > ends[row]:
             rows[row].append(q.new_zeros(heads, s - ends[row], dim))
-        mask = None
-        if causal and sliding_window is not None and e - s > sliding_window:
-            i = torch.arange(e - s, device=q.device)
-            mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window)
-        rows[row].append(
-            F.scaled_dot_product_attention(
-                q[row, :, s:e],
-                k[row, :, s:e],
-                v[row, :, s:e],
-                attn_mask=mask,
-                is_causal=causal and mask is None,
-                dropout_p=dropout,
-                scale=scaling,
+        qs, ks, vs = q[row, :, s:e], k[row, :, s:e], v[row, :, s:e]
+        if args.softcap is not None or args.sinks is not None:
+            out = _math_attention(qs, ks, vs, args)
+        else:
+            allowed = _allowed(e - s, args, q.device) if args.window is not None else None
+            out = F.scaled_dot_product_attention(
+                qs,
+                ks,
+                vs,
+                attn_mask=allowed,
+                is_causal=args.causal and allowed is None,
+                dropout_p=args.dropout,
+                scale=args.scale,
                 enable_gqa=heads != k.shape[1],
             )
-        )
+        rows[row].append(out)
         ends[row] = e
     for row in range(batch):
         if ends[row] < length:
@@ -202,22 +341,47 @@ def _sdpa_per_sequence(q, k, v, spans, scaling, dropout, sliding_window, causal=
     return torch.stack([torch.cat(pieces, dim=1) for pieces in rows]).transpose(1, 2)
 
 
-def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window, causal=True) -> torch.Tensor:
+def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str | None:
+    """What of ``args`` the fused ``kernel`` cannot compute (``None``: it computes all of it).
+
+    flash-attn's ``flash_attn_varlen_func`` takes causal masks, windows, soft-capping, dropout and GQA;
+    PyTorch's ``varlen_attn`` takes causal masks, windows and GQA. Neither takes sinks; both take head
+    sizes up to 256 (padless pads q, k and v to one size, a multiple of 8, and crops the output).
+    """
+    if args.sinks is not None:
+        return "attention sinks (s_aux)"
+    if kernel == "torch" and args.softcap is not None:
+        return "attention soft-capping (softcap)"
+    if kernel == "torch" and args.dropout:
+        return "attention dropout"
+    if head_dim > FUSED_MAX_HEAD_DIM:
+        return f"head size {head_dim} (at most {FUSED_MAX_HEAD_DIM})"
+    return None
+
+
+def _fused_varlen(kernel: str, q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
     """One fused varlen call over all sequences; padded rows are gathered into a packed row and back."""
-    batch, heads, length, dim = q.shape
-    lens = torch.tensor([e - s for _, s, e in spans], device=q.device)
-    cu = torch.zeros(len(spans) + 1, dtype=torch.int32, device=q.device)
-    cu[1:] = lens.cumsum(0)
-    max_len = int(lens.max())
-    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (q, k, v)]  # [B*T, H, D]
-    contiguous = batch == 1 and spans[0][1] == 0 and spans[-1][2] == length
+    batch, heads, length, _ = q.shape
+    out_dim = v.shape[-1]
+    dim = -(-max(q.shape[-1], out_dim) // 8) * 8  # one head size for q, k and v, a multiple of 8
+    lens = [e - s for _, s, e in spans]
+    cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
+    max_len = max(lens)
+    flat = [
+        (F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t)
+        .transpose(1, 2)
+        .reshape(batch * length, t.shape[1], dim)
+        for t in (q, k, v)
+    ]  # [B*T, H, D], last dim contiguous
     index = None
-    if not contiguous:
+    if not (batch == 1 and spans[0][1] == 0 and spans[-1][2] == length):
         index = torch.cat(
             [torch.arange(r * length + s, r * length + e, device=q.device) for r, s, e in spans]
         )
         flat = [t[index] for t in flat]
-    window = ((sliding_window - 1, 0) if sliding_window else (-1, 0)) if causal else (-1, -1)
+    window = (-1, 0) if args.window is None else (args.window - 1, 0)  # (left, right), -1: unbounded
+    if not args.causal:
+        window = (-1, -1)
     if kernel == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
@@ -227,24 +391,31 @@ def _fused_varlen(kernel, q, k, v, spans, scaling, dropout, sliding_window, caus
             cu,
             max_len,
             max_len,
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=causal,
+            dropout_p=args.dropout,
+            softmax_scale=args.scale,
+            causal=args.causal,
             window_size=window,
+            softcap=args.softcap or 0.0,
         )
     else:
-        if dropout:
-            raise AttentionError("PyTorch's varlen_attn has no dropout; set attention_dropout to 0")
         from torch.nn.attention.varlen import varlen_attn
 
         out = varlen_attn(
-            *flat, cu, cu, max_len, max_len, scale=scaling, window_size=window, enable_gqa=heads != k.shape[1]
+            *flat,
+            cu,
+            cu,
+            max_len,
+            max_len,
+            scale=args.scale,
+            window_size=window,
+            enable_gqa=heads != k.shape[1],
         )
+    out = out[..., :out_dim]
     if index is not None:
-        full = out.new_zeros(batch * length, heads, dim)
+        full = out.new_zeros(batch * length, heads, out_dim)
         full[index] = out
         out = full
-    return out.reshape(batch, length, heads, dim)
+    return out.reshape(batch, length, heads, out_dim)
 
 
 def varlen_attention_forward(
@@ -256,30 +427,55 @@ def varlen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention within each sequence. Shapes: q ``[B, H, T, D]``, out ``[B, T, H, D]``.
-
-    Causal unless the caller says ``is_causal=False`` (or the module does), as vision towers do.
+    """Attention within each sequence. q ``[B, H, T, Dqk]``, v ``[B, Hkv, T, Dv]`` -> out ``[B, T, H, Dv]``.
 
     Sequences come from ``cu_seq_lens_q`` (packed row), else from a 2D padding mask (left or right padded
-    rows, as ``generate`` prefill sends), else from restarts of ``position_ids``.
+    rows, as ``generate`` prefill sends), else from restarts of ``position_ids``. Honours causal or
+    bidirectional attention (``is_causal``, else ``module.is_causal``), sliding windows, soft-capping,
+    sinks, the scale and value head sizes that differ from the query's (MLA); refuses anything else.
     """
     if key.shape[2] != query.shape[2]:
         raise AttentionError(
             "the varlen backend runs whole sequences and takes no KV cache; generate with padless.rollout "
             "(which decodes with sdpa) or pass use_cache=False"
         )
+    args = _attention_args(module, query, dropout, scaling, sliding_window, softcap, s_aux, is_causal, kwargs)
     batch, _, length, _ = query.shape
     spans = _spans(batch, length, attention_mask, kwargs)
     kernel = varlen_kernel(query.device, query.dtype)
+    if kernel != "sdpa":
+        lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
+        if lacking:
+            if _varlen_kernel_choice != "auto":
+                raise AttentionError(
+                    f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
+                    "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
+                )
+            _log_once(
+                f"varlen: {kernel} has no {lacking} ({architecture(module)}): those layers run exact "
+                "per-sequence attention instead"
+            )
+            kernel = "sdpa"
     KERNEL_CALLS[f"varlen:{kernel}"] += 1
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
-    args = (query, key, value, spans, scaling, dropout, sliding_window, causal)
+    if not spans:  # every row is padding
+        return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
     if kernel == "sdpa":
-        return _sdpa_per_sequence(*args), None
-    return _fused_varlen(kernel, *args), None
+        return _exact_per_sequence(query, key, value, spans, args), None
+    return _fused_varlen(kernel, query, key, value, spans, args), None
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
@@ -352,12 +548,40 @@ def attention_in_use(model: torch.nn.Module) -> str:
     return "varlen" if impl == VARLEN_NAME else str(impl)
 
 
+# Layer kinds that mix tokens only through attention, which padless isolates per sequence.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def packing_problem(model: torch.nn.Module) -> str | None:
+    """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
+
+    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, Mamba hybrids) carry a state from
+    token to token that position ids cannot reset: they need ``cu_seqlens`` / ``seq_idx`` in kernels
+    that honour them. In transformers 5.23 the PyTorch path refuses those arguments and ignores
+    position ids, and with flash-linear-attention alone the causal convolution still crosses sequence
+    boundaries; padless, which runs every forward packed, refuses such models.
+    """
+    config = _text_config(model)
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        name = getattr(config, "model_type", type(model).__name__)
+        return (
+            f"{name} has {', '.join(other)} layers, which carry a state across packed sequence boundaries "
+            "(transformers 5.23 keeps packed sequences apart in them only with kernels padless cannot "
+            "verify); padless runs every forward packed, so it does not support this architecture"
+        )
+    return None
+
+
 def assert_attention(model: torch.nn.Module, backend: str) -> None:
-    """Cheap guard before each forward: the config still dispatches to ``backend``.
+    """Cheap guard before each forward: the model packs, and its config still dispatches to ``backend``.
 
     transformers writes ``attn_implementation`` into config objects, so a second model built from a
     shared config can silently switch this one's kernel.
     """
+    problem = packing_problem(model)
+    if problem:
+        raise AttentionError(problem)
     running = attention_in_use(model)
     if running != backend:
         raise AttentionError(
@@ -367,74 +591,116 @@ def assert_attention(model: torch.nn.Module, backend: str) -> None:
         )
 
 
-def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | None = None) -> dict[str, Any]:
-    """Prove ``backend`` runs and isolates packed sequences; raise :class:`AttentionError` if not.
+PROBE_MAX_LENGTH = 64  # the probe's longer sequence outgrows sliding windows up to this size
 
-    Runs two random sequences packed and each alone, counts calls of the registered attention functions,
-    and compares per-token hidden states. Returns what it measured.
+
+def _probe_inputs(config: Any, device: torch.device) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Two random sequences and the kwargs of their packed row. The first outgrows the model's sliding
+    window when that is short enough to afford (longer windows are covered by tests, not at load)."""
+    gen = torch.Generator().manual_seed(0)
+    window = getattr(config, "sliding_window", None) or 0
+    lens = (max(11, min(window + 3, PROBE_MAX_LENGTH)), 5)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lens]
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+    return seqs, {
+        "input_ids": torch.cat(seqs)[None],
+        "position_ids": torch.cat([torch.arange(n, device=device) for n in lens])[None],
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max(lens),
+        "max_length_k": max(lens),
+    }
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every config object the model and its modules read their attention kernel from."""
+    found: dict[int, Any] = {}
+    stack = [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    while stack:
+        config = stack.pop()
+        if config is None or not hasattr(config, "_attn_implementation_internal") or id(config) in found:
+            continue
+        found[id(config)] = config
+        stack += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _eager(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` on transformers' eager attention inside the block; afterwards every config (and
+    sub-config) dispatches exactly where it did before."""
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    try:
+        for config, _ in saved:
+            config._attn_implementation_internal = "eager"
+        yield
+    finally:
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
+
+
+def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | None = None) -> dict[str, Any]:
+    """Prove ``backend`` runs and computes what eager computes on packed sequences; raise if not.
+
+    Runs two random sequences packed on ``backend``, counting calls of the registered attention
+    functions, and compares per-token hidden states with each sequence run alone on transformers'
+    eager attention: an independent reference, so a kernel that is consistent but wrong (a dropped
+    soft-cap, sink or window) fails here as surely as one that leaks between sequences. The bound
+    scales with the hidden states' size (:mod:`padless.tolerance`); ``tolerance`` overrides it.
     """
     assert_attention(model, backend)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     config = _text_config(model)
     layers = config.num_hidden_layers
-    gen = torch.Generator().manual_seed(0)
-    lens = (11, 5)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lens]
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])[None]
+    seqs, packed_kwargs = _probe_inputs(config, device)
     if uses_mrope(model.config):  # packed M-RoPE ids: the text row on 3 rope rows (all equal for text)
-        positions = positions.expand(4, 1, -1)
-    packed_kwargs = {
-        "input_ids": torch.cat(seqs)[None],
-        "position_ids": positions,
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": max(lens),
-        "max_length_k": max(lens),
-    }
+        packed_kwargs["position_ids"] = packed_kwargs["position_ids"].expand(4, 1, -1)
     decoder = model.get_decoder()
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), runtime_context(backend, device), count_attention_calls() as counts:
-            packed = decoder(**packed_kwargs, use_cache=False).last_hidden_state[0].float()
-            expected = {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" else {}
-            packed_calls = dict(counts)  # before the reference forwards below add their own calls
-            if packed_calls != expected:
-                got = ", ".join(f"{k}: {v}" for k, v in counts.items()) or "no registered function"
-                raise AttentionError(
-                    f"requested attention {backend!r} but a packed forward called {got} "
-                    f"(expected {expected or 'the eager default'} over {layers} layers). transformers chose "
-                    "another kernel; check attn_implementation and that the kernel's package is installed."
+        with torch.no_grad(), runtime_context(backend, device):
+            kernels_before = Counter(KERNEL_CALLS)
+            with count_attention_calls() as counts:
+                packed = decoder(**packed_kwargs, use_cache=False).last_hidden_state[0].float()
+            kernels = sorted((KERNEL_CALLS - kernels_before).keys())
+            with _eager(model):
+                alone = torch.cat(
+                    [
+                        decoder(
+                            input_ids=s[None],
+                            position_ids=torch.arange(len(s), device=device)[None],
+                            use_cache=False,
+                        )
+                        .last_hidden_state[0]
+                        .float()
+                        for s in seqs
+                    ]
                 )
-            alone = torch.cat(
-                [
-                    decoder(
-                        input_ids=s[None],
-                        position_ids=torch.arange(len(s), device=device)[None],
-                        use_cache=False,
-                    )
-                    .last_hidden_state[0]
-                    .float()
-                    for s in seqs
-                ]
-            )
     finally:
         model.train(was_training)
-    delta = (packed - alone).abs().max().item()
-    if tolerance is None:
-        tolerance = 1e-3 if dtype == torch.float32 else 0.25
-    if not delta <= tolerance:
+    expected = {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" else {}
+    if dict(counts) != expected:
+        got = ", ".join(f"{k}: {v}" for k, v in counts.items()) or "no registered function"
         raise AttentionError(
-            f"attention {backend!r} leaks between packed sequences: "
-            f"max |delta hidden| {delta:.3g} > {tolerance:g}. "
-            "Packed sequences attended to each other; report this with `padless doctor` output."
+            f"requested attention {backend!r} but a packed forward called {got} "
+            f"(expected {expected or 'the eager default'} over {layers} layers). transformers chose "
+            "another kernel; check attn_implementation and that the kernel's package is installed."
         )
-    kernel = varlen_kernel(device, dtype) if backend == "varlen" else backend
+    delta = (packed - alone).abs().max().item()
+    limit = tolerance if tolerance is not None else bound(dtype, alone.abs().max().item())
+    if not delta <= limit:
+        raise AttentionError(
+            f"attention {backend!r} leaks between packed sequences or drops an attention argument: packed, "
+            f"its hidden states differ from each sequence alone on eager by {delta:.3g} > {limit:.3g}; "
+            "report this with `padless doctor` output."
+        )
+    kernel = ",".join(k.removeprefix("varlen:") for k in kernels) if backend == "varlen" else backend
     return {
         "backend": backend,
         "kernel": kernel,
-        "calls": sum(packed_calls.values()),
+        "calls": sum(counts.values()),
         "max_delta_hidden": delta,
+        "bound": limit,
     }

@@ -1,14 +1,20 @@
 """The invariance matrix: the same sequences in four layouts on every backend, compared per token.
 
-Reference: each sequence run alone with ``eager`` attention, the textbook kernel that has nothing to
-get wrong for one unpadded sequence. Every cell reports the largest per-token |delta log-prob| against it.
+Reference: each sequence run alone with ``eager`` attention, transformers' own textbook kernel, which
+implements every argument of its architecture and has nothing to get wrong for one unpadded sequence.
+Every cell reports the largest per-token |delta log-prob| against it, beside its bound
+(:mod:`padless.tolerance`: the dtype's epsilon times the size of the logits compared).
+
+A backend either produces its cells or is reported as unavailable on this machine (no CUDA, package
+missing) or refused for this model (loading it would stop: padless's probe or transformers said no,
+with the reason). :func:`run_zoo` runs the matrix over the tiny architectures of :mod:`padless.zoo`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -25,20 +31,11 @@ from padless.attention import (
 )
 from padless.model import forward_packed
 from padless.packing import Example, pack, to_padded
+from padless.tolerance import FORMULA, bound
+from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, scale_head
 
 LAYOUTS = ("alone", "left", "right", "packed")
 DEFAULT_LENGTHS = (4, 19, 77, 160)
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Allowed max |delta log-prob| per token.
-
-    fp32: round-off of reordered sums, measured ~1e-6 on CPU. Half precision: bf16 keeps 8 bits of
-    mantissa, so kernels that sum in a different order differ by a few bf16 ulps of the logits
-    (logits of magnitude ~10 have an ulp of 0.06); 0.1 is a few such ulps, far below the ~0.5-1 that
-    contamination between sequences produces.
-    """
-    return 1e-5 if dtype == torch.float32 else 0.1
 
 
 @dataclass
@@ -46,16 +43,27 @@ class Cell:
     backend: str
     layout: str
     max_delta: float | None = None
+    bound: float | None = None
     error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.max_delta is not None and self.max_delta <= self.bound
 
 
 @dataclass
 class BackendRow:
+    """One backend on one model: its cells, or why it produced none."""
+
     backend: str
-    kernel: str | None
-    kernel_ok: bool
-    cells: list[Cell]
-    skipped: str | None = None
+    kernel: str | None = None
+    cells: list[Cell] = field(default_factory=list)
+    unavailable: str | None = None  # cannot run on this machine (device, package)
+    refused: str | None = None  # loading the model on it stops, with this reason
+
+    @property
+    def ran(self) -> bool:
+        return self.unavailable is None and self.refused is None
 
 
 def probe_sequences(
@@ -73,7 +81,7 @@ def probe_sequences(
     return seqs
 
 
-def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log p(ids[t + 1] | ids[: t + 1]) for t < L - 1, from logits ``[L, V]``."""
     return logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
 
@@ -88,14 +96,7 @@ def layout_logps(
         out = forward_packed(model, batch).logps
         return [t[:-1] for t in batch.split(out)]
     if layout == "alone":
-        result = []
-        for s in seqs:
-            ids = torch.tensor(s, device=device)
-            logits = model(
-                input_ids=ids[None], position_ids=torch.arange(len(s), device=device)[None], use_cache=False
-            )
-            result.append(_next_token_logps(logits.logits[0], ids))
-        return result
+        return alone_logps(model, seqs).logps
     padded = to_padded(batch, layout, pad_id)
     logits = model(
         input_ids=padded.input_ids,
@@ -104,7 +105,36 @@ def layout_logps(
         use_cache=False,
     ).logits
     real = padded.attention_mask.bool()
-    return [_next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(seqs))]
+    return [next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(seqs))]
+
+
+@dataclass
+class Alone:
+    """Each sequence run alone: next-token log-probs ``[L_i - 1]`` and the sizes of what they came from."""
+
+    logps: list[torch.Tensor]
+    max_logit: float  # largest |logit| at the predicting positions
+    max_logp: float  # largest |log-prob| of a next token
+
+    @property
+    def magnitude(self) -> float:
+        return max(self.max_logit, self.max_logp)
+
+
+def alone_logps(model: PreTrainedModel, seqs: list[list[int]]) -> Alone:
+    """Each sequence run alone through a plain forward (batch of one, no padding, no packing)."""
+    device = next(model.parameters()).device
+    result = Alone([], 0.0, 0.0)
+    for s in seqs:
+        ids = torch.tensor(s, device=device)
+        logits = model(
+            input_ids=ids[None], position_ids=torch.arange(len(s), device=device)[None], use_cache=False
+        ).logits[0]
+        logps = next_token_logps(logits, ids)
+        result.logps.append(logps)
+        result.max_logit = max(result.max_logit, logits[:-1].float().abs().max().item())
+        result.max_logp = max(result.max_logp, logps.abs().max().item())
+    return result
 
 
 def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -117,13 +147,19 @@ def run_matrix(
     pad_id: int,
     backends: tuple[str, ...] = BACKENDS,
     layouts: tuple[str, ...] = LAYOUTS,
-    logps: Callable[..., list[torch.Tensor]] = layout_logps,
-) -> list[BackendRow]:
-    """Switch ``model`` through each backend and fill the matrix. The model ends on its first backend.
+    logps: Callable[..., list[torch.Tensor]] | None = None,
+    alone: Callable[..., Alone] | None = None,
+) -> tuple[list[BackendRow], float]:
+    """Switch ``model`` through each backend and fill the matrix; also returns the bound of every cell.
 
-    ``logps(model, seqs, layout, pad_id)`` computes one layout (image+text sequences bring their own).
+    A backend is probed as :func:`padless.model.load_model` would (a failed probe is a refusal, with its
+    message). The model ends on the backend it came with, in the mode it came in. ``logps(model, seqs,
+    layout, pad_id)`` and ``alone(model, seqs)`` compute the layouts (image+text sequences bring their own:
+    :mod:`padless.check_vision`).
     """
+    logps, alone = logps or layout_logps, alone or alone_logps
     device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
     original = getattr(model, "padless_attention", "varlen")
     was_training = model.training
     model.eval()
@@ -131,40 +167,36 @@ def run_matrix(
     try:
         with torch.no_grad():
             _switch(model, "eager")
-            reference = logps(model, seqs, "alone", pad_id)
+            single = alone(model, seqs)
+            reference, limit = single.logps, bound(dtype, single.magnitude)
             for backend in backends:
                 problem = backend_problem(backend, device)
                 if problem:
-                    rows.append(BackendRow(backend, None, False, [], skipped=problem))
+                    rows.append(BackendRow(backend, unavailable=problem))
                     continue
                 try:
                     _switch(model, backend)
-                except ValueError as e:  # transformers refuses kernels the architecture does not support
-                    rows.append(BackendRow(backend, None, False, [], skipped=str(e).split(". ")[0]))
+                    kernel = probe_attention(model, backend)["kernel"]
+                except (AttentionError, ValueError) as e:  # transformers refuses with ValueError
+                    rows.append(BackendRow(backend, refused=_one_line(e)))
                     continue
-                try:
-                    info = probe_attention(model, backend, tolerance=math.inf)
-                    kernel, kernel_ok = info["kernel"], True
-                except AttentionError as e:
-                    kernel, kernel_ok = str(e), False
-                cells = []
+                row = BackendRow(backend, kernel)
                 with runtime_context(backend, device):
                     for layout in layouts:
                         try:
-                            cells.append(
-                                Cell(
-                                    backend,
-                                    layout,
-                                    max_delta(logps(model, seqs, layout, pad_id), reference),
-                                )
-                            )
+                            got = logps(model, seqs, layout, pad_id)
+                            row.cells.append(Cell(backend, layout, max_delta(got, reference), limit))
                         except Exception as e:  # a crash is a result here: report it in the cell
-                            cells.append(Cell(backend, layout, error=f"{type(e).__name__}: {e}"))
-                rows.append(BackendRow(backend, kernel, kernel_ok, cells))
+                            row.cells.append(Cell(backend, layout, bound=limit, error=_one_line(e)))
+                rows.append(row)
     finally:
         _switch(model, original)
         model.train(was_training)
-    return rows
+    return rows, limit
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _switch(model: PreTrainedModel, backend: str) -> None:
@@ -172,37 +204,151 @@ def _switch(model: PreTrainedModel, backend: str) -> None:
     model.padless_attention = backend
 
 
-def matrix_ok(rows: list[BackendRow], tol: float) -> bool:
-    cells = [c for r in rows for c in r.cells]
-    return all(r.kernel_ok for r in rows if not r.skipped) and all(
-        c.error is None and c.max_delta is not None and c.max_delta <= tol for c in cells
-    )
+def failures(rows: list[BackendRow], requested: tuple[str, ...] | None = None) -> list[str]:
+    """Why the matrix does not prove invariance (empty: it does).
+
+    Fails when nothing was checked, when a cell is over its bound or crashed, and when a backend in
+    ``requested`` did not run (by default every backend this machine has must run: a refusal fails).
+    """
+    requested = requested or tuple(r.backend for r in rows if r.unavailable is None)
+    found = [
+        f"{r.backend} did not run: {r.unavailable or r.refused}"
+        for r in rows
+        if r.backend in requested and not r.ran
+    ]
+    found += [
+        f"{c.backend}/{c.layout}: " + (c.error or f"{c.max_delta:.3g} > bound {c.bound:.3g}")
+        for r in rows
+        for c in r.cells
+        if not c.ok
+    ]
+    if not any(r.cells for r in rows):
+        found.append("nothing was checked: no requested backend ran")
+    return found
 
 
-def format_matrix(rows: list[BackendRow], tol: float, layouts: tuple[str, ...] = LAYOUTS) -> str:
-    width = 12
-    head = f"{'backend':<18}{'kernel ran':<22}" + "".join(f"{lay:>{width}}" for lay in layouts)
+def _cell_text(c: Cell) -> str:
+    if c.error:
+        return "ERROR"
+    return f"{c.max_delta:.1e} {'<=' if c.ok else '> '} {c.bound:.1e}"
+
+
+def format_matrix(rows: list[BackendRow], layouts: tuple[str, ...] = LAYOUTS) -> str:
+    width = 22
+    head = f"{'backend':<18}{'kernel ran':<16}" + "".join(f"{lay:>{width}}" for lay in layouts)
     lines = [head, "-" * len(head)]
     notes = []
     for r in rows:
-        if r.skipped:
-            lines.append(f"{r.backend:<18}{'skipped':<22}" + "".join(f"{'-':>{width}}" for _ in layouts))
-            notes.append(f"{r.backend}: {r.skipped}")
+        if not r.ran:
+            status = "unavailable" if r.unavailable else "refused"
+            lines.append(f"{r.backend:<18}{status:<16}" + "".join(f"{'-':>{width}}" for _ in layouts))
+            notes.append(f"{r.backend}: {r.unavailable or r.refused}")
             continue
-        kernel = (r.kernel if r.kernel_ok else "NO") or "?"
-        cells = []
-        for c in r.cells:
-            if c.error:
-                cells.append(f"{'ERROR':>{width}}")
-                notes.append(f"{r.backend}/{c.layout}: {c.error[:300]}")
-            else:
-                mark = "" if c.max_delta <= tol else "!"
-                cells.append(f"{c.max_delta:>{width - 1}.1e}{mark or ' '}")
-        lines.append(f"{r.backend:<18}{kernel:<22}" + "".join(cells))
-        if not r.kernel_ok:
-            notes.append(f"{r.backend}: {r.kernel}")
+        lines.append(
+            f"{r.backend:<18}{r.kernel or '?':<16}" + "".join(f"{_cell_text(c):>{width}}" for c in r.cells)
+        )
+        notes += [f"{r.backend}/{c.layout}: {c.error[:300]}" for c in r.cells if c.error]
     lines.append(
-        f"\nmax |delta log-prob| per token vs. each sequence alone on eager; tolerance {tol:g} ('!' = over)"
+        f"\nmax |delta log-prob| per token vs. each sequence alone on eager, beside its bound ({FORMULA})"
     )
     lines += [f"  note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model zoo
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ZooResult:
+    name: str
+    exercises: str
+    rows: list[BackendRow]
+    bound: float
+
+
+def zoo_model(
+    name: str, seqs: list[list[int]], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> PreTrainedModel:
+    """The zoo's ``name`` on eager, its head scaled so the largest |logit| on ``seqs`` is ``LOGIT_TARGET``."""
+    model = build_zoo_model(name, "eager", dtype).to(device)
+    model.padless_attention = "eager"
+    with torch.no_grad():
+        largest = alone_logps(model, seqs).max_logit
+    scale_head(model, LOGIT_TARGET / largest)
+    return model
+
+
+def run_zoo(
+    seqs: list[list[int]],
+    pad_id: int,
+    backends: tuple[str, ...] = BACKENDS,
+    names: tuple[str, ...] = tuple(ZOO),
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    layouts: tuple[str, ...] = LAYOUTS,
+) -> list[ZooResult]:
+    """The matrix of every zoo architecture (built in code, logits scaled to realistic size)."""
+    results = []
+    for name in names:
+        rows, limit = run_matrix(zoo_model(name, seqs, dtype, device), seqs, pad_id, backends, layouts)
+        results.append(ZooResult(name, ZOO[name].exercises, rows, limit))
+    return results
+
+
+def _status(row: BackendRow) -> str:
+    if row.unavailable:
+        return "not on this machine"
+    if row.refused:
+        return "refused"
+    return "exact" if all(c.ok for c in row.cells) else "FAILED"
+
+
+def zoo_failures(results: list[ZooResult], requested: tuple[str, ...] | None = None) -> list[str]:
+    """Why the zoo run does not prove its table (empty: it does). A refusal is a result, not a failure;
+    a cell over its bound, a crash, a requested backend missing from this machine or no cell at all are."""
+    rows = [(z.name, r) for z in results for r in z.rows]
+    found = sorted(
+        {
+            f"{r.backend} is not on this machine: {r.unavailable}"
+            for _, r in rows
+            if r.unavailable and requested and r.backend in requested
+        }
+    )
+    found += [
+        f"{name} {c.backend}/{c.layout}: " + (c.error or f"{c.max_delta:.3g} > bound {c.bound:.3g}")
+        for name, r in rows
+        for c in r.cells
+        if not c.ok
+    ]
+    if not any(r.cells for _, r in rows):
+        found.append("nothing was checked: no requested backend ran on any architecture")
+    return found
+
+
+def format_zoo(results: list[ZooResult], markdown: bool = False) -> str:
+    """One line per architecture, one column per backend: exact / refused (first sentence of the reason
+    below: ``ValueError`` is transformers refusing, ``AttentionError`` padless) / FAILED."""
+    backends = [r.backend for r in results[0].rows] if results else []
+    reasons: dict[str, int] = {}
+
+    def cell(row: BackendRow) -> str:
+        text = _status(row)
+        if row.refused:
+            number = reasons.setdefault(row.refused.split(". ")[0], len(reasons) + 1)
+            text += f" [{number}]"
+        return text
+
+    table = [[z.name, z.exercises, f"{z.bound:.1e}", *(cell(r) for r in z.rows)] for z in results]
+    head = ["architecture", "what its tiny config exercises", "bound", *backends]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(row) + " |" for row in table]
+        lines += ["", *(f"[{n}] {reason}  " for reason, n in reasons.items())]
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in [head, *table]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in table]
+    lines += ["", *(f"[{n}] {reason}" for reason, n in reasons.items())]
     return "\n".join(lines)

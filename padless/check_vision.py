@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from padless.check import Alone, next_token_logps
 from padless.data import Row, tokenize_sft
 from padless.data.images import ImageInputs
 from padless.model import forward_packed
@@ -41,8 +42,22 @@ def probe_examples(model: PreTrainedModel, processor: Any) -> list[Example]:
     return [replace(ex, loss_mask=None) for ex in examples]  # every token is compared, not only targets
 
 
-def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+def alone_logps(model: PreTrainedModel, examples: list[Example]) -> Alone:
+    """Each chat run alone through transformers' own forward: no position ids, so the model computes its
+    (M-RoPE) positions itself; also the sizes the tolerance bound scales with."""
+    device = next(model.parameters()).device
+    result = Alone([], 0.0, 0.0)
+    for ex in examples:
+        ids = torch.tensor(ex.input_ids, device=device)[None]
+        extra = {k: v.to(device) for k, v in (ex.vision or {}).items()}
+        if uses_mrope(model.config):
+            extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        logits = model(input_ids=ids, use_cache=False, **extra).logits[0]
+        logps = next_token_logps(logits, ids[0])
+        result.logps.append(logps)
+        result.max_logit = max(result.max_logit, logits[:-1].float().abs().max().item())
+        result.max_logp = max(result.max_logp, logps.abs().max().item())
+    return result
 
 
 def layout_logps(
@@ -54,15 +69,7 @@ def layout_logps(
     if layout == "packed":
         return [t[:-1] for t in batch.split(forward_packed(model, batch).logps)]
     if layout == "alone":
-        out = []
-        for ex in examples:
-            ids = torch.tensor(ex.input_ids, device=device)[None]
-            extra = {k: v.to(device) for k, v in (ex.vision or {}).items()}
-            if uses_mrope(model.config):
-                extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
-            logits = model(input_ids=ids, use_cache=False, **extra).logits[0]
-            out.append(_next_token_logps(logits, ids[0]))
-        return out
+        return alone_logps(model, examples).logps
     padded = to_padded(batch, layout, pad_id)
     logits = model(
         input_ids=padded.input_ids,
@@ -72,4 +79,4 @@ def layout_logps(
         **(padded.vision or {}),
     ).logits
     real = padded.attention_mask.bool()
-    return [_next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(examples))]
+    return [next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(examples))]

@@ -1,57 +1,93 @@
-"""Command line: ``padless check | doctor`` and the trainers."""
+"""Command line: ``padless check | doctor | generate`` and the trainers.
+
+Every failure ends in one message naming the file, row, key or path and the fix (exit 2 for input
+errors, 1 for runtime faults, 130 when interrupted); ``--debug`` or ``PADLESS_DEBUG=1`` adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from padless.attention import BACKENDS, AttentionError, set_varlen_kernel
+from padless.attention import BACKENDS, backend_problem, set_varlen_kernel, validate_backend_name
+from padless.errors import InputError, describe, exit_code
+from padless.logs import log_failure, setup_logging
 
 
 def _check(args: argparse.Namespace) -> int:
-    from padless import check_vision
-    from padless.check import (
-        LAYOUTS,
-        format_matrix,
-        layout_logps,
-        matrix_ok,
-        probe_sequences,
-        run_matrix,
-        tolerance,
-    )
+    from padless import check, check_vision
     from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
+    from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
     from padless.vision import is_vision_config, load_processor
 
+    if args.markdown and not args.zoo:
+        raise ValueError("--markdown prints the zoo's support table: add --zoo")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backends = tuple(b.strip() for b in args.backends.split(",")) if args.backends else BACKENDS
+    if args.zoo and not args.backends and device == "cpu":
+        # flex_attention compiles one kernel per shape on CPU: minutes per architecture.
+        backends = tuple(b for b in backends if b != "flex_attention")
+    for backend in backends:
+        validate_backend_name(backend)  # an unknown name stops before any work, with a suggestion
+    requested = backends if args.backends else None
+    missing = {b: problem for b in backends if (problem := backend_problem(b, device))}
+    if len(missing) == len(backends):  # fail before building anything
+        print("FAILED: nothing was checked:", file=sys.stderr)
+        print("\n".join(f"  {b}: {problem}" for b, problem in missing.items()), file=sys.stderr)
+        return 1
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 must mean fp32 in an fp32 check
     if args.varlen_kernel:
         set_varlen_kernel(args.varlen_kernel)
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, attn_implementation="varlen", dtype=dtype, device=device)
-    pad_id = pad_token_id(tokenizer)
-    if is_vision_config(model.config):  # image+text chats, run with their pixel values and M-RoPE rows
-        seqs = check_vision.probe_examples(model, load_processor(args.model))
-        logps = check_vision.layout_logps
+    name = "the model zoo" if args.zoo else args.model
+    if args.zoo:
+        seqs = check.probe_sequences(tiny_tokenizer())
+        pad_id = PAD_TOKEN_ID
     else:
-        seqs, logps = probe_sequences(tokenizer), layout_logps
-    backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
-    tol = args.tolerance if args.tolerance is not None else tolerance(dtype)
-    print(
-        f"model {args.model}  device {device}  dtype {str(dtype).removeprefix('torch.')}  "
-        f"sequence lengths {[len(s) for s in seqs]}\n"
-    )
-    rows = run_matrix(model, seqs, pad_id, backends, LAYOUTS, logps)
-    print(format_matrix(rows, tol))
-    ok = matrix_ok(rows, tol)
-    print("\nOK: every cell within tolerance" if ok else "\nFAILED: see the cells marked '!' / ERROR above")
-    return 0 if ok else 1
+        tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+        pad_id = pad_token_id(tokenizer)
+        model = load_model(
+            args.model,
+            attn_implementation="varlen",
+            dtype=dtype,
+            device=device,
+            probe=False,
+            trust_remote_code=args.trust_remote_code,
+        )
+        layouts = {}
+        if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
+            seqs = check_vision.probe_examples(model, load_processor(args.model))
+            layouts = {"logps": check_vision.layout_logps, "alone": check_vision.alone_logps}
+        else:
+            seqs = check.probe_sequences(tokenizer)
+    if not args.markdown:
+        print(
+            f"{name}  device {device}  dtype {str(dtype).removeprefix('torch.')}  "
+            f"sequence lengths {[len(s) for s in seqs]}  backends {','.join(backends)}\n"
+        )
+    if args.zoo:
+        results = check.run_zoo(seqs, pad_id, backends, dtype=dtype, device=device)
+        print(check.format_zoo(results, markdown=args.markdown))
+        failed = check.zoo_failures(results, requested)
+    else:
+        rows, _ = check.run_matrix(model, seqs, pad_id, backends, **layouts)
+        print(check.format_matrix(rows))
+        failed = check.failures(rows, requested)
+    if failed:
+        print("\nFAILED:\n" + "\n".join(f"  {f}" for f in failed), file=sys.stderr)
+        return 1
+    if not args.markdown:
+        print("\nOK: every cell that ran is within its bound")
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -82,6 +118,11 @@ def _train(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
         config, overrides = None, [config, *overrides]
+    if config and not Path(config).exists() and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", config):
+        raise InputError(
+            f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
+            "or give the path of a YAML config"
+        )
     metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0
@@ -97,11 +138,16 @@ def _rm(args: argparse.Namespace) -> int:
     parser.add_argument("--out", help="write scored rows here (default: print them)")
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     opts = parser.parse_args(args.overrides)
     from padless.trainers.rm import score_file
 
+    if opts.max_length < 1:
+        raise InputError(
+            f"--max-length {opts.max_length}: must be at least 1; fix: pass e.g. --max-length 4096"
+        )
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = score_file(opts.model, opts.data, opts.out, opts.max_length, device)
+    path = score_file(opts.model, opts.data, opts.out, opts.max_length, device, opts.trust_remote_code)
     if path:
         print(f"wrote {path}")
     return 0
@@ -111,9 +157,23 @@ def _generate(args: argparse.Namespace) -> int:
     from padless.model import load_model, load_tokenizer
     from padless.rollout import generate
 
+    if not 0 <= args.temperature < float("inf"):
+        raise InputError(
+            f"--temperature {args.temperature}: must be a finite number >= 0; fix: pass 0 for greedy "
+            "decoding or e.g. 0.7 to sample"
+        )
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1; fix: pass e.g. 64")
+    if not all(p.strip() for p in args.prompt):
+        raise InputError("--prompt is empty; fix: pass the text to answer, e.g. --prompt 'What is 2 + 3?'")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_model(
+        args.model,
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        trust_remote_code=args.trust_remote_code,
+    )
     messages = [{"role": "user", "content": p} for p in args.prompt]
     prompts = [
         list(
@@ -143,11 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padless", description="Post-training in which padding never changes a number."
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a failure (also PADLESS_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="prove per-token invariance across layouts and attention backends")
-    check.add_argument(
+    which = check.add_mutually_exclusive_group()
+    which.add_argument(
         "--model", default="tiny-qwen2", help="embedded name, model directory or cached model id"
+    )
+    which.add_argument(
+        "--zoo",
+        action="store_true",
+        help="every architecture of padless.zoo (tiny configs built in code); on CPU without --backends, "
+        "flex_attention is left out (it compiles a kernel per shape: minutes per architecture)",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     check.add_argument(
@@ -157,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--varlen-kernel", choices=["auto", "sdpa", "torch", "flash_attn"], help="pin varlen's kernel"
     )
-    check.add_argument("--tolerance", type=float, help="max |delta log-prob| per token (default by dtype)")
+    check.add_argument("--markdown", action="store_true", help="with --zoo: print the support table only")
+    check.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     check.set_defaults(func=_check)
 
     for name, (_, _, title) in TRAINERS.items():
@@ -179,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as it is")
     gen.add_argument("--device", choices=["cpu", "cuda"])
+    gen.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     gen.set_defaults(func=_generate)
 
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
@@ -187,12 +259,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
+    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("PADLESS_DEBUG", "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    command = "padless"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"padless {args.command}"
+        setup_logging()
         return args.func(args)
-    except (AttentionError, ValueError, FileNotFoundError) as e:  # ConfigError and DataError are ValueErrors
-        print(f"padless {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except SystemExit as e:  # argparse printed the usage error (or --help)
+        return e.code if isinstance(e.code, int) else 2
+    except BaseException as e:
+        if debug:
+            traceback.print_exc()
+        message = f"{command}: error: {describe(e)}"
+        print(message, file=sys.stderr)
+        log_failure(message)
+        return exit_code(e)
+    finally:
+        from padless.trainers.rundir import end_all_runs
+
+        end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
 
 
 if __name__ == "__main__":

@@ -418,14 +418,7 @@ class _Builder:
                 raise _Mismatch(tp, value, f"write it as a whole number: {int(value)}")
             raise _Mismatch(tp, value, "write a whole number without quotes, e.g. 100")
         if tp is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):
-                try:
-                    return float(value.strip())
-                except ValueError:
-                    pass
-            raise _Mismatch(tp, value, "write a number, e.g. 3e-4 or 0.5")
+            return self.finite_float(value)
         if tp is str:
             if isinstance(value, str):
                 return value
@@ -450,6 +443,20 @@ class _Builder:
                 out[self.value(key_tp, k, f"{sub} (the key)")] = self.value(item_tp, v, sub)
             return out
         raise TypeError(f"config field {key!r} has a type padless.config cannot read: {tp!r}")
+
+    @staticmethod
+    def finite_float(value: Any) -> float:
+        """A number as a float; inf and nan are refused everywhere: no setting means anything with them."""
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
+        elif isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):
+            number = float(value.strip())
+        if number is None:
+            raise _Mismatch(float, value, "write a number, e.g. 3e-4 or 0.5")
+        if not math.isfinite(number):
+            raise _Mismatch("a finite number", value, "write a finite number, e.g. 3e-4 or 0.5")
+        return number
 
     def union(self, tp: Any, value: Any, key: str, base: Any) -> Any:
         members = [a for a in get_args(tp) if a is not type(None)]
@@ -581,9 +588,16 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
 REPORTERS = ("tensorboard", "jsonl")
 
 
+def _require_finite(name: str, value: Any) -> None:
+    """Configs built in Python skip the YAML reader's check: inf is no rate, size or count either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(name, f"must be a finite number, got {value!r}", f"set {name} to a finite value")
+
+
 def _require_positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
+        _require_finite(name, value)
         if not value > 0:
             raise invalid(name, f"must be > 0, got {value!r}", f"set {name} to a positive value")
 
@@ -591,6 +605,7 @@ def _require_positive(obj: Any, *names: str) -> None:
 def _require_non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
+        _require_finite(name, value)
         if not value >= 0:
             raise invalid(name, f"must be >= 0, got {value!r}", f"set {name} to 0 or more")
 
@@ -631,6 +646,7 @@ class ModelSettings:
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
     seed: int = 0  # init seed for embedded tiny models
+    trust_remote_code: bool = False  # run Python code shipped in a model folder (auto_map); never a prompt
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -687,9 +703,12 @@ class TrainSettings:
     eval_batch_size: int = 8
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int = 0  # 0: keep all
-    resume_from_checkpoint: str | None = None  # path, or "latest"
+    resume_from_checkpoint: str | None = None  # path, "latest" (must exist) or "auto" (latest if any)
+    overwrite_output_dir: bool = False  # a used output_dir is refused unless resuming or this is true
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
     report_to: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
     progress_bar: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # console and output_dir/log.txt
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -727,7 +746,14 @@ class TrainSettings:
             raise invalid(
                 "resume_from_checkpoint",
                 "is an empty string",
-                "give a checkpoint path, 'latest', or null to start fresh",
+                "give a checkpoint path, 'latest', 'auto', or null to start fresh",
+            )
+        if self.overwrite_output_dir and self.resume_from_checkpoint in ("latest", "auto"):
+            raise invalid(
+                ("overwrite_output_dir", "resume_from_checkpoint"),
+                f"overwrite_output_dir deletes the checkpoints in output_dir that resume_from_checkpoint="
+                f"{self.resume_from_checkpoint} would resume from",
+                "set one of them: overwrite_output_dir=false to resume, or resume_from_checkpoint=null",
             )
 
 

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from padless import tiny, vision
+from padless import sources
 from padless.attention import (
     assert_attention,
     attention_in_use,
@@ -46,15 +39,9 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Tokenizer for an embedded name (``tiny-qwen2``), a local directory or a cached model id."""
-    if name_or_path in tiny.VISION_MODELS:
-        return vision.load_processor(name_or_path).tokenizer
-    if name_or_path in tiny.TINY_MODELS:
-        return tiny.tiny_tokenizer()
-    if isinstance(name_or_path, Path) or Path(name_or_path).exists():
-        return AutoTokenizer.from_pretrained(str(name_or_path))
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return sources.load_tokenizer(name_or_path, trust_remote_code)
 
 
 def load_model(
@@ -68,34 +55,28 @@ def load_model(
     training: bool = False,
     probe: bool = True,
     pad_id: int | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
-    Embedded names build the tiny models from ``seed``; anything else goes through ``from_pretrained``,
-    which gives the model a config object of its own. A scorer whose config names no pad token gets
-    ``pad_id`` (its tokenizer's, see :func:`pad_token_id`): scores are read at the last token that is not
-    it, as transformers' sequence classifiers read them.
+    Embedded names build the tiny models from ``seed``; anything else is checked and loaded from a local
+    folder by :mod:`padless.sources` (never downloaded), which gives the model a config object of its own.
+    A scorer whose config names no pad token gets ``pad_id`` (its tokenizer's, see :func:`pad_token_id`):
+    scores are read at the last token that is not it, as transformers' sequence classifiers read them.
     """
     require_backend(attn_implementation, device, training)
     torch_dtype = resolve_dtype(dtype)
     kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
-    if name_or_path in tiny.TINY_MODELS:
-        model = tiny.build_tiny_model(name_or_path, seed=seed, task=task, **kwargs)
-    else:
-        auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-        if task == "score":
-            kwargs["num_labels"] = 1
-        if vision.is_vision_folder(name_or_path):
-            model = vision.load_image_text_model(name_or_path, task, **kwargs)
-        else:
-            model = auto.from_pretrained(str(name_or_path), **kwargs)
+    model = sources.load_pretrained(
+        name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
+    )
     if task == "score" and model.config.pad_token_id is None:
         model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
     model.to(device)
     model.train(training)
     model.padless_attention = attn_implementation
     if probe:
-        probe_attention(model, attn_implementation)
+        model.padless_probe = probe_attention(model, attn_implementation)  # what ran: the run log says it
     else:
         assert_attention(model, attn_implementation)
     return model
@@ -180,8 +161,9 @@ def _chunk_logps(
     temperature: float,
     softcap: float | None,
     with_entropy: bool,
+    logits_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float()
+    logits = head(hidden).float() / logits_scaling
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
@@ -230,6 +212,7 @@ def logps_from_hidden(
     vocab = head.weight.shape[0]
     step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    logits_scaling = getattr(model.config.get_text_config(), "logits_scaling", 1.0)  # Granite divides by it
     logps, ents = [], []
     for start in range(0, hidden.shape[0], step):
         args = (
@@ -239,6 +222,7 @@ def logps_from_hidden(
             temperature,
             softcap,
             entropy,
+            logits_scaling,
         )
         if torch.is_grad_enabled() and hidden.requires_grad:
             picked, ent = checkpoint(_chunk_logps, *args, use_reentrant=False)

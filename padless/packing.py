@@ -90,9 +90,13 @@ class PackedBatch:
         )
 
     def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-sequence sums ``[N]`` of per-token values ``[T]``."""
-        out = values.new_zeros(self.num_sequences)
-        return out.index_add(0, self.sequence_index, values)
+        """Per-sequence sums ``[N]`` of per-token values ``[T]``, accumulated and returned in fp64.
+
+        DPO's loss is a small difference of large sums (log-probs of hundreds of tokens): fp32 round-off
+        of each sum (~1e-7 relative, in an order that depends on the kernel) would dominate its gradient.
+        """
+        out = torch.zeros(self.num_sequences, dtype=torch.float64, device=values.device)
+        return out.index_add(0, self.sequence_index, values.double())
 
     def attention_kwargs(self) -> dict[str, Any]:
         """Boundary kwargs that transformers forwards to varlen-capable attention functions."""

@@ -59,7 +59,9 @@ def decoding_attention(model: torch.nn.Module) -> Iterator[None]:
     if decode is None:
         yield
         return
-    log.info("decoding with %s: the %s backend runs whole sequences and keeps no KV cache", decode, backend)
+    if not getattr(inner, "padless_decode_said", False):  # once per model, not once per rollout
+        log.info("decoding with %s: the %s backend runs whole sequences, keeps no KV cache", decode, backend)
+        inner.padless_decode_said = True
     inner.set_attn_implementation(decode)
     try:
         yield

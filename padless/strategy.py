@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 
 
-class StrategyError(RuntimeError):
+class StrategyError(ValueError):
     """The requested data-parallel strategy cannot run as asked."""
 
 
@@ -109,6 +110,7 @@ def start_accelerator(max_grad_norm: float) -> Accelerator:
     _refuse_accelerate_accumulation()
     strategy = requested_strategy()
     cuda = torch.cuda.is_available()
+    _fresh_state(cuda)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     kwargs: dict[str, Any] = {}
     if strategy == "fsdp2":
@@ -135,6 +137,18 @@ def start_accelerator(max_grad_norm: float) -> Accelerator:
             "use mixed_precision: 'no' on CPU, or model.dtype to pick the weights' precision"
         )
     return accelerator
+
+
+def _fresh_state(cuda: bool) -> None:
+    """accelerate's state as a fresh process finds it (the process group stays): a second run in one
+    process (a notebook, a test session) must not inherit the last run's strategy or precision."""
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    if not cuda and PartialState._shared_state.get("distributed_type") in (
+        DistributedType.FSDP,
+        DistributedType.DEEPSPEED,
+    ):
+        PartialState().distributed_type = DistributedType.MULTI_CPU  # undo what _force_on_cpu set
 
 
 def _force_on_cpu(accelerator: Accelerator, strategy: str, plugins: dict[str, Any], precision: str) -> None:

@@ -95,22 +95,23 @@ def image_only(processor_class: type) -> type:
 
 
 def load_processor(name_or_path: str | Path) -> Any:
-    """The model's processor from a local folder, with PIL image processing (no torchvision needed).
+    """The model's processor (an embedded name, a folder or a cached id; never downloaded), with PIL image
+    processing (no torchvision needed).
 
     ``AutoProcessor`` is used as is when it loads; when only the video processor is missing (no
     torchvision, or none saved), the same processor class is built without it (padless trains on images).
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from padless import tiny
+    from padless import sources, tiny
 
-    if str(name_or_path) in tiny.TINY_MODELS:
+    if (found := sources.embedded(str(name_or_path))) and found[0] in tiny.VISION_MODELS:
         from padless.tiny.vlm import tiny_vlm_processor
 
         return tiny_vlm_processor()
-    path = str(name_or_path)
+    path = str(sources.local_folder(name_or_path))
     try:
-        return AutoProcessor.from_pretrained(path, backend="pil")
+        return AutoProcessor.from_pretrained(path, backend="pil", local_files_only=True)
     except (ImportError, OSError) as e:  # no torchvision, or a folder saved without a video processor
         if not {"torchvision", "video"} & set(re.findall(r"[a-z]+", str(e).lower())):
             raise
@@ -124,8 +125,8 @@ def load_processor(name_or_path: str | Path) -> Any:
             "no processor_class in processor_config.json to build an image-only one; install torchvision or "
             "add processor_config.json"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)
     return image_only(getattr(transformers, cls_name))(
         image_processor, tokenizer, chat_template=tokenizer.chat_template
     )
@@ -143,19 +144,13 @@ def concat_vision(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, 
     return {k: torch.cat([p[k] for p in present]) for k in sorted(keys)}
 
 
-def is_vision_folder(path: str | Path) -> bool:
-    """Whether a model folder (or cached id) holds a vision-language model."""
-    from transformers import AutoConfig
-
-    return is_vision_config(AutoConfig.from_pretrained(str(path)))
-
-
 def load_image_text_model(path: str | Path, task: str, **kwargs: Any) -> PreTrainedModel:
     """A vision-language model from ``path`` (``AutoModelForCausalLM`` refuses their configs), with its
     ``score`` head for task ``"score"`` (see :func:`add_score_head`)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    cls = AutoModelForImageTextToText._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+    cls = AutoModelForImageTextToText._model_mapping[type(config)]
     if task != "score":
         return cls.from_pretrained(str(path), **kwargs)
     # the head is read by add_score_head: transformers must not report its weight as unexpected
@@ -233,7 +228,7 @@ def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: s
         )
 
 
-def model_keys(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_keys(model: torch.nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
     """Weights as ``save_pretrained`` wrote them, under the model's own parameter names.
 
     transformers saves vision-language models under their original checkpoint names (``model.*`` for what

@@ -659,7 +659,7 @@ def test_rl_allowed_combinations(tmp_path: Path) -> None:
         (["train.eval_steps=5"], "train.eval_steps, data.eval", "data.eval is not set"),
         (["reward.functions=[]"], "reward.functions, reward.model", "no reward"),
         (["reward.weights=[1, 2]"], "reward.weights, reward.functions", "2 weight(s) for 1 function(s)"),
-        (["reward.weights=[.nan]"], "reward.weights", "finite"),
+        (["reward.weights=[.nan]"], "reward.weights[0]", "finite"),
         (["reward.functions=[arithmetic, arithmetic]"], "reward.functions", "listed more than once"),
         (["reward.functions=[arithmetic, '']"], "reward.functions", "item 1 is an empty string"),
         (["reward.model=''"], "reward.model", "empty string"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,20 @@ def test_example_runs(path, tmp_path):
         assert "train/loss" in metrics and "rollout/reward" in (tmp_path / "metrics.jsonl").read_text()
     else:
         assert metrics["eval/loss"] > 0
+
+
+@pytest.mark.slow
+def test_the_grpo_example_learns(tmp_path):
+    """The GRPO example as shipped, from the tiny-llama-arith warm start: the sampled reward (exact answer
+    plus partial credit) of the last 10 rollouts beats the first 5 by more than 0.3 (measured 0.74 -> 1.31
+    with seed 42; rollout-to-rollout noise is about 0.15), and greedy answers end better than the warm
+    start's 5 of 16 (measured 10 of 16)."""
+    path = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.report_to=[jsonl]"]
+    _load(TRAINERS["grpo"][1])(load_config(_load(TRAINERS["grpo"][0]), path, overrides))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward"] for r in records if "rollout/reward" in r]
+    assert len(rewards) == 60
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.3, rewards
+    final = [r for r in records if "eval/reward/arithmetic" in r][-1]
+    assert final["eval/reward/arithmetic"] > 5 / 16

@@ -246,8 +246,12 @@ def test_varlen_vision_is_not_causal(family, examples, monkeypatch):
     eager = _image_features(_build(family, "eager"), vision)
     model = _build(family, "varlen")
     assert _delta(_image_features(model, vision), eager) < FP32_TOL
-    per_sequence = attention._sdpa_per_sequence
-    monkeypatch.setattr(attention, "_sdpa_per_sequence", lambda *a: per_sequence(*a[:-1], True))
+    per_sequence = attention._exact_per_sequence
+
+    def causal(q, k, v, spans, args):
+        return per_sequence(q, k, v, spans, dataclasses.replace(args, causal=True))
+
+    monkeypatch.setattr(attention, "_exact_per_sequence", causal)
     assert _delta(_image_features(model, vision), eager) > LEAK_MIN
 
 

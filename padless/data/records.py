@@ -7,6 +7,7 @@ field, what was expected and how to fix it, so a bad row in a 100k-row file can 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -193,8 +194,33 @@ def _dataset_name(ds: Any) -> str:
 def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> list[Row]:
     """Read every row of ``spec`` as a dict with its provenance; never touches the network.
 
-    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object).
+    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object). A
+    trailing ``[start:stop]`` keeps that slice of the rows (``tiny:rl[:16]``), as ``datasets`` splits do.
+    A source without a single row is an error: an empty file is never what a run meant to train on.
     """
+    source, selected = _sliced(spec)
+    rows = _read_rows(source, split)[selected]
+    if not rows:
+        source = _dataset_name(spec) if not isinstance(spec, (str, Path)) else str(spec)
+        raise DataError(
+            f"{source}: has no rows (an empty file, or only blank lines); fix: point the data setting at "
+            "the file that holds the rows, or fill this one",
+            source=source,
+            reason="empty",
+        )
+    return rows
+
+
+def _sliced(spec: Any) -> tuple[Any, slice]:
+    """``tiny:rl[:16]`` or ``data.jsonl[100:200]``: the source and a row slice (as in ``datasets`` splits)."""
+    match = re.fullmatch(r"(.+)\[(-?\d*):(-?\d*)\]", spec) if isinstance(spec, str) else None
+    if match is None or Path(spec).expanduser().exists():
+        return spec, slice(None)
+    start, stop = (int(x) if x else None for x in match.group(2, 3))
+    return match.group(1), slice(start, stop)
+
+
+def _read_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str) -> list[Row]:
     if not isinstance(spec, (str, Path)):
         return _from_datasets(spec, _dataset_name(spec), split)
     if isinstance(spec, str) and spec.startswith("tiny:"):

@@ -58,20 +58,30 @@ class SkipStats:
     kept: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     examples_of: list[str] = field(default_factory=list)
+    rows_of: dict[str, list[int]] = field(default_factory=dict)  # reason -> its first row numbers
 
     MAX_EXAMPLES: ClassVar[int] = 5
+    MAX_ROWS: ClassVar[int] = 3
 
     def record(self, error: DataError) -> None:
         self.skipped += 1
         self.reasons[error.reason] += 1
         if len(self.examples_of) < self.MAX_EXAMPLES:
             self.examples_of.append(str(error))
+        rows = self.rows_of.setdefault(error.reason, [])
+        if error.index is not None and len(rows) < self.MAX_ROWS:
+            rows.append(error.index)
 
     def summary(self) -> str:
+        """``skipped 3 of 40 rows: too long (2) at rows 5, 17; not an object (1) at row 9``."""
         if not self.skipped:
             return f"kept all {self.kept} rows"
-        causes = ", ".join(f"{reason} ({n})" for reason, n in self.reasons.most_common())
-        return f"skipped {self.skipped} of {self.skipped + self.kept} rows: {causes}"
+        causes = []
+        for reason, n in self.reasons.most_common():
+            rows = self.rows_of.get(reason, [])
+            where = f" at row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}" if rows else ""
+            causes.append(f"{reason} ({n}){where}{', ...' if n > len(rows) and rows else ''}")
+        return f"skipped {self.skipped} of {self.skipped + self.kept} rows: {'; '.join(causes)}"
 
 
 def _type_name(value: Any) -> str:

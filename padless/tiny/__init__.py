@@ -84,6 +84,11 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.vision.load_processor
 
+# Trained models shipped as Hugging Face folders (built by ``scripts/build_tiny.py --warm-start``):
+# ``tiny-llama-arith`` is tiny-llama fine-tuned on the answers of the ``tiny:rl`` prompts, a policy that
+# earns some reward, so the RL examples show learning instead of a random model's zero reward.
+SHIPPED_MODELS: dict[str, Path] = {"tiny-llama-arith": TINY_DIR / "tiny-llama-arith"}
+
 
 def _check_choice(kind: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
     if value not in valid:
@@ -145,6 +150,7 @@ __all__ = [
     "EOS_TOKEN_ID",
     "IM_START_TOKEN_ID",
     "PAD_TOKEN_ID",
+    "SHIPPED_MODELS",
     "TINY_MODELS",
     "VISION_MODELS",
     "VOCAB_SIZE",

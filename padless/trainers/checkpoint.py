@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,11 +32,11 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from padless.engine import inner_engine
+from padless.errors import InputError
 from padless.vision import model_keys
 
 STATE_FILE = "trainer_state.json"
 PLAN_FILE = "plan.json"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass
@@ -50,35 +49,6 @@ class TrainState:
     tokens_seen: int = 0
     strategy: str = "single"
     world_size: int = 1
-
-
-def checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def resolve_resume(output_dir: str | Path, spec: str | None) -> Path | None:
-    """``None``, ``"latest"`` (the newest complete checkpoint in output_dir, if any) or a path."""
-    if spec is None:
-        return None
-    if spec == "latest":
-        found = checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(spec)
-    if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(
-            f"resume_from_checkpoint={spec!r} is not a complete padless checkpoint (no {STATE_FILE}); "
-            f"use 'latest' or one of: {', '.join(str(p) for p in checkpoints(output_dir)) or 'none found'}"
-        )
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -287,14 +257,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Delete the oldest checkpoints beyond ``keep`` (0 keeps all)."""
-    if keep <= 0:
-        return
-    for old in checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old)
-
-
 def load_checkpoint(
     accelerator: Accelerator,
     model: torch.nn.Module,
@@ -309,7 +271,7 @@ def load_checkpoint(
     world = accelerator.num_processes
     sharded = {"fsdp2", "zero2", "zero3"}
     if {state.strategy, strategy} & sharded and (state.strategy, state.world_size) != (strategy, world):
-        raise RuntimeError(
+        raise InputError(
             f"{path} was written by {state.strategy} on {state.world_size} process(es); this run is "
             f"{strategy} on {world}: optimizer shards only fit the layout that wrote them. Resume with "
             f"the same accelerate config and process count, or start a new run from {path} as the model"
@@ -354,7 +316,7 @@ def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
     missing = sorted(set(expected) - set(weights) - tied)
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
-        raise RuntimeError(
+        raise InputError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; resume with the model settings it was trained with"
         )

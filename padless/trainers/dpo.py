@@ -42,7 +42,8 @@ class DPORecipe(PairRecipe):
         if self.reference_free:
             return None
         if "ref_logps" in pairs[0].meta:
-            return torch.tensor([x for p in pairs for x in p.meta["ref_logps"]], device=self.device)
+            ref = [x for p in pairs for x in p.meta["ref_logps"]]
+            return torch.tensor(ref, device=self.device, dtype=torch.float64)  # stored as fp64 sums
         adapters_off = self.dpo.reference == "adapters"
         reference = model if adapters_off else self.ref_model
         off = inner_engine(model).model.disable_adapter() if adapters_off else contextlib.nullcontext()
@@ -117,13 +118,13 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     pad_id = pad_token_id(tokenizer)
     images = ImageInputs.for_model(cfg.model.name, session.model)
     recipe = DPORecipe(
-        load_pairs(data.train, tokenizer, data, images=images),
+        load_pairs(data.train, tokenizer, data, cfg.train, "train", images=images),
         cfg.train,
         cfg.dpo,
         pad_id,
         acc.device,
         ref_model,
-        load_pairs(data.eval, tokenizer, data, images=images) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, cfg.train, "eval", images=images) if data.eval else None,
     )
     saved = images.processor if images else tokenizer  # written beside each checkpoint
     return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()

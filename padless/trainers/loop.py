@@ -34,11 +34,12 @@ from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers.checkpoint import (
     TrainState,
     load_checkpoint,
-    resolve_resume,
-    rotate_checkpoints,
     save_checkpoint,
 )
+from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
+from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoints
+from padless.trainers.verify import verify_checkpoint
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -144,6 +145,7 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
         bind = getattr(recipe, "bind", None)  # recipes that run passes outside ``loss`` get the engine
@@ -193,6 +195,7 @@ class Trainer:
             self.acc.sync_gradients = last
             with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
                 loss, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+                self.guard.watch(loss, k, len(step.micros))
                 # Ranks average gradients; the normaliser is already global, so undo the mean.
                 self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
@@ -201,7 +204,10 @@ class Trainer:
             sums["grad_norm"] = float(
                 self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             )
-        self.optimizer.step()
+        if self.guard.allow_step(sums.get("grad_norm")):
+            self.optimizer.step()
+        else:
+            sums.clear()  # a skipped step adds nothing to the metrics
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)
@@ -213,9 +219,10 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
-        resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+        resume = resume_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
         state = TrainState(strategy=self.strategy, world_size=acc.num_processes)
         if resume:
+            verify_checkpoint(resume, self.model)
             state, plan = load_checkpoint(
                 acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
             )
@@ -233,7 +240,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         window: dict[str, float] = defaultdict(float)
-        window_steps, window_tokens, window_time = 0, 0, 0.0
+        counts: dict[str, int] = defaultdict(int)  # steps that reported each metric (skipped ones do not)
+        window_tokens, window_time = 0, 0.0
         last: dict[str, float] = {}
         self.model.train()
         while state.step < self.total_steps:
@@ -242,6 +250,7 @@ class Trainer:
             if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
                 reporter.log(state.step + 1, plan_metrics(state.epoch))
             started = time.perf_counter()
+            self.guard.step = state.step + 1
             metrics = self._train_step(steps[state.step_in_epoch])
             elapsed = time.perf_counter() - started
             tokens = steps[state.step_in_epoch].tokens
@@ -253,32 +262,31 @@ class Trainer:
                 state.step_in_epoch = 0
             for key, value in metrics.items():
                 window[key] += value
-            window_steps, window_tokens, window_time = (
-                window_steps + 1,
-                window_tokens + tokens,
-                window_time + elapsed,
-            )
+                counts[key] += 1
+            window_tokens, window_time = window_tokens + tokens, window_time + elapsed
             lr = self.scheduler.get_last_lr()[0]
             bar.update(1)
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last = {f"train/{k}": v / window_steps for k, v in window.items()}
+                last = {f"train/{k}": v / counts[k] for k, v in window.items()}
                 last.update(
                     {
                         "train/lr": lr,
                         "train/tokens_per_s": window_tokens / window_time,
                         "train/epoch": state.epoch + state.step_in_epoch / len(steps),
+                        **self.guard.metrics(),
                     }
                 )
                 reporter.log(state.step, last)
-                window, window_steps, window_tokens, window_time = defaultdict(float), 0, 0, 0.0
+                window, counts, window_tokens, window_time = defaultdict(float), defaultdict(int), 0, 0.0
             final = state.step == self.total_steps
             if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
                 self._evaluate(state.step, reporter, last)
             if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
                 plan_state = getattr(self.recipe, "plan_state", None)
                 plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
+                self.guard.check_weights(self.model)
                 save_checkpoint(
                     acc,
                     self.model,
@@ -294,6 +302,7 @@ class Trainer:
         bar.close()
         reporter.plot()
         reporter.close()
+        end_run(cfg.output_dir)
         return last
 
     def _eval_losses(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ from padless.packing import (
     to_padded,
 )
 from padless.trainers.loop import MicroBatch
+from padless.trainers.reporting import report_data
 
 
 class PairRecipe:
@@ -72,11 +73,17 @@ class PairRecipe:
 
 
 def load_pairs(
-    spec: str, tokenizer: Any, data: Any, margin: bool = False, images: ImageInputs | None = None
+    spec: str,
+    tokenizer: Any,
+    data: Any,
+    train: TrainSettings,
+    role: str,
+    margin: bool = False,
+    images: ImageInputs | None = None,
 ) -> list[PairExample]:
-    """Tokenized pairs; ``margin`` requires a numeric margin per row, else margins are dropped. ``images``:
-    the model's image side (vision-language models), so rows with images keep them."""
-    pairs, _ = tokenize_preference(
+    """Tokenized pairs of ``data.<role>`` (skips reported); ``margin`` requires a numeric margin per row,
+    else margins are dropped. ``images``: the model's image side (vision-language models)."""
+    pairs, stats = tokenize_preference(
         load_rows(spec),
         tokenizer,
         max_length=data.max_length,
@@ -85,6 +92,7 @@ def load_pairs(
         require_margin=margin,
         images=images,
     )
+    report_data(stats, role, spec, train.output_dir)
     if not margin:
         for p in pairs:
             p.meta.pop("margin", None)

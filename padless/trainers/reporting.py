@@ -1,10 +1,47 @@
-"""Metrics out of the loop: ``metrics.jsonl``, TensorBoard, and a loss-curve PNG in the run directory."""
+"""Metrics out of the loop: ``metrics.jsonl``, TensorBoard, and a loss-curve PNG in the run directory.
+
+``metrics.jsonl`` is strict JSON: a value that is not finite is written as ``null`` (the divergence guard
+stops or skips such steps, so this is for metrics like a standard deviation of one sample). What the data
+stage reports before the loop starts (rows kept and skipped, by reason) goes into the run's first record.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 from pathlib import Path
 from typing import Any
+
+from padless.data import DataError, SkipStats
+
+log = logging.getLogger(__name__)
+_pending: dict[Path, dict[str, float]] = {}  # run folder -> data metrics for its first record
+
+
+def report_data(stats: SkipStats, role: str, spec: str, output_dir: str | Path) -> None:
+    """Say what ``data.skip_bad_rows`` dropped from ``data.<role>`` (log and metrics); a set whose every
+    row was skipped is an error, not an empty run."""
+    if stats.kept == 0 and stats.skipped:
+        raise DataError(
+            f"data.{role} {spec}: all {stats.skipped} rows were skipped "
+            f"({stats.summary().partition(': ')[2]}); the first: {stats.examples_of[0]}",
+            source=spec,
+            reason="all skipped",
+        )
+    if stats.skipped:
+        log.warning("data.%s %s: %s", role, spec, stats.summary())
+    else:
+        log.info("data.%s %s: %d rows", role, spec, stats.kept)
+    metrics = {f"data/{role}/rows": float(stats.kept), f"data/{role}/skipped": float(stats.skipped)}
+    for reason, n in stats.reasons.items():
+        metrics[f"data/{role}/skipped/{re.sub(r'[^a-z0-9]+', '_', reason.lower()).strip('_')}"] = float(n)
+    _pending.setdefault(Path(output_dir).resolve(), {}).update(metrics)
+
+
+def _strict(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class Reporter:
@@ -26,6 +63,9 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=resume_step)
+        data = _pending.pop(self.dir.resolve(), None)
+        if data:
+            self.log(resume_step or 0, data)
 
     def _truncate_after(self, step: int | None) -> None:
         """A resumed run rewrites history from its checkpoint on: drop records of steps beyond it."""
@@ -44,7 +84,8 @@ class Reporter:
             return
         if self.jsonl is not None:
             with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                record = {"step": step, **{k: _strict(v) for k, v in metrics.items()}}
+                f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)

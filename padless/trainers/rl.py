@@ -28,8 +28,10 @@ from padless.packing import Example, PackedBatch, budget_batches, pack
 from padless.ranks import equal_share, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.sources import require_scoring_model
 from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
+from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
 from padless.vision import require_same_inputs
@@ -309,24 +311,30 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
 
-    def prompts(spec: str) -> list[PromptExample]:
-        return tokenize_prompts(
+    def prompts(spec: str, role: str) -> list[PromptExample]:
+        examples, stats = tokenize_prompts(
             load_rows(spec),
             tokenizer,
             max_prompt_length=data.max_prompt_length,
             chat_template=data.chat_template,
             skip_bad_rows=data.skip_bad_rows,
             images=images,
-        )[0]
+        )
+        report_data(stats, role, spec, cfg.train.output_dir)
+        return examples
 
     reward_model = None
     if cfg.reward.model:
-        pad_id = pad_token_id(load_tokenizer(cfg.reward.model))  # where its scores are read
-        scorer = load_model(cfg.reward.model, task="score", device=device, pad_id=pad_id)
+        require_scoring_model(cfg.reward.model)
+        trust = cfg.model.trust_remote_code
+        pad_id = pad_token_id(load_tokenizer(cfg.reward.model, trust))  # where its scores are read
+        scorer = load_model(
+            cfg.reward.model, task="score", device=device, pad_id=pad_id, trust_remote_code=trust
+        )
         require_same_inputs(session.model, scorer, f"reward.model {cfg.reward.model}")
         reward_model = session.frozen(scorer)
     return session, {
-        "prompts": prompts(data.train),
+        "prompts": prompts(data.train, "train"),
         "cfg": cfg,
         "tokenizer": tokenizer,
         "policy": session.model,
@@ -334,7 +342,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
         "device": device,
         "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         "reward_model": reward_model,
-        "eval_prompts": prompts(data.eval) if data.eval else None,
+        "eval_prompts": prompts(data.eval, "eval") if data.eval else None,
         "ref_model": session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
         "images": images,
     }

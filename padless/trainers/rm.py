@@ -16,6 +16,7 @@ from padless.losses import bradley_terry_loss
 from padless.model import load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack, unpad
 from padless.ranks import lockstep
+from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.pairs import PairRecipe, load_pairs, shares, split_pairs
 from padless.trainers.session import start_session
@@ -54,13 +55,12 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
 
     pad_id = pad_token_id(tokenizer)
     images = ImageInputs.for_model(cfg.model.name, session.model)
-    recipe = RMRecipe(
-        load_pairs(data.train, tokenizer, data, cfg.rm.margin, images),
-        cfg.train,
-        pad_id,
-        acc.device,
-        load_pairs(data.eval, tokenizer, data, cfg.rm.margin, images) if data.eval else None,
-    )
+
+    def pairs(spec: str, role: str) -> list[PairExample]:
+        return load_pairs(spec, tokenizer, data, cfg.train, role, cfg.rm.margin, images)
+
+    eval_pairs = pairs(data.eval, "eval") if data.eval else None
+    recipe = RMRecipe(pairs(data.train, "train"), cfg.train, pad_id, acc.device, eval_pairs)
     saved = images.processor if images else tokenizer  # written beside each checkpoint
     return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
 
@@ -85,11 +85,23 @@ def score_examples(
 
 
 def score_file(
-    model_path: str, data: str, out: str | None, max_length: int = 4096, device: str = "cpu"
+    model_path: str,
+    data: str,
+    out: str | None,
+    max_length: int = 4096,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
 ) -> Path | None:
     """``padless rm score``: score prompt / response rows and write them back with a ``score`` field."""
-    tokenizer = load_tokenizer(model_path)
-    scorer = load_model(model_path, task="score", device=device, pad_id=pad_token_id(tokenizer))
+    require_scoring_model(model_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code)
+    scorer = load_model(
+        model_path,
+        task="score",
+        device=device,
+        pad_id=pad_token_id(tokenizer),
+        trust_remote_code=trust_remote_code,
+    )
     model = ModelEngine(scorer).eval()
     rows = load_rows(data)
     images = ImageInputs.for_model(model_path, scorer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,12 @@ from accelerate.utils import set_seed
 from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings, save_config
 from padless.engine import ModelEngine
+from padless.logs import describe_run, log_to_file, setup_logging
 from padless.model import Task, load_model, load_tokenizer, pad_token_id
 from padless.strategy import prepare_frozen, start_accelerator
+from padless.trainers import rundir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Session:
             device=self.accelerator.device,
             seed=self.model_cfg.seed,
             training=trainable,
+            trust_remote_code=self.model_cfg.trust_remote_code,
             pad_id=pad_token_id(self.tokenizer),
         )
         return model if trainable else model.requires_grad_(False)
@@ -57,11 +63,15 @@ def start_session(
 ) -> Session:
     """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
     accelerator = start_accelerator(config.train.max_grad_norm)
+    setup_logging(config.train.log_level, accelerator.is_main_process)
+    rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
+    log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     set_varlen_kernel(model_cfg.varlen_kernel)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
-    tokenizer = load_tokenizer(model_cfg.name)
+    tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer))
+    log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         save_config(config, Path(output_dir) / "config.yaml")
@@ -79,6 +89,7 @@ def load_trainable(
         device=device,
         seed=model_cfg.seed,
         training=True,
+        trust_remote_code=model_cfg.trust_remote_code,
         pad_id=pad_id,
     )
     if model_cfg.gradient_checkpointing:

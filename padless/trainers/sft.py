@@ -27,6 +27,7 @@ from padless.packing import (
 from padless.ranks import equal_share
 from padless.rollout import generate
 from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.reporting import report_data
 from padless.trainers.session import start_session
 
 
@@ -161,9 +162,9 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     data = cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
 
-    def tokenize(spec: str) -> tuple[list[Any], list[Example]]:
+    def tokenize(spec: str, role: str) -> tuple[list[Any], list[Example]]:
         rows = load_rows(spec)
-        examples, _ = tokenize_sft(
+        examples, stats = tokenize_sft(
             rows,
             tokenizer,
             format=data.format,
@@ -173,12 +174,13 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             skip_bad_rows=data.skip_bad_rows,
             images=images,
         )
+        report_data(stats, role, spec, cfg.train.output_dir)
         return rows, examples
 
-    _, examples = tokenize(data.train)
+    _, examples = tokenize(data.train, "train")
     eval_examples, eval_prompts, eval_vision = None, None, None
     if data.eval:
-        eval_rows, eval_examples = tokenize(data.eval)
+        eval_rows, eval_examples = tokenize(data.eval, "eval")
         if cfg.train.eval_generate and images is not None:
             eval_prompts, eval_vision = images.prompts(eval_rows)
         elif cfg.train.eval_generate:

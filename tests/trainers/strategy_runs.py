@@ -2,8 +2,8 @@
 costly part on CPU), recording after each what the prepared model really was.
 
 Usage: ``accelerate launch ... strategy_runs.py RUNS.json``, where RUNS.json is a list of
-``{"argv": [...], "facts": "path.json"}``. Between runs accelerate's shared state is reset as a fresh
-process would find it (the process group stays).
+``{"argv": [...], "facts": "path.json"}``. Each run starts from accelerate's state as a fresh process
+finds it (``padless.strategy.start_accelerator`` resets it; the process group stays).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from accelerate.state import AcceleratorState, GradientState, PartialState
-from accelerate.utils import DistributedType
+from accelerate import PartialState
 
 from padless import cli
 from padless.trainers import loop
@@ -42,9 +41,6 @@ def main(spec: str) -> int:
             return code
         if PartialState().is_main_process:
             Path(run["facts"]).write_text(json.dumps(seen))
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
-        PartialState().distributed_type = DistributedType.MULTI_CPU  # what a fresh process starts from
     return 0
 
 

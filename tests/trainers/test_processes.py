@@ -145,3 +145,16 @@ def test_two_grpo_processes_each_sample_half_of_every_rollout(tmp_path):
     assert [len(e["prompts"]) for e in evals] == [2, 1]
     values = evals[0]["values"] + evals[1]["values"]
     assert records[-1]["eval/reward"] == pytest.approx(sum(values) / 3, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_refuse_a_used_folder_together(tmp_path):
+    """The main process checks the run folder; every rank stops with its message instead of waiting for
+    the rank that stopped."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    launch = launch_two("sft", *BASE, f"train.output_dir={tmp_path}", "train.max_steps=1")
+    result = subprocess.run(launch, env=ENV, capture_output=True, timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode != 0
+    assert err.count(f"padless sft: error: train.output_dir {tmp_path} is not empty") == 2, err[-3000:]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

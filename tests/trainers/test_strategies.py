@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from padless import cli
 
@@ -91,9 +92,9 @@ def argv(kind: str, out: Path, *extra: str) -> list[str]:
     return [kind, *COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
 
 
-def losses(run: Path) -> dict[int, float]:
+def losses(run: Path, key: str = "train/loss") -> dict[int, float]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    return {r["step"]: r[key] for r in records if key in r}
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -166,6 +167,11 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
         assert sorted(two) == sorted(one) and one, kind
         for step in one:
             assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (kind, step)
+        # the norm every strategy clips with and logs (DeepSpeed computes its own)
+        norms, want = losses(tmp_path / kind, "train/grad_norm"), losses(one_process[kind], "train/grad_norm")
+        assert norms.keys() == want.keys() == one.keys(), kind
+        for step in want:
+            assert norms[step] == pytest.approx(want[step], rel=1e-4), (kind, "grad_norm", step)
         last = max(one)
         assert_weights_close(
             weights(tmp_path / kind, last), weights(one_process[kind], last), 3e-5, 1e-5, f"{kind} vs 1 proc"
@@ -179,6 +185,9 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
             weights(tmp_path / f"{kind}-resumed", last), weights(tmp_path / kind, last), 1e-7, 1e-6,
             f"{kind} resumed",
         )  # fmt: skip
+    # the exported model is a plain Hugging Face checkpoint, whatever the strategy
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "checkpoint-3")
+    assert exported.state_dict().keys() >= weights(tmp_path / "sft", 3).keys()
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 

@@ -1,0 +1,261 @@
+"""A run folder belongs to one run: claimed with a lock, never silently reused, cleaned up by renaming.
+
+- A run starts only in an empty (or new) ``train.output_dir``; a folder holding anything else is refused
+  unless the run resumes from it (``train.resume_from_checkpoint``) or ``train.overwrite_output_dir: true``
+  asks to delete what padless wrote there before.
+- ``run.lock`` (pid, host, start time) refuses a second run into the same folder while the first one
+  lives; a lock whose process is gone (same host) is taken over, and said so in the log.
+- ``resume_from_checkpoint: latest`` needs a checkpoint and says so when there is none; ``auto`` resumes
+  from the newest checkpoint when there is one and starts fresh otherwise, and logs which it did.
+- Old checkpoints are renamed to ``.old-checkpoint-N`` before they are deleted, so a kill mid-delete
+  never leaves a half checkpoint that looks whole; leftovers are swept at the next start.
+
+Only the main process touches the folder; its verdict is broadcast, so every rank stops with the same
+message instead of waiting forever for the one that stopped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+from padless.attention import set_varlen_kernel
+from padless.errors import InputError
+from padless.logs import log_to_file
+from padless.trainers.checkpoint import STATE_FILE  # written last into a checkpoint: present means complete
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_LEFTOVER = re.compile(r"^\.(tmp|old)-checkpoint-\d+$")
+# What a padless run writes into its folder: what overwrite_output_dir deletes.
+_OWNED = re.compile(
+    r"^(\.?(tmp-|old-)?checkpoint-\d+|metrics\.jsonl|tensorboard|loss\.png|predictions-step\d+\.jsonl"
+    r"|config\.yaml(\.tmp)?|log\.txt)$"
+)
+_held: dict[Path, Path] = {}  # run folder -> its lock file, for the locks this process holds
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (with ``trainer_state.json``), oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _CHECKPOINT.match(p.name)) and (p / STATE_FILE).exists()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def resume_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
+    """The checkpoint ``train.resume_from_checkpoint`` names: None, ``latest`` (must exist), ``auto``
+    (newest if any) or a path to a complete checkpoint."""
+    if spec is None:
+        return None
+    if spec in ("latest", "auto"):
+        found = checkpoints(output_dir)
+        if found:
+            return found[-1]
+        if spec == "auto":
+            return None
+        raise InputError(
+            f"train.resume_from_checkpoint=latest, but {output_dir} holds no complete checkpoint "
+            f"(checkpoint-N with {STATE_FILE}); fix: set it to auto (resume when there is one, start fresh "
+            "otherwise) or to null to start fresh"
+        )
+    path = Path(spec)
+    if not (path / STATE_FILE).exists():
+        found = ", ".join(str(p) for p in checkpoints(output_dir)) or "none found"
+        raise InputError(
+            f"train.resume_from_checkpoint={spec!r} is not a complete padless checkpoint (no {STATE_FILE} "
+            f"in it); fix: use latest, auto, or one of: {found}"
+        )
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _lock_holder(lock: Path) -> dict[str, Any]:
+    try:
+        holder = json.loads(lock.read_text())
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: treated as held by an unknown process
+
+
+def _acquire(root: Path) -> Path:
+    lock = root / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.datetime.now().isoformat()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(lock)
+            pid, host = holder.get("pid"), holder.get("host")
+            # our own pid: a run of this process that ended without releasing (runs in one process are
+            # sequential), so nothing is using the folder
+            stale = host == me["host"] and isinstance(pid, int) and (pid == me["pid"] or not _pid_alive(pid))
+            if not stale:
+                who = f"pid {pid} on {host}, started {holder.get('started')}" if holder else "unknown process"
+                raise InputError(
+                    f"train.output_dir {root} is in use by another padless run ({who}; lock file {lock}); "
+                    "fix: wait for that run to finish, choose another train.output_dir, or, if that "
+                    f"process is gone, delete {lock}"
+                ) from None
+            try:  # a rename succeeds for one claimant only: two runs cannot both take over
+                os.replace(lock, lock.with_name(f"{LOCK_FILE}.stale-{me['pid']}"))
+            except FileNotFoundError:
+                continue
+            lock.with_name(f"{LOCK_FILE}.stale-{me['pid']}").unlink(missing_ok=True)
+            if pid != me["pid"]:
+                log.warning("took over %s from pid %s, which is no longer running", lock, pid)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        _held[root] = lock
+        return lock
+    raise InputError(f"could not take the lock {lock}: other runs keep claiming it; fix: retry")
+
+
+def _check_contents(root: Path, resume: Path | None, spec: str | None, overwrite: bool) -> None:
+    """Refuse a used folder unless the run resumes from it or overwrite asked to delete its run files."""
+    entries = sorted(p for p in root.iterdir() if p.name != LOCK_FILE)
+    resuming_here = resume is not None and resume.resolve().parent == root
+    if resuming_here or not entries:
+        return
+    if spec == "auto" and all(_OWNED.match(p.name) for p in entries):
+        overwrite = True  # a run that died before its first checkpoint: nothing there to keep
+    if not overwrite:
+        shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise InputError(
+            f"train.output_dir {root} is not empty ({shown}); a new run would mix with or destroy what is "
+            "there. Fix: resume that run with train.resume_from_checkpoint=latest (or auto), start it over "
+            "with train.overwrite_output_dir=true (deletes its checkpoints and logs), or choose another "
+            "train.output_dir"
+        )
+    owned = [p for p in entries if _OWNED.match(p.name)]
+    for path in owned:
+        _remove(path)
+    kept = len(entries) - len(owned)
+    log.warning(
+        "overwrite: deleted %d entries of an earlier run in %s%s",
+        len(owned),
+        root,
+        f" (kept {kept} that padless did not write)" if kept else "",
+    )
+
+
+def _remove(path: Path) -> None:
+    """Rename, then delete: a kill in between leaves a hidden leftover, never a half-deleted checkpoint."""
+    if path.is_dir():
+        trash = path.with_name(f".old-{path.name.lstrip('.')}-{os.getpid()}")
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    else:
+        path.unlink()
+
+
+def _sweep(root: Path) -> None:
+    """Delete what a killed run left half-written or half-deleted (hidden, never picked as a checkpoint)."""
+    for path in root.iterdir():
+        if _LEFTOVER.match(path.name) or path.name.startswith((".old-checkpoint-", f"{LOCK_FILE}.stale-")):
+            log.info("removing %s, left by an interrupted run", path)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def claim(accelerator: Any, train: Any) -> Path | None:
+    """Take ``train.output_dir`` for this run and return the checkpoint to resume from (or None).
+
+    Every rank calls this; the main process checks and locks, and all ranks raise its error if any.
+    """
+    error, resume = None, None
+    if accelerator.is_main_process:
+        try:
+            resume = _claim(Path(train.output_dir), train.resume_from_checkpoint, train.overwrite_output_dir)
+        except InputError as e:
+            error = str(e)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error, resume = broadcast_object_list([error, resume])
+    if error is not None:
+        raise InputError(error)
+    return resume
+
+
+def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
+    if root.exists() and not root.is_dir():
+        raise InputError(f"train.output_dir {root} is a file; fix: choose a folder path for train.output_dir")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(
+            f"cannot create train.output_dir {root}: {e.strerror}; fix: choose a folder you can write to"
+        ) from None
+    root = root.resolve()
+    _acquire(root)
+    try:
+        resume = resume_checkpoint(root, spec)
+        _check_contents(root, resume, spec, overwrite)
+        _sweep(root)
+    except BaseException:
+        release(root)
+        raise
+    if resume is not None:
+        log.info("resuming from %s (resume_from_checkpoint=%s)", resume, spec)
+    elif spec == "auto":
+        log.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", root)
+    return resume
+
+
+def release(output_dir: str | Path) -> None:
+    """Give the folder's lock back (a no-op when this process does not hold it)."""
+    lock = _held.pop(Path(output_dir).resolve(), None)
+    if lock is not None and _lock_holder(lock).get("pid") == os.getpid():
+        lock.unlink(missing_ok=True)
+
+
+def end_run(output_dir: str | Path) -> None:
+    """What a run gives back when it ends: its folder's lock, its log file and the process-wide varlen
+    kernel pin (so the next run or command in this process starts from the defaults)."""
+    release(output_dir)
+    log_to_file(None)
+    set_varlen_kernel("auto")
+
+
+def end_all_runs() -> None:
+    """End every run this process started (after a failure, the command line calls this)."""
+    for root in list(_held):
+        release(root)
+    log_to_file(None)
+    set_varlen_kernel("auto")
+
+
+atexit.register(end_all_runs)
+
+
+def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
+    """Delete the oldest checkpoints beyond ``keep`` (0 keeps all), each renamed away first."""
+    if keep <= 0:
+        return
+    for old in checkpoints(output_dir)[:-keep]:
+        _remove(old)

@@ -1,0 +1,287 @@
+"""Tiny configs, built in code, of the architectures people fine-tune, each set up to exercise what makes
+its attention different (sliding windows, soft-capping, sinks, MLA head sizes, NoPE layers, scaling
+multipliers, linear-attention layers).
+
+Every model is 2 layers of hidden size 64 over the embedded tokenizer's 4096-token vocabulary, so the
+whole zoo runs through ``padless check --zoo`` and the test suite in seconds on a CPU. Weights are drawn
+with a larger spread than real initialisations (``INIT_STD``) so that attention scores are far from
+uniform and a dropped argument (a soft-cap, a sink, a window) moves log-probs visibly; the LM head is
+then rescaled so that the largest |logit| on the probe text is ``LOGIT_TARGET``, where real models live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from padless.tiny import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+INTERMEDIATE = 128
+WINDOW = 8  # sliding windows far shorter than the probe sequences, so the window decides results
+INIT_STD = 0.1
+LOGIT_TARGET = 30.0
+
+
+def _common(**overrides: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": 1024,
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "dtype": "float32",
+    }
+    base.update(overrides)
+    return base
+
+
+def _llama3() -> PretrainedConfig:
+    from transformers import LlamaConfig
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(**_common(head_dim=HEAD_DIM, rope_parameters=rope))
+
+
+def _qwen2() -> PretrainedConfig:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_common())
+
+
+def _qwen3() -> PretrainedConfig:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_common(head_dim=HEAD_DIM))
+
+
+def _qwen3_moe() -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(head_dim=HEAD_DIM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    )
+
+
+def _mistral() -> PretrainedConfig:
+    from transformers import MistralConfig
+
+    return MistralConfig(**_common(head_dim=HEAD_DIM, sliding_window=WINDOW))
+
+
+def _gemma2() -> PretrainedConfig:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **_common(
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+        )
+    )
+
+
+def _gemma3() -> PretrainedConfig:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    )
+
+
+def _gemma3_bidirectional() -> PretrainedConfig:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            use_bidirectional_attention=True,
+            layer_types=["full_attention", "full_attention"],
+        )
+    )
+
+
+def _phi3() -> PretrainedConfig:
+    from transformers import Phi3Config
+
+    return Phi3Config(**_common(sliding_window=2 * WINDOW))
+
+
+def _olmo2() -> PretrainedConfig:
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**_common())
+
+
+def _smollm3() -> PretrainedConfig:
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**_common(no_rope_layer_interval=2))
+
+
+def _granite() -> PretrainedConfig:
+    from transformers import GraniteConfig
+
+    return GraniteConfig(
+        **_common(
+            attention_multiplier=0.5,
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+        )
+    )
+
+
+def _gpt_oss() -> PretrainedConfig:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,  # max_position_embeddings / original_max_position_embeddings
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
+    )
+
+
+def _deepseek_v3() -> PretrainedConfig:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **_common(
+            num_key_value_heads=HEADS,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
+def _qwen3_next() -> PretrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One architecture of the zoo and what its tiny config exercises."""
+
+    config: Callable[[], PretrainedConfig]
+    exercises: str
+
+
+ZOO: dict[str, ZooEntry] = {
+    "llama3": ZooEntry(_llama3, "llama3 RoPE scaling, GQA 4:2"),
+    "qwen2": ZooEntry(_qwen2, "q/k/v biases, GQA"),
+    "qwen3": ZooEntry(_qwen3, "q/k RMSNorm"),
+    "qwen3-moe": ZooEntry(_qwen3_moe, "sparse MoE, 4 experts top-2"),
+    "mistral": ZooEntry(_mistral, f"sliding window {WINDOW} on every layer"),
+    "gemma2": ZooEntry(_gemma2, f"attention soft-cap 2, final soft-cap 30, sliding window {WINDOW}"),
+    "gemma3": ZooEntry(_gemma3, f"q/k norm, sliding window {WINDOW} / full layers"),
+    "gemma3-bidirectional": ZooEntry(
+        _gemma3_bidirectional, "bidirectional attention (module.is_causal False), as in EmbeddingGemma"
+    ),
+    "phi3": ZooEntry(_phi3, f"fused qkv, sliding window {2 * WINDOW}"),
+    "olmo2": ZooEntry(_olmo2, "q/k norm after projection, post-norm blocks"),
+    "smollm3": ZooEntry(_smollm3, "NoPE layers (no rotary on every 2nd layer)"),
+    "granite": ZooEntry(_granite, "attention / embedding / residual multipliers, logits scaling"),
+    "gpt-oss": ZooEntry(_gpt_oss, f"attention sinks, sliding window {WINDOW} / full layers, YaRN, MoE"),
+    "deepseek-v3": ZooEntry(_deepseek_v3, "MLA: q/k head size 24, value head size 8; MoE"),
+    "qwen3-next": ZooEntry(_qwen3_next, "hybrid: gated delta-net linear attention + gated full attention"),
+}
+
+
+def zoo_config(name: str) -> PretrainedConfig:
+    """A fresh config (transformers writes into config objects: never share one between models)."""
+    if name not in ZOO:
+        raise ValueError(f"unknown zoo architecture {name!r}; choose one of {', '.join(ZOO)}")
+    return ZOO[name].config()
+
+
+def build_zoo_model(name: str, attn_implementation: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Randomly initialised zoo model on CPU (same seed, same weights), in eval mode, head not yet scaled."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            zoo_config(name), attn_implementation=attn_implementation, dtype=dtype
+        )
+    return model.eval()
+
+
+def scale_head(model: PreTrainedModel, factor: float) -> None:
+    """Multiply the LM head so every logit is ``factor`` times larger (before any final soft-cap)."""
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.mul_(factor)
+        if getattr(head, "bias", None) is not None:
+            head.bias.mul_(factor)

@@ -207,10 +207,12 @@ def test_failures_and_format():
     assert "ERROR" in table and "note: sdpa/packed: RuntimeError: boom" in table
 
     refused = [_row("varlen"), BackendRow("sdpa", refused="ValueError: no sdpa for this model")]
-    assert failures(refused) == [
+    assert failures(refused) == []  # a refusal of another backend is a result: loading on it stops
+    assert failures(refused, requested=("varlen", "sdpa")) == [
         "sdpa did not run: ValueError: no sdpa for this model"
-    ]  # requested by default
-    assert failures(refused, requested=("varlen",)) == []
+    ]
+    varlen_refused = [BackendRow("varlen", refused="AttentionError: leaks"), _row("sdpa")]
+    assert failures(varlen_refused) == ["varlen did not run: AttentionError: leaks"]  # the training backend
 
     unavailable = [_row("varlen"), BackendRow("flash_attention_2", unavailable="needs CUDA")]
     assert failures(unavailable) == []  # not on this machine, not asked for: reported, not failed

@@ -76,10 +76,16 @@ def test_matrix_fails_when_packing_drops_the_mrope_rows(vlm, probe, monkeypatch)
 
 def test_cli_check_on_a_saved_vlm_folder(tmp_path, capsys, probe):
     """A folder saved without a video processor (and no torchvision here) still loads its processor, which
-    renders the probe exactly as the embedded one does."""
+    renders the probe exactly as the embedded one does. The default check passes: every backend that runs
+    is exact, and flex_attention, which transformers does not offer for Qwen2.5-VL, is listed as refused."""
     load_model("tiny-qwen2.5-vl", probe=False).save_pretrained(tmp_path)
     load_processor("tiny-qwen2.5-vl").save_pretrained(tmp_path)
-    assert main(["check", "--model", str(tmp_path), "--backends", "varlen,sdpa"]) == 0
+    assert main(["check", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"sequence lengths {[len(ex) for ex in probe]}" in out
     assert "OK: every cell that ran is within its bound" in out
+    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1].isalpha()}
+    for backend in ("varlen", "sdpa", "eager"):
+        assert len(lines[backend]) == 1 + 4 * 3 and lines[backend][2] == "<=", lines[backend]
+    assert lines["flex_attention"][0] == "refused"
+    assert "note: flex_attention: ValueError: Qwen2_5_VLForConditionalGeneration does not support" in out

@@ -31,25 +31,24 @@ class PPORecipe(RolloutRecipe):
     def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
         """Per-target rewards (score at the last target, minus the KL penalty), GAE, whitened advantages."""
         p = self.cfg.ppo
-        kls, all_adv = [], []
-        for e, score in zip(examples, rewards.tolist(), strict=True):
-            if e.num_targets == 0:
-                e.meta.update(advantages=[], returns=[])
-                continue
-            old, ref = torch.tensor(e.meta["old_logps"]), torch.tensor(e.meta["ref_logps"])
-            kl = old - ref
-            token_rewards = -p.kl_coef * kl
-            token_rewards[-1] += score
-            advantages, returns = gae(token_rewards, torch.tensor(e.meta["old_values"]), p.gamma, p.lam)
-            e.meta.update(advantages=advantages.tolist(), returns=returns.tolist())
-            kls.append(kl.sum().item())
-            all_adv.append(advantages)
-        if p.whiten_advantages and all_adv:
-            whitened = whiten(torch.cat(all_adv)).tolist()
-            start = 0
-            for e in examples:
-                e.meta["advantages"] = whitened[start : start + e.num_targets]
-                start += e.num_targets
+        for e in examples:
+            e.meta.update(advantages=[], returns=[])
+        live = [(e, score) for e, score in zip(examples, rewards.tolist(), strict=True) if e.num_targets]
+        kls: list[float] = []
+        if live:  # every sequence in one vectorised GAE over the concatenated targets
+            lengths = [e.num_targets for e, _ in live]
+            old, ref, old_values = (
+                torch.tensor([x for e, _ in live for x in e.meta[key]])
+                for key in ("old_logps", "ref_logps", "old_values")
+            )
+            token_rewards = -p.kl_coef * (old - ref)
+            token_rewards[torch.tensor(lengths).cumsum(0) - 1] += torch.tensor([score for _, score in live])
+            advantages, returns = gae(token_rewards, old_values, p.gamma, p.lam, lengths)
+            if p.whiten_advantages:
+                advantages = whiten(advantages)
+            for (e, _), adv, ret in zip(live, advantages.split(lengths), returns.split(lengths), strict=True):
+                e.meta.update(advantages=adv.tolist(), returns=ret.tolist())
+            kls = [k.sum().item() for k in (old - ref).split(lengths)]
         policy_weight = 0.0 if epoch < p.critic_warmup_steps else 1.0  # warm-up: only the critic learns
         for e in examples:
             e.meta["policy_weight"] = policy_weight

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from padless.config import GRPOConfig, PPOConfig, SFTConfig, load_config
+from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig, load_config
 from padless.data import load_rows
 from padless.engine import ModelEngine
+from padless.losses import gae, whiten
 from padless.model import forward_packed, hidden_states, load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
@@ -23,7 +25,7 @@ from padless.trainers import grpo
 from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
 from padless.trainers.loop import Trainer
-from padless.trainers.ppo import run_ppo
+from padless.trainers.ppo import PPORecipe, run_ppo
 from padless.trainers.rl import start_rl
 from padless.trainers.session import Session
 from padless.trainers.sft import run_sft
@@ -320,3 +322,42 @@ def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_p
     with torch.no_grad():
         outside = forward_packed(session.model, batch).logps[batch.loss_mask[0]]
     assert (new - outside).abs().max().item() > 1e-2  # what a pass outside the policy would have given
+
+
+@pytest.mark.parametrize("whiten_advantages", [False, True])
+def test_ppo_process_equals_per_sequence_gae(whiten_advantages):
+    """The rollout's advantages come from one GAE over every sequence's targets; each equals GAE over its
+    sequence alone with the score added at its last target and the KL penalty on every target
+    (fp64 sums in another order: 1e-12; whitening is then over all targets of the rollout)."""
+    g = torch.Generator().manual_seed(1)
+    settings = PPOSettings(gamma=0.99, lam=0.9, kl_coef=0.05, whiten_advantages=whiten_advantages)
+    examples = []
+    for n in (3, 1, 0, 7):  # a completion with no target gets empty advantages
+        ex = Example(list(range(n + 2)), [False, False] + [True] * n)
+        ex.meta.update(
+            {k: torch.randn(n, generator=g).tolist() for k in ("old_logps", "ref_logps", "old_values")}
+        )
+        examples.append(ex)
+    scores = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    out = PPORecipe.process(SimpleNamespace(cfg=SimpleNamespace(ppo=settings)), examples, scores, epoch=5)
+
+    want_adv, want_ret, kls = [], [], []
+    for ex, score in zip(examples, scores.tolist(), strict=True):
+        if ex.num_targets == 0:
+            continue
+        kl = torch.tensor(ex.meta["old_logps"]) - torch.tensor(ex.meta["ref_logps"])
+        rewards = (-settings.kl_coef * kl).double()
+        rewards[-1] += score
+        values = torch.tensor(ex.meta["old_values"]).double()
+        adv, _ = gae(rewards, values, settings.gamma, settings.lam)  # one sequence: the loop (test_losses)
+        want_adv.append(adv)
+        want_ret.append(adv + values)
+        kls.append(kl.sum().item())
+    adv_all = whiten(torch.cat(want_adv)) if whiten_advantages else torch.cat(want_adv)
+    got_adv = torch.tensor([a for ex in examples for a in ex.meta["advantages"]], dtype=torch.float64)
+    got_ret = torch.tensor([r for ex in examples for r in ex.meta["returns"]], dtype=torch.float64)
+    assert examples[2].meta["advantages"] == [] and examples[2].meta["returns"] == []
+    assert torch.allclose(got_adv, adv_all, rtol=1e-6, atol=1e-6)  # stored as fp32 values
+    assert torch.allclose(got_ret, torch.cat(want_ret), rtol=1e-6, atol=1e-6)
+    assert out["rollout/kl"] == pytest.approx(sum(kls) / 3, rel=1e-6)
+    assert all(ex.meta["policy_weight"] == 1.0 for ex in examples)

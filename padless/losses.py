@@ -112,15 +112,15 @@ def gae(
     gamma: float,
     lam: float,
     lengths: list[int] | None = None,
-    block: int = 256,
+    block: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over sequences' targets concatenated in ``[T]`` (``lengths`` each,
     default one sequence); the value after each sequence's end is 0.
 
-    ``A_t = sum_k (gamma lam)^(k-t) delta_k`` over ``k >= t`` in the same sequence, computed in fp64 as a
-    masked matrix of powers within blocks of ``block`` targets, carried from block to block: O(T * block)
-    work in T / block steps instead of a Python step per token. Returns ``(advantages, returns)``,
-    ``returns = advantages + values``, in the rewards' dtype.
+    ``A_t = sum_k (gamma lam)^(k-t) delta_k`` over ``k >= t`` in the same sequence, in fp64: every block of
+    ``block`` targets at once as a masked matrix of powers, then each block's first advantage carried into
+    the block before it (a scalar recursion over T / block blocks) instead of a step per token.
+    Returns ``(advantages, returns)``, ``returns = advantages + values``, in the rewards' dtype.
     """
     total = rewards.shape[0]
     lengths = [total] if lengths is None else lengths
@@ -129,19 +129,28 @@ def gae(
     r, v = rewards.double(), values.double()
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
     ends = seq[1:] != seq[:-1]  # target t is its sequence's last: no value after it
-    next_values = torch.cat([v[1:].masked_fill(ends, 0.0), v.new_zeros(1)])
-    deltas = r + gamma * next_values - v
+    deltas = r + gamma * torch.cat([v[1:].masked_fill(ends, 0.0), v.new_zeros(1)]) - v
+    pad = -total % block
+    d = F.pad(deltas, (0, pad)).view(-1, block)
+    s = F.pad(seq, (0, pad), value=-1).view(-1, block)  # padding is a sequence of its own
     decay = torch.tensor(gamma * lam, dtype=torch.float64)
-    advantages = torch.empty_like(deltas)
-    carried, carried_seq = deltas.new_zeros(()), -1  # advantage and sequence of the next block's first target
-    for start in reversed(range(0, total, block)):
-        d, s = deltas[start : start + block], seq[start : start + block]
-        at = torch.arange(d.shape[0])
-        gap = at[None, :] - at[:, None]  # k - t
-        weights = torch.where((gap >= 0) & (s[:, None] == s[None, :]), decay ** gap.clamp(min=0), 0.0)
-        a = weights @ d + torch.where(s == carried_seq, decay ** (d.shape[0] - at), 0.0) * carried
-        advantages[start : start + block] = a
-        carried, carried_seq = a[0], int(s[0])
+    at = torch.arange(block)
+    gap = at[None, :] - at[:, None]  # k - t
+    powers = torch.where(gap >= 0, decay ** gap.clamp(min=0), 0.0)
+    local = torch.cat(
+        [
+            torch.einsum("btk,bk->bt", powers * (sc[:, :, None] == sc[:, None, :]), dc)
+            for dc, sc in zip(d.split(1024), s.split(1024), strict=True)  # bounded memory: 8 MB a chunk
+        ]
+    )
+    # how the first advantage of the next block enters each target of this block
+    follows = s == torch.cat([s[1:, :1], s.new_full((1, 1), -2)])
+    into = torch.where(follows, decay ** (block - at), 0.0)
+    firsts, coefs = local[:, 0].tolist(), into[:, 0].tolist()
+    carried = [0.0] * len(firsts)
+    for b in range(len(firsts) - 2, -1, -1):
+        carried[b] = firsts[b + 1] + coefs[b + 1] * carried[b + 1]
+    advantages = (local + into * torch.tensor(carried, dtype=torch.float64)[:, None]).flatten()[:total]
     advantages = advantages.to(rewards.dtype)
     return advantages, advantages + values
 

@@ -6,12 +6,12 @@ passes, with fillers (real data whose results are dropped) where a rank's share 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather
+from accelerate.utils import gather, reduce
 
 T = TypeVar("T")
 
@@ -40,3 +40,21 @@ def lockstep(batches: list[T], filler: T) -> Iterator[tuple[T, bool]]:
     total = common_count(len(batches))
     for i in range(total):
         yield (batches[i], True) if i < len(batches) else (filler, False)
+
+
+def shared_pass(
+    groups: list[list[int]], run: Callable[[list[int]], torch.Tensor], total: int, width: int
+) -> torch.Tensor:
+    """A whole-dataset pass split between ranks: ``groups`` (item indices, the same on every rank) dealt
+    out round robin, each rank running ``run(group)`` -> ``[len(group), width]`` on its share in lockstep,
+    then one sum over ranks of the ``[total, width]`` fp64 results. Each item is computed by exactly one
+    rank and is zero on the others, so the sum is exact."""
+    state = PartialState()
+    out = torch.zeros(total, width, dtype=torch.float64, device=state.device)
+    if not groups:
+        return out
+    for group, real in lockstep(groups[state.process_index :: state.num_processes], groups[0]):
+        values = run(group)
+        if real:
+            out[group] = values.to(out)
+    return reduce(out, reduction="sum") if state.num_processes > 1 else out

@@ -15,6 +15,7 @@ from padless.engine import ModelEngine, inner_engine
 from padless.losses import dpo_loss
 from padless.model import pad_token_id
 from padless.packing import budget_batches
+from padless.ranks import shared_pass
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.pairs import PairRecipe, load_pairs, sequence_logps, shares, split_pairs
 from padless.trainers.session import start_session
@@ -53,17 +54,19 @@ class DPORecipe(PairRecipe):
     def bind(self, model: torch.nn.Module) -> None:
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
-        Every rank computes every pair (every rank plans every step), so ranks run the same passes."""
+        The pass is split between ranks (each runs its share of the packed batches) and summed once."""
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
-        for pairs in (self.pairs, self.eval_pairs):
-            budget = self.cfg.max_tokens_per_batch
-            groups = budget_batches([len(p) for p in pairs], budget, shuffle=False) if pairs else []
-            for g in groups:
-                chunk = [pairs[i] for i in g]
-                ref = self.reference_logps(model, chunk, self.collate(chunk)).tolist()
-                for k, p in enumerate(chunk):
-                    p.meta["ref_logps"] = (ref[2 * k], ref[2 * k + 1])
+        for pairs in (self.pairs, self.eval_pairs or []):
+            groups = budget_batches([len(p) for p in pairs], self.cfg.max_tokens_per_batch, shuffle=False)
+
+            def run(group: list[int], pairs: list[PairExample] = pairs) -> torch.Tensor:
+                chunk = [pairs[i] for i in group]
+                return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
+
+            ref = shared_pass(groups, run, len(pairs), 2).tolist()
+            for p, (chosen, rejected) in zip(pairs, ref, strict=True):
+                p.meta["ref_logps"] = (chosen, rejected)
         self.ref_model = None
 
     def loss(

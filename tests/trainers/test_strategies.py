@@ -1,5 +1,6 @@
 """Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
-launched with its config from ``examples/accelerate/``: each of SFT, DPO (frozen reference model), RM,
+launched with its config from ``examples/accelerate/``: each of SFT, DPO (frozen reference model, and
+reference log-probs precomputed by a pass shared between ranks), RM,
 GRPO and PPO under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
 same per-step losses and final weights as one process with the same global batch, and a run resumed from
 a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are deliberately uneven: 3 RL
@@ -70,6 +71,13 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
+    "dpo_pre": [  # reference log-probs precomputed: each rank runs its share of the pass, summed once
+        "data.train=tiny:preference_eval",
+        "data.max_length=1024",
+        "dpo.precompute_ref_logps=true",
+        "train.max_steps=3",
+        "train.save_steps=2",
+    ],
     "rm": [
         "data.train=tiny:preference_eval",
         "data.max_length=1024",
@@ -79,7 +87,7 @@ TRAINERS = {
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
 }
-RESUME_FROM = {"sft": 2, "dpo": 2, "rm": 2, "grpo": 3, "ppo": 3}
+RESUME_FROM = {"sft": 2, "dpo": 2, "dpo_pre": 2, "rm": 2, "grpo": 3, "ppo": 3}
 CONFIGS = {
     "ddp": "ddp.yaml",
     "fsdp2": "fsdp2.yaml",
@@ -89,7 +97,7 @@ CONFIGS = {
 
 
 def argv(kind: str, out: Path, *extra: str) -> list[str]:
-    return [kind, *COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
+    return [kind.split("_")[0], *COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
 
 
 def losses(run: Path, key: str = "train/loss") -> dict[int, float]:

@@ -1,0 +1,43 @@
+"""Work shared between ranks: what one rank runs, and what every rank ends with."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from padless import ranks
+
+
+def _as_rank(monkeypatch, rank: int, world: int, others: list[torch.Tensor], longest: int) -> None:
+    """Make this process rank ``rank`` of ``world``: the other ranks' results arrive through the sum and
+    the longest share through the count (what gloo would give)."""
+    state = SimpleNamespace(process_index=rank, num_processes=world, device=torch.device("cpu"))
+    monkeypatch.setattr(ranks, "PartialState", lambda: state)
+    monkeypatch.setattr(ranks, "common_count", lambda count: max(count, longest))
+    monkeypatch.setattr(ranks, "reduce", lambda t, reduction: t + sum(others))
+
+
+def test_shared_pass_runs_this_ranks_share_in_lockstep_and_sums_once(monkeypatch):
+    groups = [[0, 3], [1], [2, 5], [4], [6]]  # 5 batches on 2 ranks: rank 1 runs 2 real + 1 filler
+    calls: list[list[int]] = []
+
+    def run(group: list[int]) -> torch.Tensor:
+        calls.append(group)
+        return torch.tensor([[i + 0.5, -i] for i in group], dtype=torch.float32)
+
+    from_rank0 = torch.zeros(7, 2, dtype=torch.float64)
+    for g in groups[0::2]:
+        from_rank0[g] = torch.tensor([[i + 0.5, -i] for i in g], dtype=torch.float64)
+    _as_rank(monkeypatch, rank=1, world=2, others=[from_rank0], longest=3)
+    out = ranks.shared_pass(groups, run, total=7, width=2)
+    assert calls == [[1], [4], [0, 3]]  # its share, then a filler (the first group) to the common count
+    assert out.dtype == torch.float64
+    assert out.tolist() == [[i + 0.5, -i] for i in range(7)]  # the filler's results were dropped
+
+
+def test_shared_pass_on_one_process_runs_everything(monkeypatch):
+    _as_rank(monkeypatch, rank=0, world=1, others=[], longest=0)
+    out = ranks.shared_pass([[1, 0], [2]], lambda g: torch.tensor(g, dtype=torch.float64)[:, None] * 2, 3, 1)
+    assert out.flatten().tolist() == [0.0, 2.0, 4.0]
+    assert ranks.shared_pass([], lambda g: torch.zeros(0, 1), 0, 1).shape == (0, 1)

@@ -29,8 +29,8 @@ from padless.attention import (
     probe_attention,
     runtime_context,
 )
-from padless.model import forward_packed
-from padless.packing import Example, pack, to_padded
+from padless.model import forward_packed, forward_padded
+from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
 from padless.tolerance import FORMULA, bound
 from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, scale_head
 
@@ -97,15 +97,14 @@ def layout_logps(
         return [t[:-1] for t in batch.split(out)]
     if layout == "alone":
         return alone_logps(model, seqs).logps
-    padded = to_padded(batch, layout, pad_id)
-    logits = model(
-        input_ids=padded.input_ids,
-        attention_mask=padded.attention_mask,
-        position_ids=padded.position_ids,
-        use_cache=False,
-    ).logits
-    real = padded.attention_mask.bool()
-    return [next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(seqs))]
+    return padded_logps(model, batch, layout, pad_id)
+
+
+def padded_logps(model: PreTrainedModel, batch: PackedBatch, side: str, pad_id: int) -> list[torch.Tensor]:
+    """Per-sequence next-token log-probs ``[L_i - 1]`` of ``batch`` run as one batch padded on ``side``."""
+    padded = to_padded(batch, side, pad_id)
+    logps = forward_padded(model, padded)
+    return [row[labels != IGNORE_INDEX] for row, labels in zip(logps, padded.labels, strict=True)]
 
 
 @dataclass

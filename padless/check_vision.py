@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from padless.check import Alone, next_token_logps
+from padless.check import Alone, next_token_logps, padded_logps
 from padless.data import Row, tokenize_sft
 from padless.data.images import ImageInputs
 from padless.model import forward_packed
-from padless.packing import Example, pack, to_padded
+from padless.packing import Example, pack
 from padless.tiny.shapes import QUESTIONS, answer, draw
 from padless.vision import uses_mrope
 
@@ -70,13 +70,4 @@ def layout_logps(
         return [t[:-1] for t in batch.split(forward_packed(model, batch).logps)]
     if layout == "alone":
         return alone_logps(model, examples).logps
-    padded = to_padded(batch, layout, pad_id)
-    logits = model(
-        input_ids=padded.input_ids,
-        attention_mask=padded.attention_mask,
-        position_ids=padded.position_ids,
-        use_cache=False,
-        **(padded.vision or {}),
-    ).logits
-    real = padded.attention_mask.bool()
-    return [next_token_logps(logits[i][real[i]], padded.input_ids[i][real[i]]) for i in range(len(examples))]
+    return padded_logps(model, batch, layout, pad_id)

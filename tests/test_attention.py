@@ -32,7 +32,7 @@ from padless.attention import (
     varlen_attention_forward,
     varlen_kernel,
 )
-from padless.model import forward_packed, load_model
+from padless.model import forward_packed, forward_padded, load_model
 from padless.packing import Example, pack, to_padded, unpad
 from padless.tiny import tiny_config
 from padless.tolerance import bound
@@ -589,15 +589,7 @@ def _logps_and_grads(model, seqs, layout, pad_id) -> tuple[torch.Tensor, dict[st
         logps = forward_packed(model, batch).logps
     else:
         padded = to_padded(batch, layout, pad_id)
-        logits = model(
-            input_ids=padded.input_ids,
-            attention_mask=padded.attention_mask,
-            position_ids=padded.position_ids,
-            use_cache=False,
-        ).logits
-        real = padded.attention_mask.bool()
-        logps = logits.float().log_softmax(-1).gather(-1, padded.labels.clamp(min=0)[..., None])[..., 0]
-        logps = (logps * (padded.labels != -100))[real]
+        logps = forward_padded(model, padded)[padded.attention_mask.bool()]
     logps.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logps.detach(), grads

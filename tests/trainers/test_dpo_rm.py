@@ -36,18 +36,6 @@ def pairs(tokenizer):
     return [p for p in pairs if len(p) <= 300][:14]
 
 
-def step_metrics(recipe, model, groups, pairs) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Summed metric shares and gradients of one step accumulated over ``groups`` of pair indices."""
-    model.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
-    for group in groups:
-        loss, metrics = recipe.loss(model, MicroBatch([pairs[i] for i in group], 0, 0), normaliser=len(pairs))
-        loss.backward()
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value
-    return totals, [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 SPLITS = {"all at once": None, "budget": 600, "one pair each": 1}
 
 
@@ -77,7 +65,7 @@ def assert_same(reference, got, label, beta: float = 1.0):
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
-def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type):
+def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type, step_metrics):
     policy = ModelEngine(load_model("tiny-llama", training=True))
     ref = None if loss_type == "simpo" else ModelEngine(load_model("tiny-llama", seed=1))
     dpo = DPOSettings(beta=0.5, loss_type=loss_type, rpo_alpha=0.3 if loss_type == "sigmoid" else None)
@@ -98,7 +86,7 @@ def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type):
     assert 0.0 <= metrics["rewards/accuracies"] <= 1.0
 
 
-def test_dpo_precomputed_reference_equals_live_reference(pairs, tokenizer):
+def test_dpo_precomputed_reference_equals_live_reference(pairs, tokenizer, step_metrics):
     policy = ModelEngine(load_model("tiny-llama", training=True))
     ref = ModelEngine(load_model("tiny-llama", seed=1))
     cfg = TrainSettings()

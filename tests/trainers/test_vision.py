@@ -57,23 +57,11 @@ def pairs(inputs):
     return pairs
 
 
-def step_metrics(recipe, model, groups, pairs) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Summed metric shares and gradients of one step accumulated over ``groups`` of pair indices."""
-    model.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
-    for group in groups:
-        loss, metrics = recipe.loss(model, MicroBatch([pairs[i] for i in group], 0, 0), normaliser=len(pairs))
-        loss.backward()
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value
-    return totals, [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 def largest_difference(a: dict[str, float], b: dict[str, float]) -> float:
     return max(abs(a[k] - b[k]) for k in a)
 
 
-def test_vlm_dpo_same_for_any_layout_and_split(pairs):
+def test_vlm_dpo_same_for_any_layout_and_split(pairs, step_metrics):
     """DPO loss, rewards, log-probs and gradients of image pairs: packed (all at once or one pair per
     micro-batch) and padded on either side agree to fp32 round-off; dropping the M-RoPE rows (2D ids) moves
     them, so the comparison can fail."""

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import torch
 
 from padless.config import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, score_pad_id, score_positions, sequence_scores
+from padless.errors import InputError
 from padless.losses import bradley_terry_loss
 from padless.model import load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack, unpad
@@ -106,7 +108,19 @@ def score_file(
     rows = load_rows(data)
     images = ImageInputs.for_model(model_path, scorer)
     scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length, images=images))
-    lines = [json.dumps({**row.data, "score": s}) for row, s in zip(rows, scores, strict=True)]
+    scored = [{**row.data, "score": s} for row, s in zip(rows, scores, strict=True)]
+    if out is not None and out.endswith(".parquet"):  # keeps images held as raw bytes
+        datasets.Dataset.from_list(scored).to_parquet(out)
+        return Path(out)
+    lines = []
+    for row, data in zip(rows, scored, strict=True):
+        try:
+            lines.append(json.dumps(data))
+        except TypeError as e:
+            raise InputError(
+                f"{row.where}: cannot be written back as JSON ({e}; images held as raw bytes); "
+                "fix: write Parquet instead, e.g. --out scored.parquet"
+            ) from None
     if out is None:
         print("\n".join(lines))
         return None

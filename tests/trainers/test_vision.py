@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 
+import datasets
 import pytest
 import torch
 from PIL import Image
@@ -16,6 +17,7 @@ from padless.config import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainS
 from padless.data import load_rows, tokenize_preference
 from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, sequence_scores
+from padless.errors import InputError
 from padless.model import load_model
 from padless.packing import pack
 from padless.tiny import PAD_TOKEN_ID, build_tiny_model, shapes
@@ -256,3 +258,19 @@ def test_rm_score_reads_image_rows(tmp_path, vlm_reward_model):
     scored = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["images"] for r in scored] == [["0.png"], ["1.png"]]
     assert abs(scored[0]["score"] - scored[1]["score"]) > 1e-6
+
+    # the same rows with the pictures as raw bytes (a datasets Image column): JSON cannot hold them, so
+    # JSON output stops naming the row; Parquet keeps the bytes and gives the same scores
+    with_bytes = [
+        {**json.loads(line), "images": [{"bytes": r["images"][0]["bytes"]}]}
+        for line, r in zip(lines, rows, strict=True)
+    ]
+    datasets.Dataset.from_list(with_bytes).to_parquet(tmp_path / "rows.parquet")
+    refusal = r"rows.parquet row 0 \(0-based\): cannot be written back as JSON .*--out scored.parquet"
+    with pytest.raises(InputError, match=refusal):
+        score_file(vlm_reward_model, str(tmp_path / "rows.parquet"), str(tmp_path / "bytes.jsonl"))
+    assert not (tmp_path / "bytes.jsonl").exists()
+    out = score_file(vlm_reward_model, str(tmp_path / "rows.parquet"), str(tmp_path / "scored.parquet"))
+    back = datasets.Dataset.from_parquet(str(out)).to_list()
+    assert [r["images"][0]["bytes"] for r in back] == [r["images"][0]["bytes"] for r in with_bytes]
+    assert [r["score"] for r in back] == pytest.approx([r["score"] for r in scored], abs=1e-6)

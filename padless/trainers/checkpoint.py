@@ -203,8 +203,9 @@ def export_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         part = getattr(engine, name)
         if part is None:
             continue
-        prefix = f"{name}."
+        prefix, tied = f"{name}.", set(_tied_keys(part))  # a gathered state dict holds tied copies apart
         weights = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+        weights = {k: v for k, v in weights.items() if k not in tied}
         part.save_pretrained(where, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(path)
 

@@ -1,6 +1,6 @@
 """Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
-launched with its config from ``examples/accelerate/``: each of SFT, DPO (frozen reference model, and
-reference log-probs precomputed by a pass shared between ranks), RM,
+launched with its config from ``examples/accelerate/``: each of SFT (text, and the embedded VLM), DPO
+(frozen reference model, and reference log-probs precomputed by a pass shared between ranks), RM,
 GRPO and PPO under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
 same per-step losses and final weights as one process with the same global batch, and a run resumed from
 a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are deliberately uneven: 3 RL
@@ -65,6 +65,14 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
+    "sft_vlm": [  # the embedded Qwen2.5-VL: pixel values and M-RoPE positions packed per rank
+        "model.name=tiny-qwen2.5-vl",
+        "data.train=tiny:shapes_eval",
+        "data.max_length=256",
+        "train.max_tokens_per_batch=512",
+        "train.max_steps=3",
+        "train.save_steps=2",
+    ],
     "dpo": [
         "data.train=tiny:preference_eval",
         "data.max_length=1024",
@@ -87,7 +95,7 @@ TRAINERS = {
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
 }
-RESUME_FROM = {"sft": 2, "dpo": 2, "dpo_pre": 2, "rm": 2, "grpo": 3, "ppo": 3}
+RESUME_FROM = {"sft": 2, "sft_vlm": 2, "dpo": 2, "dpo_pre": 2, "rm": 2, "grpo": 3, "ppo": 3}
 CONFIGS = {
     "ddp": "ddp.yaml",
     "fsdp2": "fsdp2.yaml",
@@ -175,11 +183,14 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
         assert sorted(two) == sorted(one) and one, kind
         for step in one:
             assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (kind, step)
-        # the norm every strategy clips with and logs (DeepSpeed computes its own)
+        # the norm every strategy clips with and logs. DeepSpeed computes its own: on these runs it came out
+        # 2e-5 to 1.5e-4 above torch's (already at step 1, from identical weights; text and VLM alike), so
+        # it is held to 5e-4; a lost or doubled micro-batch or rank changes a norm by 10 % or more.
         norms, want = losses(tmp_path / kind, "train/grad_norm"), losses(one_process[kind], "train/grad_norm")
         assert norms.keys() == want.keys() == one.keys(), kind
+        norm_rel = 5e-4 if strategy.startswith("zero") else 1e-4
         for step in want:
-            assert norms[step] == pytest.approx(want[step], rel=1e-4), (kind, "grad_norm", step)
+            assert norms[step] == pytest.approx(want[step], rel=norm_rel), (kind, "grad_norm", step)
         last = max(one)
         assert_weights_close(
             weights(tmp_path / kind, last), weights(one_process[kind], last), 3e-5, 1e-5, f"{kind} vs 1 proc"

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import yaml
+from pydantic import Field
 
 from padless.config import (
     ConfigError,
+    ConfigModel,
     DataSettings,
     LoraSettings,
     ModelSettings,
@@ -347,29 +347,27 @@ def test_to_dict_is_plain_and_unshared() -> None:
         to_dict(SFTConfig)
 
 
-# ---- the generic machinery on other dataclasses
+# ---- the generic machinery on other config models
 
 
-@dataclass
-class Inner:
+class Inner(ConfigModel):
     size: int = 1
-    tags: list[int] = field(default_factory=list)
+    tags: list[int] = Field(default_factory=list)
 
 
-@dataclass
-class Demo:
+class Demo(ConfigModel):
     name: str
-    weights: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
     mode: Literal["a", "b"] | None = None
-    inner: Inner = field(default_factory=lambda: Inner(size=5, tags=[1]))
+    inner: Inner = Field(default_factory=lambda: Inner(size=5, tags=[1]))
     maybe: Inner | None = None
 
 
 def test_from_dict_generic_types() -> None:
     demo = from_dict(
         Demo,
-        {"name": "x", "weights": {"a": 1, "b": "2.5"}, "extra": {"k": [1, {"z": None}]}, "mode": "b"},
+        {"name": "x", "weights": {"a": 1, "b": 2.5}, "extra": {"k": [1, {"z": None}]}, "mode": "b"},
     )
     assert demo.weights == {"a": 1.0, "b": 2.5} and all(type(v) is float for v in demo.weights.values())
     assert demo.extra == {"k": [1, {"z": None}]}
@@ -397,8 +395,8 @@ def test_from_dict_errors_name_where_and_required_keys() -> None:
         from_dict(Demo, {"name": None}, prefix="sec")
 
 
-def test_config_dataclasses_have_the_agreed_fields() -> None:
-    names = {f.name for f in dataclasses.fields(TrainSettings)}
+def test_config_models_have_the_agreed_fields() -> None:
+    names = set(TrainSettings.model_fields)
     assert {
         "max_tokens_per_batch",
         "batching",
@@ -406,7 +404,7 @@ def test_config_dataclasses_have_the_agreed_fields() -> None:
         "report_to",
         "resume_from_checkpoint",
     } <= names
-    assert [f.name for f in dataclasses.fields(SFTConfig)] == ["model", "data", "train"]
+    assert list(SFTConfig.model_fields) == ["model", "data", "train"]
 
 
 # ---- preference configs: DPO and reward models
@@ -433,7 +431,7 @@ def test_preference_config_defaults_from_empty_yaml(
         lr,
         10,
     )
-    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+    assert list(cls.model_fields)[:3] == ["model", "data", "train"]
 
 
 def test_dpo_defaults_and_overrides(tmp_path: Path) -> None:
@@ -577,7 +575,7 @@ def test_rl_config_defaults(tmp_path: Path, cls: type, output_dir: str, generati
     assert (cfg.train.output_dir, cfg.train.learning_rate, cfg.train.max_steps) == (output_dir, 1e-5, 100)
     assert cfg.rollout.num_generations == generations and cfg.rollout.engine == "hf"
     assert cfg.reward.functions == ["arithmetic"] and cfg.reward.weights is None
-    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+    assert list(cls.model_fields)[:3] == ["model", "data", "train"]
     partial = load_config(cls, write(tmp_path, "train:\n  max_steps: 10\nrollout:\n  max_new_tokens: 8\n"))
     assert (partial.train.output_dir, partial.train.max_steps) == (output_dir, 10)
     assert (partial.rollout.num_generations, partial.rollout.max_new_tokens) == (generations, 8)

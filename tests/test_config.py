@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -9,6 +10,7 @@ import pytest
 import yaml
 from pydantic import Field
 
+from padless.cli import TRAINERS, _load, main
 from padless.config import (
     ConfigError,
     ConfigModel,
@@ -228,6 +230,40 @@ def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
 def test_top_level_must_be_mapping(tmp_path: Path) -> None:
     msg = error(SFTConfig, write(tmp_path, "- model\n- train\n"))
     assert "run.yaml" in msg and "top level must be a mapping" in msg
+
+
+def test_errors_give_the_line_a_key_was_set_on(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  name: m\ntrain:\n  seed: 1\n  learnig_rate: 1e-4\n")
+    assert "unknown key 'train.learnig_rate' in " + str(path) + " (line 5);" in error(SFTConfig, path)
+    path = write(tmp_path, "train:\n  report_to:\n    - jsonl\n    - 3\n")
+    assert error(SFTConfig, path).startswith(
+        f"train.report_to[1] in {path}: expected str, got int 3 (line 4);"
+    )
+    path = write(tmp_path, "data:\n  train: tiny:sft\ntrain:\n  eval_steps: 5\n  seed: 3\n")
+    msg = error(SFTConfig, path)
+    assert msg.startswith(f"train.eval_steps, data.eval in {path}: ") and "is not set (line 4);" in msg
+    # a key the command line set again has no line in the file
+    path = write(tmp_path, "model:\n  lora:\n    r: 2\n")
+    msg = error(SFTConfig, path, "model.lora.r=0")
+    assert (
+        msg.startswith("model.lora.r on the command line ('model.lora.r=0'): must be > 0")
+        and "(line" not in msg
+    )
+    # an unknown section given on the command line is said to come from there
+    assert "unknown key 'trian' on the command line ('trian.max_steps=1')" in error(
+        SFTConfig, None, "trian.max_steps=1"
+    )
+
+
+def test_bounds_are_checked_from_the_types() -> None:
+    msg = error(SFTConfig, None, "train.adam_beta2=1")
+    assert msg.startswith(
+        "train.adam_beta2 on the command line ('train.adam_beta2=1'): must be in [0, 1), got 1;"
+    )
+    assert msg.endswith("fix: set adam_beta2 to a value in [0, 1), e.g. 0.999")
+    assert "must be >= 0, got -1" in error(SFTConfig, None, "train.save_steps=-1")
+    with pytest.raises(ConfigError, match=r"^lam: must be in \[0, 1\], got 1.5; fix: set lam to a value in"):
+        PPOSettings(lam=1.5)
 
 
 # ---- cross-field checks
@@ -715,3 +751,78 @@ def test_rl_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="at least 2"):
         GRPOConfig(rollout=RolloutSettings(num_generations=1))
     assert PPOConfig(rollout=RolloutSettings(num_generations=1)).rollout.num_generations == 1
+
+
+# ---- JSON Schema for editors: padless schema TRAINER
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+
+
+def schema_of(trainer: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main(["schema", trainer]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def unknown_keys(
+    schema: dict[str, Any], data: Any, node: dict[str, Any] | None = None, key: str = ""
+) -> list[str]:
+    """The keys of ``data`` that ``schema`` does not allow (the part of validation editors complete from)."""
+    node = schema if node is None else node
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].rpartition("/")[2]]
+    objects = [n for n in node.get("anyOf", [node]) if "properties" in n or "$ref" in n]
+    if not isinstance(data, dict) or not objects:
+        return []
+    node = schema["$defs"][objects[0]["$ref"].rpartition("/")[2]] if "$ref" in objects[0] else objects[0]
+    assert node["additionalProperties"] is False, key
+    bad = [f"{key}.{k}".lstrip(".") for k in data if k not in node["properties"]]
+    return bad + [
+        u
+        for k, v in data.items()
+        if k in node["properties"]
+        for u in unknown_keys(schema, v, node["properties"][k], f"{key}.{k}")
+    ]
+
+
+def test_schema_command_prints_each_trainers_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    for trainer, (target, _, _) in TRAINERS.items():
+        schema = schema_of(trainer, capsys)
+        cls = _load(target)
+        assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        assert schema["title"] == cls.__name__ and schema["additionalProperties"] is False
+        assert list(schema["properties"]) == list(cls.model_fields)
+        for name, section in schema["$defs"].items():
+            assert section["type"] == "object" and section["additionalProperties"] is False, name
+    train = schema_of("sft", capsys)["$defs"]["TrainSettings"]["properties"]
+    assert train["lr_scheduler"]["enum"] == ["cosine", "linear", "constant"]
+    assert train["learning_rate"]["exclusiveMinimum"] == 0 and train["learning_rate"]["type"] == "number"
+    assert train["warmup_ratio"]["minimum"] == 0 and train["warmup_ratio"]["exclusiveMaximum"] == 1
+    assert "evaluate only at the end" in train["eval_steps"]["description"]
+    # a section whose defaults are the trainer's own says so
+    assert schema_of("dpo", capsys)["properties"]["train"]["default"] == {
+        "output_dir": "runs/dpo",
+        "learning_rate": 5e-6,
+    }
+    assert main(["schema", "nope"]) == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_conform_to_their_schema_and_typos_do_not(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = next(part for part in path.stem.split("_") if part in TRAINERS)
+    schema = schema_of(trainer, capsys)
+    data = yaml.safe_load(path.read_text())
+    typo = {**data, "train": {**data.get("train", {}), "learnig_rate": 1e-4}}
+    assert unknown_keys(schema, data) == []
+    assert unknown_keys(schema, typo) == ["train.learnig_rate"]
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert list(validator.iter_errors(data)) == []
+    assert [e.validator for e in validator.iter_errors(typo)] == ["additionalProperties"]
+    assert not validator.is_valid({**data, "train": {**data.get("train", {}), "learning_rate": 0}})
+    assert not validator.is_valid({**data, "model": {**data.get("model", {}), "dtype": "bf16"}})

@@ -311,8 +311,8 @@ class _Origin:
         for key in keys:
             if self.override_of(key) is not None:
                 continue
-            while key and key not in self.lines:  # a.b[1] -> a.b -> a
-                key = re.sub(r"(\[\d+\]|\.[^.\[]*|^[^.\[]*)$", "", key)
+            while key and key not in self.lines:  # a.b[1] -> a.b -> a -> ""
+                key = key[: max(key.rfind("."), key.rfind("["), 0)]
             if key:
                 found.add(self.lines[key])
         numbers = ", ".join(map(str, sorted(found)))
@@ -369,8 +369,12 @@ class ConfigModel(BaseModel):
         spec = cls.model_fields[info.field_name]
         tp = spec.annotation
         if _is_model(tp) and (value is None or isinstance(value, Mapping)):
-            base = spec.get_default(call_default_factory=True)
-            return {**(base.model_dump(exclude_unset=True) if base is not None else {}), **(value or {})}
+            base = (
+                {}
+                if spec.is_required()
+                else spec.get_default(call_default_factory=True).model_dump(exclude_unset=True)
+            )
+            return {**base, **(value or {})}
         if isinstance(value, str) and float in _members(tp) and _NUMBER_RE.fullmatch(value.strip()):
             return float(value.strip())
         return value
@@ -532,10 +536,8 @@ def _explain(error: ValidationError, cls: type, data: Any, origin: _Origin, pref
         return ConfigError(message, keys=shown, problem=cause.problem, fix=cause.fix)
     value = first["input"]
     if kind == "finite_number":
-        problem, fix = (
-            f"expected a finite number, got {_got(value)}",
-            "write a finite number, e.g. 3e-4 or 0.5",
-        )
+        problem = f"expected a finite number, got {_got(value)}"
+        fix = "write a finite number, e.g. 3e-4 or 0.5"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and spec:
         bounds = _bounds(spec)
         problem = f"must be {bounds}, got {value!r}"

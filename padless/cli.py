@@ -1,4 +1,4 @@
-"""Command line: ``padless check | doctor | generate`` and the trainers.
+"""Command line: ``padless check | doctor | generate | schema`` and the trainers.
 
 Every failure ends in one message naming the file, row, key or path and the fix (exit 2 for input
 errors, 1 for runtime faults, 130 when interrupted); ``--debug`` or ``PADLESS_DEBUG=1`` adds the traceback.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import sys
@@ -125,6 +126,13 @@ def _train(args: argparse.Namespace) -> int:
         )
     metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from padless.config import json_schema
+
+    print(json.dumps(json_schema(_load(TRAINERS[args.trainer][0])), indent=2))
     return 0
 
 
@@ -255,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
     doctor.set_defaults(func=_doctor)
+
+    schema = sub.add_parser(
+        "schema", help="print the JSON Schema of a trainer's config, for editors to complete and check YAML"
+    )
+    schema.add_argument("trainer", choices=list(TRAINERS), help="the trainer whose config files it describes")
+    schema.set_defaults(func=_schema)
     return parser
 
 

@@ -1,34 +1,49 @@
-"""Typed run configs: a YAML file plus ``key=value`` overrides, checked against nested dataclasses.
+"""Typed run configs: a YAML file plus ``key=value`` overrides, checked by pydantic models.
 
-Every mistake is reported before a run starts, with the dotted key, where it was set (file or command
-line), what was expected, what was found and how to fix it. Values are read with a YAML 1.2-like schema
-so that ``1e-4`` is a float, while ``yes``/``no``/``on``/``off`` and dates stay strings: a model called
-``no`` or a ``data.eval`` of ``2024-01-01`` is not silently turned into a bool or a date.
+Every mistake is reported before a run starts, with the dotted key, where it was set (file and line, or the
+command-line override), what was expected, what was found and how to fix it: pydantic finds the mistakes,
+:func:`_explain` turns its first one into that line. Values are read with a YAML 1.2-like schema so that
+``1e-4`` is a float, while ``yes``/``no``/``on``/``off`` and dates stay strings: a model called ``no`` or a
+``data.eval`` of ``2024-01-01`` is not silently turned into a bool or a date. ``padless schema TRAINER``
+prints each config's JSON Schema for editors.
 
-This module imports no torch, so configs can be checked quickly (and in tests) without loading models.
+To add a key, add a field (with a default and a docstring) to its section below; cross-field rules go in
+the section's ``_check``. This module imports no torch, so configs can be checked quickly.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
-import functools
-import math
 import os
 import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
-T = TypeVar("T")
+T = TypeVar("T", bound="ConfigModel")
 
 __all__ = [
     "ConfigError",
+    "ConfigModel",
     "DPOConfig",
     "DPOSettings",
     "DataSettings",
@@ -48,9 +63,9 @@ __all__ = [
     "TrainSettings",
     "from_dict",
     "invalid",
+    "json_schema",
     "load_config",
     "parse_override",
-    "read_yaml",
     "save_config",
     "to_dict",
 ]
@@ -64,7 +79,7 @@ class ConfigError(ValueError):
     """A config a run cannot start from; the message says where, what was expected, what was found, the fix.
 
     ``keys`` are the dotted keys involved; ``problem``/``fix`` are set for errors made by :func:`invalid`,
-    so :func:`from_dict` can re-raise them with full dotted keys and the place the values came from.
+    so they can be re-raised with full dotted keys and the place the values came from.
     """
 
     def __init__(
@@ -76,16 +91,16 @@ class ConfigError(ValueError):
         self.fix = fix
 
 
-def _format(keys: Sequence[str], source: str, problem: str, fix: str | None) -> str:
+def _format(keys: Sequence[str], source: str, problem: str, fix: str | None, line: str = "") -> str:
     where = ", ".join(keys) or "config"
-    return f"{where}{source}: {problem}" + (f"; fix: {fix}" if fix else "")
+    return f"{where}{source}: {problem}{line}" + (f"; fix: {fix}" if fix else "")
 
 
 def invalid(keys: str | Sequence[str], problem: str, fix: str) -> ConfigError:
-    """The error a dataclass's ``__post_init__`` raises for an impossible value or combination.
+    """The error a section's ``_check`` raises for an impossible value or combination.
 
-    ``keys`` are relative to that dataclass (``"warmup_ratio"``, or ``"data.eval"`` from a parent);
-    :func:`from_dict` re-raises with the full dotted keys and the file or override that set them, so
+    ``keys`` are relative to that section (``"warmup_ratio"``, or ``"data.eval"`` from a whole config);
+    loading re-raises it with the full dotted keys and the file line or override that set them, so
     cross-field errors read like every other config error.
     """
     names = (keys,) if isinstance(keys, str) else tuple(keys)
@@ -93,7 +108,7 @@ def invalid(keys: str | Sequence[str], problem: str, fix: str) -> ConfigError:
 
 
 # --------------------------------------------------------------------------------------------------
-# YAML dialect: only true/false are bools, 1e-4 is a float, no implicit dates.
+# YAML dialect: only true/false are bools, 1e-4 is a float, no implicit dates, no duplicate keys.
 
 _BOOL = "tag:yaml.org,2002:bool"
 _FLOAT = "tag:yaml.org,2002:float"
@@ -155,8 +170,22 @@ class _Dumper(yaml.SafeDumper):
     yaml_implicit_resolvers = _union_resolvers()
 
 
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a config file into a plain dict; every failure becomes a :class:`ConfigError` naming the file."""
+def _key_lines(node: yaml.Node | None, prefix: str, lines: dict[str, int]) -> dict[str, int]:
+    """The 1-based line of every dotted key (and list item, ``key[i]``) under ``node``."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value in node.value:
+            key = _join(prefix, str(key_node.value))
+            lines[key] = key_node.start_mark.line + 1
+            _key_lines(value, key, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[f"{prefix}[{i}]"] = item.start_mark.line + 1
+            _key_lines(item, f"{prefix}[{i}]", lines)
+    return lines
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """A config file as a plain dict and the line of each key in it; failures name the file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -171,8 +200,10 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 ({e.reason}); fix: save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    loader = _Loader(text)  # a SafeLoader
     try:
-        data = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path} line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
@@ -185,14 +216,16 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: the top level must be a mapping of sections (e.g. 'model:', 'train:'), "
             f"got {_got(data)}; fix: write 'section:' lines with indented 'key: value' lines under them"
         )
-    return data
+    return data, _key_lines(node, "", {})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,21 +271,154 @@ def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _below(key: str, parent: str) -> bool:
+    return key == parent or key.startswith((parent + ".", parent + "["))
+
+
+@dataclass
+class _Origin:
+    """Where the values of one config came from, so that an error can say it."""
+
+    file: str = ""  # the config file as given, or "" (no file, or a config built in Python)
+    lines: dict[str, int] = field(default_factory=dict)  # dotted key -> its line in the file
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the "key=value" that set it
+
+    def override_of(self, key: str) -> str | None:
+        """The command-line override that set ``key``, a section above it or a key below it, if any."""
+        parts = key.split("[")[0].split(".")
+        for n in range(len(parts), 0, -1):
+            item = self.overrides.get(".".join(parts[:n]))
+            if item is not None:
+                return item
+        return next((item for k, item in self.overrides.items() if _below(k, key)), None)
+
+    def where(self, *keys: str) -> str:
+        """' in run.yaml', " on the command line ('a=1', 'b=2')", both joined by 'and', or ''."""
+        items = [self.override_of(k) for k in keys]
+        overrides = list(dict.fromkeys(i for i in items if i is not None))
+        parts = [f" in {self.file}"] if self.file and None in items else []
+        if overrides:
+            parts.append(" on the command line (" + ", ".join(map(repr, overrides)) + ")")
+        return " and".join(parts)
+
+    def line(self, *keys: str) -> str:
+        """' (line 3)' or ' (lines 3, 5)' for the keys written in the file, or ''."""
+        found = set()
+        for key in keys:
+            if self.override_of(key) is not None:
+                continue
+            while key and key not in self.lines:  # a.b[1] -> a.b -> a -> ""
+                key = key[: max(key.rfind("."), key.rfind("["), 0)]
+            if key:
+                found.add(self.lines[key])
+        numbers = ", ".join(map(str, sorted(found)))
+        return f" (line{'s' * (len(found) > 1)} {numbers})" if found else ""
+
+
 # --------------------------------------------------------------------------------------------------
-# Building dataclasses
+# Models and their errors
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+def _members(tp: Any) -> tuple[Any, ...]:
+    return get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
 
 
-def _is_union(tp: Any) -> bool:
-    return get_origin(tp) in (Union, types.UnionType)
+def _optional(tp: Any) -> bool:
+    return type(None) in _members(tp)
 
 
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+def _strip_none(tp: Any) -> Any:
+    """``X | None`` -> ``X``; other unions stay whole."""
+    rest = [m for m in _members(tp) if m is not type(None)]
+    return rest[0] if len(rest) == 1 else tp
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _takes_text(tp: Any) -> bool:
+    return any(m is str or (get_origin(m) is Literal and str in map(type, get_args(m))) for m in _members(tp))
+
+
+class ConfigModel(BaseModel):
+    """A config section: unknown keys, wrong types and non-finite numbers are errors, nothing is coerced
+    except a number written as a string where a float goes (``'1e-6'``), and a section left empty
+    (``model:`` with every line commented out) means its defaults. A partial section starts from the
+    field's default (``DPOConfig.train`` keeps ``output_dir: runs/dpo``). Built directly in Python, a bad
+    value raises the same :class:`ConfigError` as from a file."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _explain(e, type(self), data, _Origin()) from None
+
+    # Tells pydantic that __init__ only validates, so nested sections are validated without calling it.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _defaults_and_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        spec = cls.model_fields[info.field_name]
+        tp = spec.annotation
+        if _is_model(tp) and (value is None or isinstance(value, Mapping)):
+            base = (
+                {}
+                if spec.is_required()
+                else spec.get_default(call_default_factory=True).model_dump(exclude_unset=True)
+            )
+            return {**base, **(value or {})}
+        if isinstance(value, str) and float in _members(tp) and _NUMBER_RE.fullmatch(value.strip()):
+            return float(value.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _checked(self) -> ConfigModel:
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        """Rules across fields: raise :func:`invalid` naming the keys involved."""
+
+
+def _walk(cls: type, loc: Sequence[str | int]) -> tuple[str, Any, int, FieldInfo | None]:
+    """For an error location: its dotted key, the declared type there, how many location parts name
+    fields (the rest is a union member's tag, or an unknown key), and the last field's definition."""
+    key, tp, spec = "", cls, None
+    for n, part in enumerate(loc):
+        tp = _strip_none(tp)
+        if _is_model(tp) and part in tp.model_fields:
+            spec = tp.model_fields[str(part)]
+            key, tp = _join(key, str(part)), spec.annotation
+        elif get_origin(tp) is list and isinstance(part, int):
+            key, tp = f"{key}[{part}]", get_args(tp)[0]
+        elif get_origin(tp) is dict and isinstance(part, str):
+            key, tp = _join(key, part), get_args(tp)[1]
+        else:
+            return key, tp, n, spec
+    return key, tp, len(loc), spec
+
+
+def _bounds(spec: FieldInfo) -> str:
+    """A field's bounds in words: '> 0', 'in [0, 1)'."""
+    b = {
+        k: getattr(m, k)
+        for m in spec.metadata
+        for k in ("gt", "ge", "lt", "le")
+        if getattr(m, k, None) is not None
+    }
+    low = f"({b['gt']}" if "gt" in b else f"[{b['ge']}" if "ge" in b else ""
+    high = f"{b['lt']})" if "lt" in b else f"{b['le']}]" if "le" in b else ""
+    if low and high:
+        return f"in {low}, {high}"
+    return next(f"{op} {b[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if k in b)
 
 
 def _describe(tp: Any) -> str:
@@ -260,9 +426,8 @@ def _describe(tp: Any) -> str:
         return "any value"
     if tp is type(None):
         return "null"
-    if _is_union(tp):
-        args = sorted(get_args(tp), key=lambda a: a is type(None))  # null last
-        return " or ".join(_describe(a) for a in args)
+    if len(_members(tp)) > 1:
+        return " or ".join(_describe(m) for m in sorted(_members(tp), key=lambda m: m is type(None)))
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
@@ -271,7 +436,7 @@ def _describe(tp: Any) -> str:
     if origin is dict:
         key_tp, value_tp = get_args(tp)
         return "mapping" if value_tp is Any else f"mapping of {_describe(key_tp)} to {_describe(value_tp)}"
-    if _is_dataclass_type(tp):
+    if _is_model(tp):
         return f"mapping ({tp.__name__})"
     return getattr(tp, "__name__", str(tp))
 
@@ -291,282 +456,149 @@ def _got(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def _field_default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-class _Mismatch(Exception):
-    """Internal: a value of the wrong shape; turned into a ConfigError with key and source by the caller."""
-
-    def __init__(self, tp: Any, value: Any, fix: str) -> None:
-        super().__init__()
-        self.tp, self.value, self.fix = tp, value, fix
-
-
-class _Builder:
-    """Builds one config, knowing which keys came from the file and which from command-line overrides."""
-
-    def __init__(self, source: str, origins: Mapping[str, str], raw: Mapping[str, str]) -> None:
-        self.source = source  # " in run.yaml", or "" when unnamed
-        self.origins = origins  # dotted key -> the override that set it, "key=value"
-        self.raw = raw  # dotted key -> override text, so a str field keeps e.g. "007" rather than 7
-
-    def override_of(self, key: str) -> str | None:
-        """The command-line override that set ``key`` (or a section above it), if any."""
-        parts = re.split(r"[\[ ]", key, maxsplit=1)[0].split(".")  # "a.b[2]" and "a.b.k (the key)" -> a.b
-        for n in range(len(parts), 0, -1):
-            item = self.origins.get(".".join(parts[:n]))
-            if item is not None:
-                return item
-        return None
-
-    def where(self, *keys: str) -> str:
-        """' in run.yaml', " on the command line ('a=1', 'b=2')", both joined by 'and', or ''."""
-        items = [self.override_of(k) for k in keys]
-        overrides = list(dict.fromkeys(i for i in items if i is not None))
-        parts = [self.source] if self.source and None in items else []
-        if overrides:
-            parts.append(" on the command line (" + ", ".join(map(repr, overrides)) + ")")
-        return " and".join(parts)
-
-    def mismatch(self, key: str, m: _Mismatch) -> ConfigError:
-        problem = f"expected {_describe(m.tp)}, got {_got(m.value)}"
-        return ConfigError(_format([key or "config"], self.where(key), problem, m.fix), keys=[key])
-
-    # ---- dataclasses
-
-    def build(self, cls: type[T], data: Any, prefix: str, base: Any = None) -> T:
-        if data is None:  # an empty section ('model:' with every line commented out) means defaults
-            data = {}
-        if not isinstance(data, Mapping):
-            raise self.mismatch(prefix, _Mismatch(cls, data, self._fix_section(cls)))
-        hints = _hints(cls)
-        fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
-        names = [f.name for f in fields]
-        for name in data:
-            if not isinstance(name, str) or name not in names:
-                raise self.unknown(name, prefix, names)
-        kwargs: dict[str, Any] = {}
-        for f in fields:
-            key = f"{prefix}.{f.name}" if prefix else f.name
-            if f.name in data:
-                field_base = getattr(base, f.name) if base is not None else _field_default(f)
-                kwargs[f.name] = self.value(hints[f.name], data[f.name], key, field_base)
-            elif base is not None:
-                kwargs[f.name] = copy.deepcopy(getattr(base, f.name))
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                under = f" under '{prefix}'" if prefix else ""
-                raise ConfigError(
-                    f"missing required key '{key}'{self.where(key)}; "
-                    f"fix: add {f.name}: <{_describe(hints[f.name])}>{under}",
-                    keys=[key],
-                )
-        try:
-            return cls(**kwargs)
-        except ConfigError as e:
-            if e.problem is None:
-                raise
-            full = [f"{prefix}.{k}" if prefix else k for k in e.keys]
-            given = [k for k, rel in zip(full, e.keys, strict=True) if _present(data, rel)]
-            source = self.where(*given) if given else ""
-            raise ConfigError(
-                _format(full, source, e.problem, e.fix), keys=full, problem=e.problem, fix=e.fix
-            ) from None
-
-    def unknown(self, name: Any, prefix: str, names: list[str]) -> ConfigError:
-        key = f"{prefix}.{name}" if prefix else str(name)
-        close = difflib.get_close_matches(str(name), names, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ";"
-        section = f"valid keys under '{prefix}'" if prefix else "valid top-level keys"
-        return ConfigError(
-            f"unknown key '{key}'{self.where(key)}{hint} {section}: {', '.join(names)}", keys=[key]
+def _fix(tp: Any, value: Any, key: str) -> str:
+    """How to write a value of type ``tp`` instead of ``value``."""
+    one = _strip_none(tp)
+    if _is_model(one):
+        return f"write a mapping with keys from: {', '.join(one.model_fields)}" + ", or null" * _optional(tp)
+    if get_origin(one) is Literal:
+        names, text = [str(a) for a in get_args(one)], str(value)
+        close = [a for a in names if a.lower() == text.lower()] or difflib.get_close_matches(
+            text, names, 1, 0.5
         )
-
-    # ---- values
-
-    def value(self, tp: Any, value: Any, key: str, base: Any = None) -> Any:
-        try:
-            return self.convert(tp, value, key, base)
-        except _Mismatch as m:
-            raise self.mismatch(key, m) from None
-
-    def convert(self, tp: Any, value: Any, key: str, base: Any) -> Any:
-        """Check ``value`` against ``tp``; raises _Mismatch for this key, ConfigError for deeper keys."""
-        if tp is Any:
-            return value
-        if _is_union(tp):
-            return self.union(tp, value, key, base)
-        origin = get_origin(tp)
-        if _is_dataclass_type(tp):
-            if value is not None and not isinstance(value, Mapping):
-                raise _Mismatch(tp, value, self._fix_section(tp))
-            return self.build(tp, value, key, base if isinstance(base, tp) else None)
-        if origin is Literal:
-            return self.literal(tp, value, key)
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            raise _Mismatch(tp, value, "write true or false")
-        if tp is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if isinstance(value, float) and value.is_integer():
-                raise _Mismatch(tp, value, f"write it as a whole number: {int(value)}")
-            raise _Mismatch(tp, value, "write a whole number without quotes, e.g. 100")
-        if tp is float:
-            return self.finite_float(value)
-        if tp is str:
-            if isinstance(value, str):
-                return value
-            if key in self.raw and isinstance(value, (int, float, bool)):
-                return self.raw[key]  # train.output_dir=007 means the string "007"
-            if isinstance(value, (int, float, bool)):
-                return_as = str(value).lower() if isinstance(value, bool) else str(value)
-                raise _Mismatch(tp, value, f"quote it: '{return_as}'")
-            raise _Mismatch(tp, value, "write a single string")
-        if origin is list:
-            (item_tp,) = get_args(tp)
-            if not isinstance(value, list):
-                raise _Mismatch(tp, value, f"write a list, e.g. [a, b] (on the command line: {key}=[a,b])")
-            return [self.value(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        if origin is dict:
-            key_tp, item_tp = get_args(tp)
-            if not isinstance(value, Mapping):
-                raise _Mismatch(tp, value, "write a mapping, e.g. {a: 1.0, b: 0.5}")
-            out = {}
-            for k, v in value.items():
-                sub = f"{key}.{k}"
-                out[self.value(key_tp, k, f"{sub} (the key)")] = self.value(item_tp, v, sub)
-            return out
-        raise TypeError(f"config field {key!r} has a type padless.config cannot read: {tp!r}")
-
-    @staticmethod
-    def finite_float(value: Any) -> float:
-        """A number as a float; inf and nan are refused everywhere: no setting means anything with them."""
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
-        elif isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):
-            number = float(value.strip())
-        if number is None:
-            raise _Mismatch(float, value, "write a number, e.g. 3e-4 or 0.5")
-        if not math.isfinite(number):
-            raise _Mismatch("a finite number", value, "write a finite number, e.g. 3e-4 or 0.5")
-        return number
-
-    def union(self, tp: Any, value: Any, key: str, base: Any) -> Any:
-        members = [a for a in get_args(tp) if a is not type(None)]
-        optional = len(members) < len(get_args(tp))
-        if value is None and optional:
-            return None
-        # pick the member by the value's shape, so errors inside a section or list stay precise
-        if isinstance(value, Mapping):
-            shaped = [a for a in members if _is_dataclass_type(a) or get_origin(a) is dict or a is Any]
-        elif isinstance(value, list):
-            shaped = [a for a in members if get_origin(a) is list or a is Any]
-        else:
-            shaped = [a for a in members if not _is_dataclass_type(a) and get_origin(a) not in (list, dict)]
-        if len(shaped) == 1 or (shaped and not isinstance(value, (str, int, float, bool))):
-            try:
-                return self.convert(shaped[0], value, key, base)
-            except _Mismatch as m:
-                raise _Mismatch(tp, value, m.fix + (", or null" if optional else "")) from None
-        for member in shaped:
-            try:
-                return self.convert(member, value, key, base)
-            except _Mismatch:
-                continue
-        first = members[0]
-        fix = self._fix_section(first) if _is_dataclass_type(first) else f"give {_describe(tp)}"
-        raise _Mismatch(tp, value, fix + (", or null" if optional and _is_dataclass_type(first) else ""))
-
-    def literal(self, tp: Any, value: Any, key: str) -> Any:
-        allowed = get_args(tp)
-        candidates = [value]
-        if key in self.raw and isinstance(value, (int, float, bool)):
-            candidates.append(self.raw[key])
-        for v in candidates:
-            for a in allowed:
-                if v == a and type(v) is type(a):
-                    return a
-        text = str(value)
-        names = [str(a) for a in allowed]
-        same_case = [a for a in names if a.lower() == text.lower()]
-        close = same_case or difflib.get_close_matches(text, names, n=1, cutoff=0.5)
         fix = f"did you mean {close[0]!r}?" if close else "use one of the allowed values"
-        raise _Mismatch(tp, value, fix)
+    elif one is bool:
+        fix = "write true or false"
+    elif one is int and isinstance(value, float) and value.is_integer():
+        fix = f"write it as a whole number: {int(value)}"
+    elif one is int:
+        fix = "write a whole number without quotes, e.g. 100"
+    elif one is float:
+        fix = "write a number, e.g. 3e-4 or 0.5"
+    elif one is str and isinstance(value, (int, float, bool)):
+        fix = f"quote it: '{str(value).lower() if isinstance(value, bool) else value}'"
+    elif one is str:
+        fix = "write a single string"
+    elif get_origin(one) is list:
+        fix = f"write a list, e.g. [a, b] (on the command line: {key}=[a,b])"
+    elif get_origin(one) is dict:
+        fix = "write a mapping, e.g. {a: 1.0, b: 0.5}"
+    else:
+        fix = f"give {_describe(one)}"
+    return fix + ", or null" * _optional(tp)
 
-    @staticmethod
-    def _fix_section(cls: type) -> str:
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
-        return f"write a mapping with keys from: {', '.join(names)}"
 
-
-def _present(data: Mapping[str, Any], dotted: str) -> bool:
-    node: Any = data
+def _present(data: Any, dotted: str) -> bool:
     for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
+        if not isinstance(data, Mapping) or part not in data:
             return False
-        node = node[part]
+        data = data[part]
     return True
 
 
+def _explain(error: ValidationError, cls: type, data: Any, origin: _Origin, prefix: str = "") -> ConfigError:
+    """pydantic's first error (an unknown key first) as one line: key, source, expected, got, fix.
+
+    Keys are looked up in ``data`` and ``origin`` as they are, and shown under ``prefix``."""
+    errors = error.errors()
+    first: ErrorDetails = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc, kind = first["loc"], first["type"]
+    key, tp, named, spec = _walk(cls, loc)
+    if named < len(loc) and kind != "extra_forbidden":  # inside one member of a union: show the whole value
+        first = min((e for e in errors if e["loc"][:named] == loc[:named]), key=lambda e: len(e["loc"]))
+        kind = first["type"]
+    if kind == "extra_forbidden":
+        unknown = _join(key, str(loc[-1]))
+        names = list(_strip_none(tp).model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ";"
+        section = f"valid keys under '{_join(prefix, key)}'" if prefix or key else "valid top-level keys"
+        where = origin.where(unknown) + origin.line(unknown)
+        unknown = _join(prefix, unknown)
+        return ConfigError(
+            f"unknown key '{unknown}'{where}{hint} {section}: {', '.join(names)}", keys=[unknown]
+        )
+    if kind == "missing":
+        section, _, name = _join(prefix, key).rpartition(".")
+        under = f" under '{section}'" if section else ""
+        return ConfigError(
+            f"missing required key '{_join(prefix, key)}'{origin.where(key)}; "
+            f"fix: add {name}: <{_describe(tp)}>{under}",
+            keys=[_join(prefix, key)],
+        )
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError) and cause.problem is not None:  # raised by a section's _check
+        keys = [_join(key, k) for k in cause.keys]
+        given = [k for k in keys if _present(data, k)]
+        source = origin.where(*given) if given else ""
+        shown = [_join(prefix, k) for k in keys]
+        message = _format(shown, source, cause.problem, cause.fix, origin.line(*given))
+        return ConfigError(message, keys=shown, problem=cause.problem, fix=cause.fix)
+    value = first["input"]
+    if kind == "finite_number":
+        problem = f"expected a finite number, got {_got(value)}"
+        fix = "write a finite number, e.g. 3e-4 or 0.5"
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and spec:
+        bounds = _bounds(spec)
+        problem = f"must be {bounds}, got {value!r}"
+        fix = f"set {key.rpartition('.')[2]} to a value {bounds}, e.g. {spec.default!r}"
+    else:
+        problem, fix = f"expected {_describe(tp)}, got {_got(value)}", _fix(tp, value, key)
+    message = _format([_join(prefix, key)], origin.where(key), problem, fix, origin.line(key))
+    return ConfigError(message, keys=[_join(prefix, key)])
+
+
+def _build(cls: type[T], data: Mapping[str, Any] | None, origin: _Origin, prefix: str = "") -> T:
+    data = {} if data is None else data
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _explain(e, cls, data, origin, prefix) from None
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "", *, prefix: str = "") -> T:
-    """Build dataclass ``cls`` (recursively) from plain data, checking every key and value.
+    """Build config model ``cls`` from plain data, checking every key and value.
 
     ``where`` names the source in error messages (a file name such as ``"run.yaml"``); ``prefix`` is
     the dotted key ``data`` sits under, when it is one section of a bigger config. Keys that are left
-    out keep the dataclass defaults.
+    out keep their defaults.
     """
-    builder = _Builder(f" in {where}" if where else "", {}, {})
-    return builder.build(cls, data, prefix)
+    return _build(cls, data, _Origin(where), prefix)
 
 
 def load_config(cls: type[T], path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> T:
     """Read YAML at ``path`` (defaults when None), apply ``key=value`` overrides, build and check ``cls``.
 
     Overrides are applied in order (later wins); ``model.lora.r=8`` on a config with no LoRA section
-    creates one with defaults for the other keys, and ``model.lora=null`` removes it.
+    creates one with defaults for the other keys, and ``model.lora=null`` removes it. An override of a
+    text key keeps its text as written: ``train.output_dir=007`` is the string ``"007"``.
     """
     if isinstance(overrides, str):  # a lone "a=b" would otherwise be read one character at a time
         overrides = [overrides]
-    data = read_yaml(path) if path is not None else {}
-    origins: dict[str, str] = {}
-    raw: dict[str, str] = {}
+    data, lines = _read(path) if path is not None else ({}, {})
+    origin = _Origin(str(path) if path is not None else "", lines)
     for item in overrides:
         key, value = parse_override(item)
-        below = key + "."
-        for table in (origins, raw):
-            for k in [k for k in table if k == key or k.startswith(below)]:
+        parts = key.split(".")
+        _, tp, named, _ = _walk(cls, parts)
+        if named == len(parts) and _takes_text(tp) and isinstance(value, (bool, int, float)):
+            value = item.partition("=")[2].strip()
+        for table in (origin.lines, origin.overrides):
+            for k in [k for k in table if _below(k, key)]:
                 del table[k]
         _set_path(data, key, value)
-        origins[key] = item.strip()
-        raw[key] = item.partition("=")[2].strip()
-    return _Builder(f" in {path}" if path is not None else "", origins, raw).build(cls, data, "")
+        origin.overrides[key] = item.strip()
+    return _build(cls, data, origin)
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_dict(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+def to_dict(cfg: ConfigModel) -> dict[str, Any]:
+    """A config as plain nested dicts and lists, which build back the same config."""
+    if not isinstance(cfg, BaseModel):
+        raise TypeError(f"to_dict expects a config instance, got {type(cfg).__name__}")
+    return cfg.model_dump()
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A dataclass config as plain nested dicts and lists (init fields only, so it builds back the same)."""
-    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
-        raise TypeError(f"to_dict expects a dataclass instance, got {type(cfg).__name__}")
-    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
-
-
-def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
+def save_config(cfg: ConfigModel, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config as YAML (atomically), so a run directory records exactly what ran.
 
     The file loads back with :func:`load_config` to an equal config.
@@ -582,53 +614,40 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def json_schema(cls: type[ConfigModel]) -> dict[str, Any]:
+    """The JSON Schema of one trainer's config file, for editors to complete and check YAML against.
+
+    A section whose defaults differ from its class's (``DPOConfig.train``) states them as its default."""
+    schema = cls.model_json_schema()
+    for name, spec in cls.model_fields.items():
+        if spec.default_factory is not None and _is_model(spec.annotation):
+            own = spec.get_default(call_default_factory=True).model_dump(mode="json", exclude_unset=True)
+            schema["properties"][name].update({"default": own} if own else {})
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
 # --------------------------------------------------------------------------------------------------
 # The configs the trainers read
 
 REPORTERS = ("tensorboard", "jsonl")
 
 
-def _require_finite(name: str, value: Any) -> None:
-    """Configs built in Python skip the YAML reader's check: inf is no rate, size or count either."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise invalid(name, f"must be a finite number, got {value!r}", f"set {name} to a finite value")
+# Bounds are part of a key's type (PositiveInt, ... from pydantic, or Field(ge=..., lt=...)), so that the
+# JSON Schema carries them and editors check them too; rules that need a reason or a fix of their own
+# go in the section's _check.
+Fraction = Annotated[float, Field(ge=0, lt=1)]
 
 
-def _require_positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _require_finite(name, value)
-        if not value > 0:
-            raise invalid(name, f"must be > 0, got {value!r}", f"set {name} to a positive value")
-
-
-def _require_non_negative(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _require_finite(name, value)
-        if not value >= 0:
-            raise invalid(name, f"must be >= 0, got {value!r}", f"set {name} to 0 or more")
-
-
-def _require_fraction(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not 0 <= value < 1:
-            raise invalid(name, f"must be in [0, 1), got {value!r}", f"set {name} to at least 0 and below 1")
-
-
-@dataclass
-class LoraSettings:
+class LoraSettings(ConfigModel):
     """LoRA adapters; present (even as ``lora: {}``) means train adapters instead of all weights."""
 
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: list[str] | str = "all-linear"  # module names, or "all-linear"
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: Fraction = 0.05
+    target_modules: list[str] | str = "all-linear"
+    """module names, or all-linear"""
 
-    def __post_init__(self) -> None:
-        _require_positive(self, "r", "alpha")
-        _require_fraction(self, "dropout")
+    def _check(self) -> None:
         if not self.target_modules:
             raise invalid(
                 "target_modules",
@@ -637,18 +656,21 @@ class LoraSettings:
             )
 
 
-@dataclass
-class ModelSettings:
-    name: str = "tiny-qwen2"  # embedded name, local dir or cached HF id
+class ModelSettings(ConfigModel):
+    name: str = "tiny-qwen2"
+    """embedded name, local dir or cached HF id"""
     attn_implementation: Literal["varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "varlen"
     varlen_kernel: Literal["auto", "sdpa", "torch", "flash_attn"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU"""
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
-    seed: int = 0  # init seed for embedded tiny models
-    trust_remote_code: bool = False  # run Python code shipped in a model folder (auto_map); never a prompt
+    seed: int = 0
+    """init seed for embedded tiny models"""
+    trust_remote_code: bool = False
+    """run Python code shipped in a model folder (auto_map); never a prompt"""
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.name:
             raise invalid("name", "is empty", "give an embedded model name, a local directory or a HF id")
         if self.varlen_kernel != "auto" and self.attn_implementation != "varlen":
@@ -660,74 +682,71 @@ class ModelSettings:
             )
 
 
-@dataclass
-class DataSettings:
-    train: str = "tiny:sft"  # jsonl/json/parquet path, a datasets dir (save_to_disk), or "tiny:<name>"
+class DataSettings(ConfigModel):
+    train: str = "tiny:sft"
+    """jsonl/json/parquet path, a datasets dir (save_to_disk), or tiny:<name>"""
     eval: str | None = None
     format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
-    max_length: int = 2048
-    truncation: Literal["error", "truncate"] = "error"  # what to do with a sequence longer than max_length
+    max_length: PositiveInt = 2048
+    truncation: Literal["error", "truncate"] = "error"
+    """what to do with a sequence longer than max_length"""
     completion_only_loss: bool = True
     skip_bad_rows: bool = False
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
-        _require_positive(self, "max_length")
 
 
-@dataclass
-class TrainSettings:
+class TrainSettings(ConfigModel):
     output_dir: str = "runs/sft"
     seed: int = 42
-    num_epochs: float = 1.0
-    max_steps: int = -1  # >0 overrides num_epochs
-    learning_rate: float = 1e-4
+    num_epochs: NonNegativeFloat = 1.0
+    max_steps: int = -1
+    """>0 overrides num_epochs"""
+    learning_rate: PositiveFloat = 1e-4
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0  # >0 overrides warmup_ratio
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # <=0 disables clipping
-    gradient_accumulation_steps: int = 1
+    warmup_ratio: Fraction = 0.0
+    warmup_steps: NonNegativeInt = 0
+    """>0 overrides warmup_ratio"""
+    weight_decay: NonNegativeFloat = 0.0
+    adam_beta1: Fraction = 0.9
+    adam_beta2: Fraction = 0.999
+    adam_epsilon: PositiveFloat = 1e-8
+    max_grad_norm: float = 1.0
+    """<=0 disables clipping"""
+    gradient_accumulation_steps: PositiveInt = 1
     batching: Literal["tokens", "packing", "padded"] = "tokens"
-    max_tokens_per_batch: int = 4096  # tokens per micro-batch for "tokens" and bin size for "packing"
-    batch_size: int = 8  # sequences per micro-batch for "padded" (comparison mode only)
-    padding_side: Literal["left", "right"] = "right"  # "padded" mode only
-    logging_steps: int = 10
-    eval_steps: int = 0  # 0: evaluate only at the end (if data.eval is set)
+    max_tokens_per_batch: PositiveInt = 4096
+    """tokens per micro-batch for batching tokens, and bin size for packing"""
+    batch_size: PositiveInt = 8
+    """sequences per micro-batch for "padded" (comparison mode only)"""
+    padding_side: Literal["left", "right"] = "right"
+    """batching padded only"""
+    logging_steps: PositiveInt = 10
+    eval_steps: NonNegativeInt = 0
+    """0: evaluate only at the end (if data.eval is set)"""
     eval_generate: bool = False
-    eval_max_new_tokens: int = 64
-    eval_batch_size: int = 8
-    save_steps: int = 0  # 0: save only at the end
-    save_total_limit: int = 0  # 0: keep all
-    resume_from_checkpoint: str | None = None  # path, "latest" (must exist) or "auto" (latest if any)
-    overwrite_output_dir: bool = False  # a used output_dir is refused unless resuming or this is true
-    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    eval_max_new_tokens: PositiveInt = 64
+    eval_batch_size: PositiveInt = 8
+    save_steps: NonNegativeInt = 0
+    """0: save only at the end"""
+    save_total_limit: NonNegativeInt = 0
+    """0: keep all"""
+    resume_from_checkpoint: str | None = None
+    """path, "latest" (must exist) or "auto" (latest if any)"""
+    overwrite_output_dir: bool = False
+    """a used output_dir is refused unless resuming or this is true"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """a NaN/inf loss or grad norm: stop, or skip the step"""
+    report_to: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
     progress_bar: bool = True
-    log_level: Literal["debug", "info", "warning", "error"] = "info"  # console and output_dir/log.txt
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console and output_dir/log.txt"""
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.output_dir:
             raise invalid("output_dir", "is empty", "give a directory for checkpoints and logs, e.g. runs/x")
-        _require_positive(
-            self,
-            "learning_rate",
-            "gradient_accumulation_steps",
-            "max_tokens_per_batch",
-            "batch_size",
-            "logging_steps",
-            "eval_max_new_tokens",
-            "eval_batch_size",
-            "adam_epsilon",
-        )
-        _require_non_negative(
-            self, "num_epochs", "warmup_steps", "weight_decay", "eval_steps", "save_steps", "save_total_limit"
-        )
-        _require_fraction(self, "warmup_ratio", "adam_beta1", "adam_beta2")
         if not (self.num_epochs > 0 or self.max_steps > 0):
             raise invalid(
                 ("num_epochs", "max_steps"),
@@ -766,13 +785,14 @@ def _check_eval_set(eval_data: str | None, train: TrainSettings, what: str) -> N
         )
 
 
-@dataclass
-class SFTConfig:
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: DataSettings = field(default_factory=DataSettings)
-    train: TrainSettings = field(default_factory=TrainSettings)
+class SFTConfig(ConfigModel):
+    """Supervised fine-tuning: the loss on completions (or assistant turns) of packed examples."""
 
-    def __post_init__(self) -> None:
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+
+    def _check(self) -> None:
         _check_eval_set(self.data.eval, self.train, "an eval data set")
         if self.data.eval is None and self.train.eval_generate:
             raise invalid(
@@ -786,34 +806,37 @@ class SFTConfig:
 # Preference training: DPO (and its reference-free variants) and reward models
 
 
-@dataclass
-class PreferenceDataSettings:
-    train: str = "tiny:preference"  # same sources as DataSettings.train
+class PreferenceDataSettings(ConfigModel):
+    train: str = "tiny:preference"
+    """same sources as DataSettings.train"""
     eval: str | None = None
-    max_length: int = 2048  # per side: prompt + chosen, and prompt + rejected
-    truncation: Literal["error", "truncate"] = "error"  # truncate cuts the completion, never the prompt
+    max_length: PositiveInt = 2048
+    """per side: prompt + chosen, and prompt + rejected"""
+    truncation: Literal["error", "truncate"] = "error"
+    """truncate cuts the completion, never the prompt"""
     skip_bad_rows: bool = False
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
-        _require_positive(self, "max_length")
 
 
-@dataclass
-class DPOSettings:
-    beta: float = 0.1
+class DPOSettings(ConfigModel):
+    beta: PositiveFloat = 0.1
     loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
-    label_smoothing: float = 0.0  # sigmoid only, in [0, 0.5): conservative DPO for noisy labels
-    rpo_alpha: float | None = None  # weight of an NLL term on chosen (RPO); null: none
-    simpo_gamma: float = 0.5  # SimPO target reward margin; used as gamma / beta inside the sigmoid, like TRL
-    reference: Literal["model", "adapters"] = "model"  # adapters: the policy with its LoRA adapters disabled
-    ref_model: str | None = None  # null: a frozen copy of model.name
+    label_smoothing: float = 0.0
+    """sigmoid only, in [0, 0.5): conservative DPO for noisy labels"""
+    rpo_alpha: float | None = None
+    """weight of an NLL term on chosen (RPO); null: none"""
+    simpo_gamma: NonNegativeFloat = 0.5
+    """SimPO target reward margin; used as gamma / beta inside the sigmoid, like TRL"""
+    reference: Literal["model", "adapters"] = "model"
+    """adapters: the policy with its LoRA adapters disabled"""
+    ref_model: str | None = None
+    """null: a frozen copy of model.name"""
     precompute_ref_logps: bool = False
 
-    def __post_init__(self) -> None:
-        _require_positive(self, "beta")
-        _require_non_negative(self, "simpo_gamma")
+    def _check(self) -> None:
         if not 0 <= self.label_smoothing < 0.5:
             raise invalid(
                 "label_smoothing",
@@ -871,16 +894,17 @@ def _check_preference_run(data: PreferenceDataSettings, train: TrainSettings) ->
     _check_eval_set(data.eval, train, "an eval data set (e.g. tiny:preference_eval)")
 
 
-@dataclass
-class DPOConfig:
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: PreferenceDataSettings = field(default_factory=PreferenceDataSettings)
+class DPOConfig(ConfigModel):
+    """Direct preference optimisation (sigmoid, IPO, hinge, SimPO; optional RPO term) on preference pairs."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/dpo", learning_rate=5e-6)
     )
-    dpo: DPOSettings = field(default_factory=DPOSettings)
+    dpo: DPOSettings = Field(default_factory=DPOSettings)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         _check_preference_run(self.data, self.train)
         if self.dpo.reference == "adapters" and self.model.lora is None:
             raise invalid(
@@ -891,21 +915,22 @@ class DPOConfig:
             )
 
 
-@dataclass
-class RMSettings:
-    margin: bool = False  # add each row's "margin" field to the Bradley-Terry loss (every row must have one)
+class RMSettings(ConfigModel):
+    margin: bool = False
+    """add each row's "margin" field to the Bradley-Terry loss (every row must have one)"""
 
 
-@dataclass
-class RMConfig:
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: PreferenceDataSettings = field(default_factory=PreferenceDataSettings)
+class RMConfig(ConfigModel):
+    """A reward model: a scalar head trained with the Bradley-Terry loss on chosen/rejected pairs."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/rm", learning_rate=1e-4)
     )
-    rm: RMSettings = field(default_factory=RMSettings)
+    rm: RMSettings = Field(default_factory=RMSettings)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         _check_preference_run(self.data, self.train)
 
 
@@ -913,36 +938,39 @@ class RMConfig:
 # Online RL: GRPO and PPO
 
 
-@dataclass
-class RLDataSettings:
-    train: str = "tiny:rl"  # rows {"prompt": str | messages, ...}; other columns go to the reward functions
+class RLDataSettings(ConfigModel):
+    train: str = "tiny:rl"
+    """rows {"prompt": str | messages, ...}; other columns go to the reward functions"""
     eval: str | None = None
-    max_prompt_length: int = 512  # prompts are never truncated: a longer one is a bad row
-    chat_template: bool | None = None  # string prompts as a user message; None: when the tokenizer has one
+    max_prompt_length: PositiveInt = 512
+    """prompts are never truncated: a longer one is a bad row"""
+    chat_template: bool | None = None
+    """string prompts as a user message; None: when the tokenizer has one"""
     skip_bad_rows: bool = False
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
-        _require_positive(self, "max_prompt_length")
 
 
-@dataclass
-class RolloutSettings:
-    engine: Literal["hf", "vllm"] = "hf"  # vllm: colocated, needs vLLM and CUDA (checked at start)
-    prompts_per_step: int = 16  # prompts per rollout batch
-    num_generations: int = 4  # samples per prompt (GRPO group size; PPO usually 1)
-    max_new_tokens: int = 64
+class RolloutSettings(ConfigModel):
+    engine: Literal["hf", "vllm"] = "hf"
+    """vllm: colocated, needs vLLM and CUDA (checked at start)"""
+    prompts_per_step: PositiveInt = 16
+    """prompts per rollout batch"""
+    num_generations: PositiveInt = 4
+    """samples per prompt (GRPO group size; PPO usually 1)"""
+    max_new_tokens: PositiveInt = 64
     temperature: float = 1.0
-    top_p: float = 1.0
-    generation_batch_size: int = 32  # sequences per generate() call
-    mask_truncated: bool = True  # completions that hit max_new_tokens without EOS: out of the loss, or kept
-    vllm_gpu_memory_utilization: float = 0.3  # engine vllm: share of GPU memory for its weights + KV cache
+    top_p: float = Field(1.0, gt=0, le=1)
+    generation_batch_size: PositiveInt = 32
+    """sequences per generate() call"""
+    mask_truncated: bool = True
+    """completions that hit max_new_tokens without EOS: out of the loss, or kept"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """engine vllm: share of GPU memory for its weights + KV cache"""
 
-    def __post_init__(self) -> None:
-        _require_positive(
-            self, "prompts_per_step", "num_generations", "max_new_tokens", "generation_batch_size"
-        )
+    def _check(self) -> None:
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise invalid(
                 "vllm_gpu_memory_utilization",
@@ -957,20 +985,20 @@ class RolloutSettings:
                 "give every sample of a prompt the same completion",
                 "set temperature to e.g. 1.0 (or 0.7 for less random samples)",
             )
-        if not 0 < self.top_p <= 1:
-            raise invalid("top_p", f"must be in (0, 1], got {self.top_p!r}", "set top_p to 1.0 or e.g. 0.9")
 
 
-@dataclass
-class RewardSettings:
+class RewardSettings(ConfigModel):
     """The reward: a weighted sum of ``functions`` (see :mod:`padless.rewards`) and a reward model's score."""
 
-    functions: list[str] = field(default_factory=lambda: ["arithmetic"])  # bundled, module:fn or file.py:fn
-    weights: list[float] | None = None  # default 1.0 each; one per function, in order
-    model: str | None = None  # a padless reward model checkpoint (score at each sequence's last token)
+    functions: list[str] = Field(default_factory=lambda: ["arithmetic"])
+    """bundled, module:fn or file.py:fn"""
+    weights: list[float] | None = None
+    """default 1.0 each; one per function, in order"""
+    model: str | None = None
+    """a padless reward model checkpoint (score at each sequence's last token)"""
     model_weight: float = 1.0
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if not self.functions and self.model is None:
             raise invalid(
                 ("functions", "model"),
@@ -991,22 +1019,14 @@ class RewardSettings:
                 f"{repeated[0]!r} is listed more than once, so it would count twice",
                 "list it once and raise its weight instead",
             )
-        if self.weights is not None:
-            if len(self.weights) != len(self.functions):
-                raise invalid(
-                    ("weights", "functions"),
-                    f"{len(self.weights)} weight(s) for {len(self.functions)} function(s)",
-                    "give one weight per function, in the same order, or null for 1.0 each",
-                )
-            bad = [w for w in self.weights if not math.isfinite(w)]
-            if bad:
-                raise invalid("weights", f"must be finite numbers, got {bad[0]!r}", "give finite weights")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise invalid(
+                ("weights", "functions"),
+                f"{len(self.weights)} weight(s) for {len(self.functions)} function(s)",
+                "give one weight per function, in the same order, or null for 1.0 each",
+            )
         if self.model == "":
             raise invalid("model", "is an empty string", "give a reward model checkpoint, or null for none")
-        if not math.isfinite(self.model_weight):
-            raise invalid(
-                "model_weight", f"must be finite, got {self.model_weight!r}", "give a finite number"
-            )
         if self.model is None and self.model_weight != 1.0:
             raise invalid(
                 ("model_weight", "model"),
@@ -1016,19 +1036,22 @@ class RewardSettings:
             )
 
 
-@dataclass
-class GRPOSettings:
-    beta: float = 0.04  # KL (k3) coefficient; 0 disables the reference model
-    epsilon: float = 0.2  # clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # asymmetric upper clip (DAPO); default = epsilon
-    scale_rewards: bool = True  # divide group-centred rewards by the group std
+class GRPOSettings(ConfigModel):
+    beta: NonNegativeFloat = 0.04
+    """KL (k3) coefficient; 0 disables the reference model"""
+    epsilon: float = 0.2
+    """clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """asymmetric upper clip (DAPO); default = epsilon"""
+    scale_rewards: bool = True
+    """divide group-centred rewards by the group std"""
     loss_normalisation: Literal["token", "sequence"] = "token"
-    updates_per_rollout: int = 1  # policy passes over each rollout batch (ratios from stored old log-probs)
-    mini_batches_per_rollout: int = 1  # optimizer steps per pass
+    updates_per_rollout: PositiveInt = 1
+    """policy passes over each rollout batch (ratios from stored old log-probs)"""
+    mini_batches_per_rollout: PositiveInt = 1
+    """optimizer steps per pass"""
 
-    def __post_init__(self) -> None:
-        _require_non_negative(self, "beta")
-        _require_positive(self, "updates_per_rollout", "mini_batches_per_rollout")
+    def _check(self) -> None:
         if not 0 < self.epsilon < 1:
             raise invalid(
                 "epsilon",
@@ -1044,36 +1067,29 @@ class GRPOSettings:
             )
 
 
-@dataclass
-class PPOSettings:
-    value_model: str | None = None  # default: model.name with a fresh scalar head
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05  # per-token KL penalty folded into the reward
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
+class PPOSettings(ConfigModel):
+    value_model: str | None = None
+    """default: model.name with a fresh scalar head"""
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_coef: NonNegativeFloat = 0.05
+    """per-token KL penalty folded into the reward"""
+    cliprange: float = Field(0.2, gt=0, lt=1)
+    cliprange_value: float = Field(0.2, gt=0, lt=1)
+    vf_coef: PositiveFloat = 0.1
     whiten_advantages: bool = True
-    critic_warmup_steps: int = 0  # rollouts that update only the value model first
-    updates_per_rollout: int = 1
-    mini_batches_per_rollout: int = 1
-    value_learning_rate: float | None = None  # default: train.learning_rate
+    critic_warmup_steps: NonNegativeInt = 0
+    """rollouts that update only the value model first"""
+    updates_per_rollout: PositiveInt = 1
+    mini_batches_per_rollout: PositiveInt = 1
+    value_learning_rate: float | None = None
+    """default: train.learning_rate"""
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.value_model == "":
             raise invalid(
                 "value_model", "is an empty string", "name a model, or null for model.name with a fresh head"
             )
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not 0 <= value <= 1:
-                raise invalid(name, f"must be in [0, 1], got {value!r}", f"set {name} to e.g. 1.0 or 0.95")
-        for name in ("cliprange", "cliprange_value"):
-            value = getattr(self, name)
-            if not 0 < value < 1:
-                raise invalid(name, f"must be in (0, 1), got {value!r}", f"set {name} to e.g. 0.2")
-        _require_non_negative(self, "kl_coef", "critic_warmup_steps")
-        _require_positive(self, "vf_coef", "updates_per_rollout", "mini_batches_per_rollout")
         if self.value_learning_rate is not None and not self.value_learning_rate > 0:
             raise invalid(
                 "value_learning_rate",
@@ -1110,8 +1126,7 @@ def _check_rl_run(
         )
 
 
-@dataclass
-class GRPOConfig:
+class GRPOConfig(ConfigModel):
     """Group Relative Policy Optimization: ``num_generations`` samples per prompt, advantages within groups.
 
     ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout of
@@ -1119,16 +1134,16 @@ class GRPOConfig:
     of them, so a run makes ``max_steps / (updates x mini-batches)`` rollouts.
     """
 
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: RLDataSettings = field(default_factory=RLDataSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: RLDataSettings = Field(default_factory=RLDataSettings)
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/grpo", learning_rate=1e-5, max_steps=100)
     )
-    rollout: RolloutSettings = field(default_factory=RolloutSettings)
-    reward: RewardSettings = field(default_factory=RewardSettings)
-    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.rollout.num_generations < 2:
             raise invalid(
                 "rollout.num_generations",
@@ -1140,23 +1155,22 @@ class GRPOConfig:
         _check_rl_run(self.data, self.train, self.rollout, "grpo.mini_batches_per_rollout", n_mini)
 
 
-@dataclass
-class PPOConfig:
+class PPOConfig(ConfigModel):
     """Proximal Policy Optimization with a learned value model (GAE advantages, per-token KL penalty).
 
     ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout gives
     ``ppo.updates_per_rollout x ppo.mini_batches_per_rollout`` of them (critic warm-up rollouts included).
     """
 
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: RLDataSettings = field(default_factory=RLDataSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: RLDataSettings = Field(default_factory=RLDataSettings)
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/ppo", learning_rate=1e-5, max_steps=100)
     )
-    rollout: RolloutSettings = field(default_factory=lambda: RolloutSettings(num_generations=1))
-    reward: RewardSettings = field(default_factory=RewardSettings)
-    ppo: PPOSettings = field(default_factory=PPOSettings)
+    rollout: RolloutSettings = Field(default_factory=lambda: RolloutSettings(num_generations=1))
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    ppo: PPOSettings = Field(default_factory=PPOSettings)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         n_mini = self.ppo.mini_batches_per_rollout
         _check_rl_run(self.data, self.train, self.rollout, "ppo.mini_batches_per_rollout", n_mini)

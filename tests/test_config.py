@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import json
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import yaml
+from pydantic import Field
 
+from padless.cli import TRAINERS, _load, main
 from padless.config import (
     ConfigError,
+    ConfigModel,
     DataSettings,
     LoraSettings,
     ModelSettings,
@@ -230,6 +232,40 @@ def test_top_level_must_be_mapping(tmp_path: Path) -> None:
     assert "run.yaml" in msg and "top level must be a mapping" in msg
 
 
+def test_errors_give_the_line_a_key_was_set_on(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  name: m\ntrain:\n  seed: 1\n  learnig_rate: 1e-4\n")
+    assert "unknown key 'train.learnig_rate' in " + str(path) + " (line 5);" in error(SFTConfig, path)
+    path = write(tmp_path, "train:\n  report_to:\n    - jsonl\n    - 3\n")
+    assert error(SFTConfig, path).startswith(
+        f"train.report_to[1] in {path}: expected str, got int 3 (line 4);"
+    )
+    path = write(tmp_path, "data:\n  train: tiny:sft\ntrain:\n  eval_steps: 5\n  seed: 3\n")
+    msg = error(SFTConfig, path)
+    assert msg.startswith(f"train.eval_steps, data.eval in {path}: ") and "is not set (line 4);" in msg
+    # a key the command line set again has no line in the file
+    path = write(tmp_path, "model:\n  lora:\n    r: 2\n")
+    msg = error(SFTConfig, path, "model.lora.r=0")
+    assert (
+        msg.startswith("model.lora.r on the command line ('model.lora.r=0'): must be > 0")
+        and "(line" not in msg
+    )
+    # an unknown section given on the command line is said to come from there
+    assert "unknown key 'trian' on the command line ('trian.max_steps=1')" in error(
+        SFTConfig, None, "trian.max_steps=1"
+    )
+
+
+def test_bounds_are_checked_from_the_types() -> None:
+    msg = error(SFTConfig, None, "train.adam_beta2=1")
+    assert msg.startswith(
+        "train.adam_beta2 on the command line ('train.adam_beta2=1'): must be in [0, 1), got 1;"
+    )
+    assert msg.endswith("fix: set adam_beta2 to a value in [0, 1), e.g. 0.999")
+    assert "must be >= 0, got -1" in error(SFTConfig, None, "train.save_steps=-1")
+    with pytest.raises(ConfigError, match=r"^lam: must be in \[0, 1\], got 1.5; fix: set lam to a value in"):
+        PPOSettings(lam=1.5)
+
+
 # ---- cross-field checks
 
 
@@ -347,29 +383,27 @@ def test_to_dict_is_plain_and_unshared() -> None:
         to_dict(SFTConfig)
 
 
-# ---- the generic machinery on other dataclasses
+# ---- the generic machinery on other config models
 
 
-@dataclass
-class Inner:
+class Inner(ConfigModel):
     size: int = 1
-    tags: list[int] = field(default_factory=list)
+    tags: list[int] = Field(default_factory=list)
 
 
-@dataclass
-class Demo:
+class Demo(ConfigModel):
     name: str
-    weights: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
     mode: Literal["a", "b"] | None = None
-    inner: Inner = field(default_factory=lambda: Inner(size=5, tags=[1]))
+    inner: Inner = Field(default_factory=lambda: Inner(size=5, tags=[1]))
     maybe: Inner | None = None
 
 
 def test_from_dict_generic_types() -> None:
     demo = from_dict(
         Demo,
-        {"name": "x", "weights": {"a": 1, "b": "2.5"}, "extra": {"k": [1, {"z": None}]}, "mode": "b"},
+        {"name": "x", "weights": {"a": 1, "b": 2.5}, "extra": {"k": [1, {"z": None}]}, "mode": "b"},
     )
     assert demo.weights == {"a": 1.0, "b": 2.5} and all(type(v) is float for v in demo.weights.values())
     assert demo.extra == {"k": [1, {"z": None}]}
@@ -397,8 +431,8 @@ def test_from_dict_errors_name_where_and_required_keys() -> None:
         from_dict(Demo, {"name": None}, prefix="sec")
 
 
-def test_config_dataclasses_have_the_agreed_fields() -> None:
-    names = {f.name for f in dataclasses.fields(TrainSettings)}
+def test_config_models_have_the_agreed_fields() -> None:
+    names = set(TrainSettings.model_fields)
     assert {
         "max_tokens_per_batch",
         "batching",
@@ -406,7 +440,7 @@ def test_config_dataclasses_have_the_agreed_fields() -> None:
         "report_to",
         "resume_from_checkpoint",
     } <= names
-    assert [f.name for f in dataclasses.fields(SFTConfig)] == ["model", "data", "train"]
+    assert list(SFTConfig.model_fields) == ["model", "data", "train"]
 
 
 # ---- preference configs: DPO and reward models
@@ -433,7 +467,7 @@ def test_preference_config_defaults_from_empty_yaml(
         lr,
         10,
     )
-    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+    assert list(cls.model_fields)[:3] == ["model", "data", "train"]
 
 
 def test_dpo_defaults_and_overrides(tmp_path: Path) -> None:
@@ -577,7 +611,7 @@ def test_rl_config_defaults(tmp_path: Path, cls: type, output_dir: str, generati
     assert (cfg.train.output_dir, cfg.train.learning_rate, cfg.train.max_steps) == (output_dir, 1e-5, 100)
     assert cfg.rollout.num_generations == generations and cfg.rollout.engine == "hf"
     assert cfg.reward.functions == ["arithmetic"] and cfg.reward.weights is None
-    assert [f.name for f in dataclasses.fields(cls)][:3] == ["model", "data", "train"]
+    assert list(cls.model_fields)[:3] == ["model", "data", "train"]
     partial = load_config(cls, write(tmp_path, "train:\n  max_steps: 10\nrollout:\n  max_new_tokens: 8\n"))
     assert (partial.train.output_dir, partial.train.max_steps) == (output_dir, 10)
     assert (partial.rollout.num_generations, partial.rollout.max_new_tokens) == (generations, 8)
@@ -717,3 +751,78 @@ def test_rl_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="at least 2"):
         GRPOConfig(rollout=RolloutSettings(num_generations=1))
     assert PPOConfig(rollout=RolloutSettings(num_generations=1)).rollout.num_generations == 1
+
+
+# ---- JSON Schema for editors: padless schema TRAINER
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+
+
+def schema_of(trainer: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main(["schema", trainer]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def unknown_keys(
+    schema: dict[str, Any], data: Any, node: dict[str, Any] | None = None, key: str = ""
+) -> list[str]:
+    """The keys of ``data`` that ``schema`` does not allow (the part of validation editors complete from)."""
+    node = schema if node is None else node
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].rpartition("/")[2]]
+    objects = [n for n in node.get("anyOf", [node]) if "properties" in n or "$ref" in n]
+    if not isinstance(data, dict) or not objects:
+        return []
+    node = schema["$defs"][objects[0]["$ref"].rpartition("/")[2]] if "$ref" in objects[0] else objects[0]
+    assert node["additionalProperties"] is False, key
+    bad = [f"{key}.{k}".lstrip(".") for k in data if k not in node["properties"]]
+    return bad + [
+        u
+        for k, v in data.items()
+        if k in node["properties"]
+        for u in unknown_keys(schema, v, node["properties"][k], f"{key}.{k}")
+    ]
+
+
+def test_schema_command_prints_each_trainers_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    for trainer, (target, _, _) in TRAINERS.items():
+        schema = schema_of(trainer, capsys)
+        cls = _load(target)
+        assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        assert schema["title"] == cls.__name__ and schema["additionalProperties"] is False
+        assert list(schema["properties"]) == list(cls.model_fields)
+        for name, section in schema["$defs"].items():
+            assert section["type"] == "object" and section["additionalProperties"] is False, name
+    train = schema_of("sft", capsys)["$defs"]["TrainSettings"]["properties"]
+    assert train["lr_scheduler"]["enum"] == ["cosine", "linear", "constant"]
+    assert train["learning_rate"]["exclusiveMinimum"] == 0 and train["learning_rate"]["type"] == "number"
+    assert train["warmup_ratio"]["minimum"] == 0 and train["warmup_ratio"]["exclusiveMaximum"] == 1
+    assert "evaluate only at the end" in train["eval_steps"]["description"]
+    # a section whose defaults are the trainer's own says so
+    assert schema_of("dpo", capsys)["properties"]["train"]["default"] == {
+        "output_dir": "runs/dpo",
+        "learning_rate": 5e-6,
+    }
+    assert main(["schema", "nope"]) == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_conform_to_their_schema_and_typos_do_not(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = next(part for part in path.stem.split("_") if part in TRAINERS)
+    schema = schema_of(trainer, capsys)
+    data = yaml.safe_load(path.read_text())
+    typo = {**data, "train": {**data.get("train", {}), "learnig_rate": 1e-4}}
+    assert unknown_keys(schema, data) == []
+    assert unknown_keys(schema, typo) == ["train.learnig_rate"]
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert list(validator.iter_errors(data)) == []
+    assert [e.validator for e in validator.iter_errors(typo)] == ["additionalProperties"]
+    assert not validator.is_valid({**data, "train": {**data.get("train", {}), "learning_rate": 0}})
+    assert not validator.is_valid({**data, "model": {**data.get("model", {}), "dtype": "bf16"}})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -131,7 +130,8 @@ def test_resume_continues_exactly(tmp_path):
     b = tmp_path / "b" / "run"
     shutil.rmtree(b / "checkpoint-6")  # as if the run had died after its step-3 checkpoint
     (b / ".tmp-checkpoint-6").mkdir()  # and left a half-written checkpoint behind
-    resumed = run_sft(replace(first, train=replace(first.train, resume_from_checkpoint="latest")))
+    train = first.train.model_copy(update={"resume_from_checkpoint": "latest"})
+    resumed = run_sft(first.model_copy(update={"train": train}))
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], rel=1e-6, abs=1e-7)
     steps = [r["step"] for r in read_metrics(b) if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
@@ -141,13 +141,13 @@ def test_lora_trains_adapter_only_and_checkpoints_it(tmp_path):
     from padless.config import LoraSettings
 
     cfg = tiny_config(tmp_path, max_steps=2, save_steps=2)
-    cfg = replace(
-        cfg, model=replace(cfg.model, lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
-    )
+    lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
     metrics = run_sft(cfg)
     ckpt = tmp_path / "run" / "checkpoint-2"
     assert (ckpt / "adapter_model.safetensors").exists()
     assert not (ckpt / "model.safetensors").exists()
     assert metrics["train/loss"] > 0
-    resumed = run_sft(replace(cfg, train=replace(cfg.train, max_steps=3, resume_from_checkpoint=str(ckpt))))
+    train = cfg.train.model_copy(update={"max_steps": 3, "resume_from_checkpoint": str(ckpt)})
+    resumed = run_sft(cfg.model_copy(update={"train": train}))
     assert resumed["train/loss"] > 0

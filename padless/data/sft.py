@@ -249,7 +249,20 @@ class _Encoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tok = tokenizer
+        self._start_caches()
+
+    def _start_caches(self) -> None:
         self._layout = lru_cache(maxsize=_SHAPES_CACHED)(self._analyse)
+        # The texts around turn boundaries (e.g. "<|im_start|>assistant\n") repeat from row to row.
+        self._window = lru_cache(maxsize=_SHAPES_CACHED * 16)(self._window_ids)
+
+    # Caches stay in their process: pickling (worker processes, dataset fingerprints) leaves them out.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_layout", "_window")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_caches()
 
     @cached_property
     def eos(self) -> int:
@@ -434,6 +447,9 @@ class _Encoder:
             self._mark_turn(ids, mask, head, upto)
         return ids, mask
 
+    def _window_ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self.encode(text))
+
     def _analyse(self, key: str) -> _Layout | None:
         def text(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
             return self.tok.apply_chat_template(
@@ -451,22 +467,18 @@ class _Encoder:
         pieces apart, so only the text after the last added token before a cut needs tokenizing again: with
         that token in front, so that it is not the first piece either.
         """
+        added = self.added_tokens
         anchor_ends, anchor_at = [], []
         for k, t in enumerate(ids):
-            if t in self.added_tokens and text[offsets[k][0] : offsets[k][1]] == self.added_tokens[t]:
+            if t in added and text[offsets[k][0] : offsets[k][1]] == added[t]:
                 anchor_ends.append(offsets[k][1])
                 anchor_at.append(k)
-        windows, firsts = [], []
+        lengths = []
         for cut in cuts:
             a = bisect_right(anchor_ends, cut) - 1
             first = anchor_at[a] if a >= 0 else 0
-            windows.append(
-                self.added_tokens[ids[first]] + text[anchor_ends[a] : cut] if a >= 0 else text[:cut]
-            )
-            firsts.append(first)
-        lengths = []
-        for first, got in zip(firsts, self.tok(windows, add_special_tokens=False)["input_ids"], strict=True):
-            if ids[first : first + len(got)] != got:
+            got = self._window(added[ids[first]] + text[anchor_ends[a] : cut] if a >= 0 else text[:cut])
+            if tuple(ids[first : first + len(got)]) != got:
                 return None
             lengths.append(first + len(got))
         return lengths

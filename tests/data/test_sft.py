@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from typing import Any
 
@@ -504,3 +505,14 @@ def test_renders_per_row_do_not_grow_with_turns(template: str, monkeypatch) -> N
         calls[0] = 0
         _sft(rows, tok, format="messages")  # a new encoder for a new dataset: the shape is analysed again
         assert calls[0] == rows_per_shape + 2 * k + 1 < rows_per_shape * (2 * k + 1)
+
+
+def test_encoder_pickles_without_its_caches() -> None:
+    """Worker processes and dataset fingerprints pickle the encoder: its per-process caches stay behind."""
+    enc = _Encoder(_marker_free(CHATML_TEMPLATE))
+    rows = _rows(*({"messages": c} for c in CHATS.values() if c[0]["role"] != "assistant"))
+    before = [enc.messages_row(row) for row in rows]
+    assert enc._layout.cache_info().currsize > 0
+    copy = pickle.loads(pickle.dumps(enc))
+    assert copy._layout.cache_info().currsize == 0
+    assert [copy.messages_row(row) for row in rows] == before

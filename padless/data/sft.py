@@ -54,6 +54,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # template writes them, so each placeholder marks where exactly one content lands.
 _PLACEHOLDER = "\ue000{}\ue001"
 _SHAPES_CACHED = 256  # per tokenizer; a dataset usually has a handful (one per turn count)
+_GLUE_CHARS = 64  # texts around turn boundaries this short are template glue, memoised; longer hold content
 _TEMPLATE_FIX = (
     "Use a chat template that wraps assistant content in {% generation %}...{% endgeneration %}: padless "
     "then reads the loss mask from those markers instead of rendering prefixes."
@@ -253,7 +254,7 @@ class _Encoder:
 
     def _start_caches(self) -> None:
         self._layout = lru_cache(maxsize=_SHAPES_CACHED)(self._analyse)
-        # The texts around turn boundaries (e.g. "<|im_start|>assistant\n") repeat from row to row.
+        # The glue around turn boundaries (e.g. "<|im_start|>assistant\n") repeats from row to row.
         self._window = lru_cache(maxsize=_SHAPES_CACHED * 16)(self._window_ids)
 
     # Caches stay in their process: pickling (worker processes, dataset fingerprints) leaves them out.
@@ -477,7 +478,8 @@ class _Encoder:
         for cut in cuts:
             a = bisect_right(anchor_ends, cut) - 1
             first = anchor_at[a] if a >= 0 else 0
-            got = self._window(added[ids[first]] + text[anchor_ends[a] : cut] if a >= 0 else text[:cut])
+            window = added[ids[first]] + text[anchor_ends[a] : cut] if a >= 0 else text[:cut]
+            got = self._window(window) if len(window) <= _GLUE_CHARS else tuple(self.encode(window))
             if tuple(ids[first : first + len(got)]) != got:
                 return None
             lengths.append(first + len(got))

@@ -4,18 +4,31 @@ Three row formats are accepted (detected from the first row, or given): ``messag
 assistant writes), ``prompt`` + ``completion`` (loss on the completion) and ``text`` (loss on everything).
 
 For chats the loss mask comes from the chat template's ``{% generation %}`` markers when it has them.
-Otherwise it is derived by rendering the conversation prefix by prefix, and every prefix is checked to be a
-token-prefix of the full rendering: a template that rewrites earlier turns (e.g. drops reasoning) would
-silently mis-assign targets, so it is refused with :class:`ChatTemplateError` instead.
+Otherwise an assistant turn's targets run from the end of the generation prompt (the rendering of the
+messages before it with ``add_generation_prompt``) to the end of its own turn (the rendering of the messages
+up to it), and both renderings must be token-prefixes of the whole conversation's: a template that rewrites
+earlier turns (e.g. drops reasoning) would silently mis-assign targets, so it is refused with
+:class:`ChatTemplateError` instead.
+
+Rendering those prefixes for every row costs 2k+1 renders for k assistant turns. Instead, the prefixes are
+rendered once per conversation *shape* (roles and every field but the text contents), with each content
+replaced by a placeholder; that fixes where each turn's boundaries fall around the contents. A row then costs
+one render: it is used only when it equals the shape's rendering with the row's contents put in place of the
+placeholders (the template inserted every content verbatim), and the token-prefix checks run on the row's
+own tokens. Otherwise (e.g. the template trimmed or split a content) the row is rendered prefix by prefix as
+before, so errors are unchanged. What the fast path assumes and does not re-check per row: a template that
+inserts this row's contents verbatim into the whole conversation also does so into each prefix of it.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from padless.data.images import ImageInputs, check_parts, reject_images
@@ -37,6 +50,11 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
 # Tokens that close a chat turn in common templates; the end-of-sequence token is always included too.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Stands in for message j's content while a conversation shape is rendered. Private-use characters: no
+# template writes them, so each placeholder marks where exactly one content lands.
+_PLACEHOLDER = "\ue000{}\ue001"
+_SHAPES_CACHED = 256  # per tokenizer; a dataset usually has a handful (one per turn count)
+_GLUE_CHARS = 64  # texts around turn boundaries this short are template glue, memoised; longer hold content
 _TEMPLATE_FIX = (
     "Use a chat template that wraps assistant content in {% generation %}...{% endgeneration %}: padless "
     "then reads the loss mask from those markers instead of rendering prefixes."
@@ -170,6 +188,58 @@ def _messages(row: Row, name: str, value: Any) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where a chat template puts the turns of one conversation shape.
+
+    The shape renders as ``texts[0] + content[order[0]] + texts[1] + ... + texts[-1]``; ``cuts`` holds, for
+    each assistant turn in order, where its generation prompt ends and where its turn ends, each as (index
+    into ``texts``, offset in that text): template text, so the same for every row of the shape.
+    """
+
+    texts: tuple[str, ...]
+    order: tuple[int, ...]
+    cuts: tuple[tuple[int, int], ...]
+
+
+def _layout_of(
+    text: Callable[[list[dict[str, Any]], bool], str], shape: list[dict[str, Any]]
+) -> _Layout | None:
+    """The layout of ``shape`` (contents are placeholders), rendered by ``text(messages, generation_prompt)``.
+
+    None when the template refuses the shape or renders a prefix of it differently from the start of the whole
+    (or cuts a content apart): its rows then take the prefix-by-prefix path, which reports the problem.
+    """
+    try:
+        full = text(shape, False)
+        ends = []
+        for i, msg in enumerate(shape):
+            if msg["role"] == "assistant":
+                head, upto = text(shape[:i], True), text(shape[: i + 1], False)
+                if not (len(head) < len(upto) and full.startswith(head) and full.startswith(upto)):
+                    return None
+                ends += [len(head), len(upto)]
+    except Exception:  # user-supplied Jinja; the row-level render reports what it raises
+        return None
+    # A content the template leaves out has no slot; one it writes twice leaves a placeholder in the texts,
+    # so that no row matches the layout.
+    slots = sorted((at, j) for j in range(len(shape)) if (at := full.find(_PLACEHOLDER.format(j))) >= 0)
+    texts, starts, pos = [], [], 0
+    for at, j in slots:
+        texts.append(full[pos:at])
+        starts.append(pos)
+        pos = at + len(_PLACEHOLDER.format(j))
+    texts.append(full[pos:])
+    starts.append(pos)
+    cuts = []
+    for end in ends:
+        s = bisect_right(starts, end) - 1
+        if end - starts[s] > len(texts[s]):  # inside a placeholder: the template cut a content apart
+            return None
+        cuts.append((s, end - starts[s]))
+    return _Layout(tuple(texts), tuple(j for _, j in slots), tuple(cuts))
+
+
 def _trainable(mask: Sequence[bool]) -> int:
     # Token 0 is never predicted (nothing precedes it), so only later targets can carry loss.
     return sum(mask[1:])
@@ -180,6 +250,20 @@ class _Encoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tok = tokenizer
+        self._start_caches()
+
+    def _start_caches(self) -> None:
+        self._layout = lru_cache(maxsize=_SHAPES_CACHED)(self._analyse)
+        # The glue around turn boundaries (e.g. "<|im_start|>assistant\n") repeats from row to row.
+        self._window = lru_cache(maxsize=_SHAPES_CACHED * 16)(self._window_ids)
+
+    # Caches stay in their process: pickling (worker processes, dataset fingerprints) leaves them out.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_layout", "_window")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_caches()
 
     @cached_property
     def eos(self) -> int:
@@ -213,6 +297,11 @@ class _Encoder:
         return self.template is not None and _GENERATION_TAG.search(self.template) is not None
 
     @cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Ids of the tokens matched in text before the rest is split into words (e.g. ``<|im_start|>``)."""
+        return {i: t.content for i, t in self.tok.added_tokens_decoder.items()}
+
+    @cached_property
     def end_of_turn_ids(self) -> set[int]:
         vocab = self.tok.get_vocab()
         ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
@@ -231,10 +320,12 @@ class _Encoder:
                 "markers around assistant content), or use 'prompt'/'completion' strings or 'text' rows."
             )
 
-    def render(self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
+    def _apply(
+        self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool, tokenize: bool
+    ) -> Any:
         try:
-            out = self.tok.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+            return self.tok.apply_chat_template(
+                messages, tokenize=tokenize, return_dict=tokenize, add_generation_prompt=generation_prompt
             )
         except Exception as e:  # the template is user-supplied Jinja; its raise_exception lands here
             raise row.error(
@@ -242,6 +333,9 @@ class _Encoder:
                 f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
                 reason="chat template rejected row",
             ) from e
+
+    def render(self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
+        out = self._apply(row, messages, generation_prompt=generation_prompt, tokenize=True)
         return list(out["input_ids"])
 
     # -- chats -----------------------------------------------------------------------------------------------
@@ -250,7 +344,7 @@ class _Encoder:
         """Tokens of a conversation and which of them the assistant wrote (content + end-of-turn token)."""
         self.require_template(row)
         if not self.has_generation_markers:
-            return self._chat_by_prefixes(row, messages)
+            return self._chat_by_layout(row, messages) or self._chat_by_prefixes(row, messages)
         try:
             out = self.tok.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -298,13 +392,98 @@ class _Encoder:
                     f"{row.where}: rendering messages[{i}] (assistant) added no token after the generation "
                     f"prompt, so its targets cannot be located. {_TEMPLATE_FIX}"
                 )
-            # Targets run to the turn's last end-of-turn token; what follows it (e.g. "\n") is template glue
-            # that precedes the next header, not something the assistant generates.
-            segment = full[len(head) : len(upto)]
-            ends = [k for k, t in enumerate(segment) if t in self.end_of_turn_ids]
-            stop = len(head) + (ends[-1] + 1 if ends else len(segment))
-            mask[len(head) : stop] = [True] * (stop - len(head))
+            self._mark_turn(full, mask, len(head), len(upto))
         return full, mask
+
+    def _mark_turn(self, ids: list[int], mask: list[bool], head: int, upto: int) -> None:
+        # Targets run to the turn's last end-of-turn token; what follows it (e.g. "\n") is template glue that
+        # precedes the next header, not something the assistant generates.
+        ends = [k for k in range(head, upto) if ids[k] in self.end_of_turn_ids]
+        stop = ends[-1] + 1 if ends else upto
+        mask[head:stop] = [True] * (stop - head)
+
+    def _chat_by_layout(
+        self, row: Row, messages: list[dict[str, Any]]
+    ) -> tuple[list[int], list[bool]] | None:
+        """What :meth:`_chat_by_prefixes` returns, from one render of the row and its shape's layout.
+
+        None when the layout cannot vouch for the row; the caller then renders prefix by prefix, which also
+        gives every error its usual message.
+        """
+        if not self.tok.is_fast or messages[0]["role"] == "assistant":
+            return None
+        contents = [m.get("content") for m in messages]
+        if any(c is not None and not isinstance(c, str) for c in contents):
+            return None  # list contents (images) keep the prefix path
+        shape = [
+            m if c is None else {**m, "content": _PLACEHOLDER.format(j)}
+            for j, (m, c) in enumerate(zip(messages, contents, strict=True))
+        ]
+        try:
+            layout = self._layout(json.dumps(shape))
+        except (TypeError, ValueError):  # a field JSON cannot hold cannot be part of a shape's key
+            return None
+        if layout is None:
+            return None
+        text = self._apply(row, messages, generation_prompt=False, tokenize=False)
+        parts, starts, pos = [], [], 0
+        for s, piece in enumerate(layout.texts):
+            filled = contents[layout.order[s]] if s < len(layout.order) else ""
+            parts += [piece, filled]
+            starts.append(pos)
+            pos += len(piece) + len(filled)
+        if "".join(parts) != text:
+            return None  # the template changed a content (e.g. trimmed it or cut reasoning out)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        counts = self._prefix_lengths(
+            text, ids, enc["offset_mapping"], [starts[s] + k for s, k in layout.cuts]
+        )
+        if counts is None:
+            return None
+        mask = [False] * len(ids)
+        for head, upto in zip(counts[::2], counts[1::2], strict=True):
+            if upto <= head:
+                return None
+            self._mark_turn(ids, mask, head, upto)
+        return ids, mask
+
+    def _window_ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self.encode(text))
+
+    def _analyse(self, key: str) -> _Layout | None:
+        def text(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return self.tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+        return _layout_of(text, json.loads(key))
+
+    def _prefix_lengths(
+        self, text: str, ids: list[int], offsets: Sequence[tuple[int, int]], cuts: list[int]
+    ) -> list[int] | None:
+        """For each cut, ``n`` such that tokenizing ``text[:cut]`` gives ``ids[:n]``; None if one does not.
+
+        The tokenizer splits text at added tokens (``<|im_start|>``...) before anything else and tokenizes the
+        pieces apart, so only the text after the last added token before a cut needs tokenizing again: with
+        that token in front, so that it is not the first piece either.
+        """
+        added = self.added_tokens
+        anchor_ends, anchor_at = [], []
+        for k, t in enumerate(ids):
+            if t in added and text[offsets[k][0] : offsets[k][1]] == added[t]:
+                anchor_ends.append(offsets[k][1])
+                anchor_at.append(k)
+        lengths = []
+        for cut in cuts:
+            a = bisect_right(anchor_ends, cut) - 1
+            first = anchor_at[a] if a >= 0 else 0
+            window = added[ids[first]] + text[anchor_ends[a] : cut] if a >= 0 else text[:cut]
+            got = self._window(window) if len(window) <= _GLUE_CHARS else tuple(self.encode(window))
+            if tuple(ids[first : first + len(got)]) != got:
+                return None
+            lengths.append(first + len(got))
+        return lengths
 
     def _unstable(self, row: Row, label: str, part: list[int], full: list[int]) -> ChatTemplateError:
         k = next(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from typing import Any
 
 import pytest
 
 from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_sft
+from padless.data.sft import _Encoder
 from padless.tiny import EOS_TOKEN_ID, tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -294,3 +296,220 @@ def test_embedded_datasets_tokenize(name: str) -> None:
             TOK.decode([t for t, m in zip(e.input_ids, e.loss_mask, strict=True) if m])[0] == " "
             for e in examples
         )
+
+
+# -- chats without {% generation %} markers: one render per row --------------------------------------------
+
+# Written for these tests, not copied from a model repository. ChatML-style: a default system prompt when the
+# chat has none, tool results wrapped in a user turn, tool calls rendered as JSON after the content.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou answer.<|im_end|>\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant\\n' + (m['content'] or '') }}"
+    "{%- for c in m['tool_calls'] %}"
+    "{{ '<tool_call>' + c['name'] + c['arguments'] | tojson + '</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama-3-header-style: a begin-of-text token, role headers, trimmed contents closed by <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+# No special token at all: "role:" headers. After "assistant: " the content's first word takes the space into
+# its token, so the generation prompt is no token-prefix and every row is refused; after "assistant:\n" it is.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ':SEP' + m['content'] + '\\n\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:SEP' }}{% endif %}"
+)
+LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Templates that render an earlier turn differently once later turns exist: padless must refuse them.
+REWRITING_TEMPLATES = {
+    # Earlier assistant turns lose their reasoning (a content-dependent rewrite).
+    "drops-earlier-thinking": (
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # ... or have it re-tagged, which keeps every length: only comparing texts can tell.
+    "retags-earlier-thinking": (
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.replace('<think>', '<prior>') %}"
+        "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Every header counts the messages left, so each earlier turn changes (same length up to 9 messages).
+    "counts-down": (
+        "{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + ' ' + loop.revindex | string + '\\n' }}"
+        "{{ m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant 0\\n' }}{% endif %}"
+    ),
+    # The last assistant turn gets an empty reasoning block the same turn loses later (a structural rewrite).
+    "last-turn-differs": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+        "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+}
+
+
+def _marker_free(template: str):
+    tok = tiny_tokenizer()
+    if template == LLAMA3_TEMPLATE:
+        tok.add_tokens(LLAMA3_TOKENS, special_tokens=True)
+    tok.chat_template = template
+    return tok
+
+
+def _turns(k: int, answer: str = "Answer {i}: {i} + {i} = {j}.", question: str = "What is {i} + {i}?"):
+    """A chat of k user/assistant exchanges."""
+    chat = []
+    for i in range(k):
+        chat += [
+            {"role": "user", "content": question.format(i=i)},
+            {"role": "assistant", "content": answer.format(i=i, j=2 * i)},
+        ]
+    return chat
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]},
+    {"role": "tool", "content": "18 C, sunny"},
+    {"role": "assistant", "content": "It is 18 C and sunny."},
+]
+CHATS = {
+    "one-turn": _turns(1),
+    "eight-turns": _turns(8),
+    "system": [{"role": "system", "content": "Be brief."}, *_turns(3)],
+    "ends-with-user": [*_turns(2), {"role": "user", "content": "Thanks!"}],
+    "tools": TOOL_CHAT,
+    "unicode": _turns(3, answer="日本語 {i} ✓ café 🙂 naïve", question="¿Qué es {i}? Ωμέγα"),
+    "leading-space": _turns(2, answer=" {i} with a space"),
+    "leading-newlines": _turns(2, answer="\n\n{i} after newlines"),
+    "trailing-spaces": _turns(2, answer="{i} then spaces  "),
+    "tiny-contents": _turns(3, answer="{i}", question="?"),
+    "special-token-text": _turns(2, answer="a <|im_end|> b <|eot_id|> c {i}"),
+    "thinking": _turns(2, answer="<think>{i} + {i}</think>{j}"),
+    "starts-with-assistant": [{"role": "assistant", "content": "Hi."}, *_turns(1)],
+}
+
+
+def _outcome(rows: list[Row], tok, **kw: Any) -> Any:
+    """Each row's (ids, mask), or the error it raises (type and message)."""
+    out = []
+    for row in rows:
+        try:
+            (ex,), _ = _sft([row], tok, **kw)
+            out.append((ex.input_ids, ex.loss_mask))
+        except (DataError, ChatTemplateError) as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+TEMPLATES = {
+    "chatml": CHATML_TEMPLATE,
+    "llama3": LLAMA3_TEMPLATE,
+    "plain-newline": PLAIN_TEMPLATE.replace("SEP", "\\n"),
+    "plain-space": PLAIN_TEMPLATE.replace("SEP", " "),
+    **REWRITING_TEMPLATES,
+}
+
+# Of the 25 rows x 2 settings below, one render serves all but those starting with the assistant (4), those
+# whose contents the template changes (Llama-3 trims 3 chats, reasoning is cut out of 1) or cannot render
+# (tool calls without the tiny template's support), those of multi-turn shapes a template rewrites and, after
+# "assistant: ", those whose content starts with a word (its first token takes the space: 6 of 12 chats).
+ROWS_ONE_RENDER_SERVES = {
+    "tiny": 42,
+    "chatml": 46,
+    "llama3": 34,
+    "plain-newline": 42,
+    "plain-space": 24,
+    "drops-earlier-thinking": 38,
+    "retags-earlier-thinking": 38,
+    "counts-down": 0,
+    "last-turn-differs": 4,
+}
+
+
+@pytest.mark.parametrize("template", ["tiny", *TEMPLATES])
+def test_one_render_gives_what_prefix_rendering_gives(template: str, monkeypatch) -> None:
+    """Ids, masks and errors equal the prefix-by-prefix rendering (padless's former and fallback path), for
+    varied chats, conversational prompt/completion rows and truncation."""
+    tok = (
+        _marker_free(TEMPLATES[template])
+        if template in TEMPLATES
+        else _without_generation_tags(tiny_tokenizer())
+    )
+    chats = list(CHATS.values())
+    rows = _rows(
+        *({"messages": c} for c in chats),
+        *({"prompt": c[:-1], "completion": c[-1:]} for c in chats if c[-1]["role"] == "assistant"),
+    )
+    settings: list[dict[str, Any]] = [{}, {"max_length": 40, "truncation": "truncate"}]
+    served = [0]
+    layout = _Encoder._chat_by_layout
+
+    def spy(self, row, messages):
+        got = layout(self, row, messages)
+        served[0] += got is not None
+        return got
+
+    monkeypatch.setattr(_Encoder, "_chat_by_layout", spy)
+    fast = [_outcome(rows, tok, **kw) for kw in settings]
+    monkeypatch.setattr(_Encoder, "_chat_by_layout", lambda self, row, messages: None)
+    assert [_outcome(rows, tok, **kw) for kw in settings] == fast
+    assert served[0] == ROWS_ONE_RENDER_SERVES[template]
+
+
+@pytest.mark.parametrize("name", list(REWRITING_TEMPLATES))
+def test_templates_that_rewrite_earlier_turns_are_refused(name: str) -> None:
+    tok = _marker_free(REWRITING_TEMPLATES[name])
+    with pytest.raises(ChatTemplateError, match=r"mem\.jsonl row 1 .*not prefix-stable.*\{% generation %\}"):
+        _sft(_rows({"messages": CHATS["thinking"]}), tok, skip_bad_rows=True)
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, LLAMA3_TEMPLATE], ids=["chatml", "llama3"])
+def test_renders_per_row_do_not_grow_with_turns(template: str, monkeypatch) -> None:
+    """Exactly one render per row, plus 2k+1 once for the first row of a shape (its whole and prefix
+    renderings with placeholder contents); prefix-by-prefix rendering took 2k+1 per row."""
+    tok = _marker_free(template)
+    calls = [0]
+    apply = tok.apply_chat_template
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return apply(*args, **kw)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    rows_per_shape = 6
+    for k in range(1, 9):
+        rows = _rows(*({"messages": _turns(k, answer=f"Row {r}: {{i}}.")} for r in range(rows_per_shape)))
+        calls[0] = 0
+        examples, _ = _sft(rows, tok)
+        assert len(examples) == rows_per_shape and all(any(e.loss_mask) for e in examples)
+        assert calls[0] == rows_per_shape + 2 * k + 1 < rows_per_shape * (2 * k + 1)
+
+
+def test_encoder_pickles_without_its_caches() -> None:
+    """Worker processes and dataset fingerprints pickle the encoder: its per-process caches stay behind."""
+    enc = _Encoder(_marker_free(CHATML_TEMPLATE))
+    rows = _rows(*({"messages": c} for c in CHATS.values() if c[0]["role"] != "assistant"))
+    before = [enc.messages_row(row) for row in rows]
+    assert enc._layout.cache_info().currsize > 0
+    copy = pickle.loads(pickle.dumps(enc))
+    assert copy._layout.cache_info().currsize == 0
+    assert [copy.messages_row(row) for row in rows] == before

@@ -1,6 +1,7 @@
 """Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
 launched with its config from ``examples/accelerate/``: each of SFT (text, and the embedded VLM), DPO
-(frozen reference model, and reference log-probs precomputed by a pass shared between ranks), RM,
+(frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the
+adapters-off policy as reference), RM,
 GRPO and PPO under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
 same per-step losses and final weights as one process with the same global batch, and a run resumed from
 a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are deliberately uneven: 3 RL
@@ -86,6 +87,15 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
+    "dpo_lora": [  # LoRA adapters; the reference is the policy with its adapters off
+        "data.train=tiny:preference_eval",
+        "data.max_length=1024",
+        "model.lora.r=8",
+        "model.lora.dropout=0",  # dropout masks come from each rank's own generator: no match with 1 process
+        "dpo.reference=adapters",
+        "train.max_steps=3",
+        "train.save_steps=2",
+    ],
     "rm": [
         "data.train=tiny:preference_eval",
         "data.max_length=1024",
@@ -95,7 +105,7 @@ TRAINERS = {
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
 }
-RESUME_FROM = {"sft": 2, "sft_vlm": 2, "dpo": 2, "dpo_pre": 2, "rm": 2, "grpo": 3, "ppo": 3}
+RESUME_FROM = {"sft": 2, "sft_vlm": 2, "dpo": 2, "dpo_pre": 2, "dpo_lora": 2, "rm": 2, "grpo": 3, "ppo": 3}
 CONFIGS = {
     "ddp": "ddp.yaml",
     "fsdp2": "fsdp2.yaml",

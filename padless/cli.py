@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SystemExit as e:  # argparse printed the usage error (or --help)
         return e.code if isinstance(e.code, int) else 2
+    except BrokenPipeError:  # the reader stopped early (``padless schema sft | head``): not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except BaseException as e:
         if debug:
             traceback.print_exc()

@@ -105,7 +105,9 @@ TRAINERS = {
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
 }
-RESUME_FROM = {"sft": 2, "sft_vlm": 2, "dpo": 2, "dpo_pre": 2, "dpo_lora": 2, "rm": 2, "grpo": 3, "ppo": 3}
+# the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
+# rollout plan); the VLM and precomputed-reference variants add nothing to resume and are not resumed
+RESUME_FROM = {"sft": 2, "dpo": 2, "dpo_lora": 2, "rm": 2, "grpo": 3, "ppo": 3}
 CONFIGS = {
     "ddp": "ddp.yaml",
     "fsdp2": "fsdp2.yaml",
@@ -158,14 +160,15 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
     runs = []
     for kind in TRAINERS:
         straight, resumed = tmp_path / kind, tmp_path / f"{kind}-resumed"
-        ckpt = straight / f"checkpoint-{RESUME_FROM[kind]}"
         runs.append({"argv": argv(kind, straight), "facts": str(tmp_path / f"{kind}.json")})
-        runs.append(
-            {
-                "argv": argv(kind, resumed, f"train.resume_from_checkpoint={ckpt}"),
-                "facts": str(tmp_path / f"{kind}-resumed.json"),
-            }
-        )
+        if kind in RESUME_FROM:
+            ckpt = straight / f"checkpoint-{RESUME_FROM[kind]}"
+            runs.append(
+                {
+                    "argv": argv(kind, resumed, f"train.resume_from_checkpoint={ckpt}"),
+                    "facts": str(tmp_path / f"{kind}-resumed.json"),
+                }
+            )
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
     launch = [
@@ -206,6 +209,8 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
             weights(tmp_path / kind, last), weights(one_process[kind], last), 3e-5, 1e-5, f"{kind} vs 1 proc"
         )
 
+        if kind not in RESUME_FROM:
+            continue
         resumed = losses(tmp_path / f"{kind}-resumed")
         assert sorted(resumed) == [s for s in sorted(one) if s > RESUME_FROM[kind]], kind
         for step in resumed:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -145,22 +146,39 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
 
 Span = tuple[int, int, int]  # (row, start, end) of one sequence inside a [B, T] layout
 
+# cu_seqlens tensor -> its boundaries as Python ints. Read once per batch (model_inputs reads it before the
+# forward) and then by every layer from here: no layer converts a tensor to host values, which on CUDA
+# would wait for the GPU once per layer.
+_HOST_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as Python ints, converted once per tensor object and remembered while it lives."""
+    bounds = _HOST_BOUNDS.get(cu_seqlens)
+    if bounds is None:
+        bounds = _HOST_BOUNDS[cu_seqlens] = tuple(cu_seqlens.tolist())
+    return bounds
+
 
 def _spans(
     batch: int, length: int, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
 ) -> list[Span]:
-    """Where each sequence lies: from cu_seq_lens (packed), a 2D padding mask, or restarts of position_ids."""
+    """Where each sequence lies: from cu_seq_lens (packed), a 2D padding mask, or restarts of position_ids.
+
+    Packed rows (every training and scoring pass) read their bounds through :func:`sequence_bounds`;
+    padded rows and bare position ids (comparison runs) are read from the tensors in every layer.
+    """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         if batch != 1:
             raise AttentionError(f"cu_seq_lens describe one packed row, got a batch of {batch} rows")
+        bounds = sequence_bounds(cu)
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.to(cu.device, cu.dtype), cu):
+        if cu_k is not None and cu_k is not cu and sequence_bounds(cu_k) != bounds:
             raise AttentionError(
                 "cu_seq_lens_k differs from cu_seq_lens_q: varlen runs self-attention over whole sequences "
                 "only (no cross-attention, no KV cache)"
             )
-        bounds = cu.tolist()
         return [(0, s, e) for s, e in pairwise(bounds)]
     spans = []
     if attention_mask is not None:
@@ -282,21 +300,22 @@ def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Te
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
-    """One sequence written out: q ``[H, L, Dqk]``, k ``[Hkv, L, Dqk]``, v ``[Hkv, L, Dv]`` -> ``[H, L, Dv]``.
+    """One sequence written out: q ``[1, H, L, Dqk]``, k ``[1, Hkv, L, Dqk]``, v ``[1, Hkv, L, Dv]`` ->
+    ``[1, H, L, Dv]``.
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
     eager kernels do; memory ``H * L^2`` for this one sequence only.
     """
-    rep = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * args.scale
     if args.softcap is not None:
         scores = torch.tanh(scores / args.softcap) * args.softcap
-    allowed = _allowed(q.shape[1], args, q.device)
+    allowed = _allowed(q.shape[2], args, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -math.inf)
     if args.sinks is not None:
-        sink = args.sinks.float().reshape(-1, 1, 1).expand(-1, q.shape[1], 1)
+        sink = args.sinks.float().reshape(1, -1, 1, 1).expand(1, -1, q.shape[2], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
         probs = scores.softmax(-1)
@@ -305,40 +324,59 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
     return probs.to(v.dtype) @ v
 
 
+def _sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs
+) -> torch.Tensor:
+    """Exact attention over one whole sequence, ``[1, H, L, D]`` in and out (4D: SDPA's fused CPU and CUDA
+    kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
+    if args.softcap is not None or args.sinks is not None:
+        return _math_attention(q, k, v, args)
+    allowed = _allowed(q.shape[2], args, q.device) if args.window is not None else None
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=allowed,
+        is_causal=args.causal and allowed is None,
+        dropout_p=args.dropout,
+        scale=args.scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
 def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
     """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask.
 
-    Outputs are concatenated (zeros where a row is padding) rather than written into a preallocated
-    tensor, whose backward would copy the whole tensor once per sequence.
+    Each row is split into its sequences and padding (views whose backward is one concatenation, where
+    indexing would build a zero gradient of the whole tensor per sequence), and the outputs are
+    concatenated back, zeros where a row is padding.
     """
-    batch, heads, length, _ = q.shape
+    _, heads, length, _ = q.shape
     dim = v.shape[-1]
-    rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    ends = [0] * batch
-    for row, s, e in spans:
-        if s > ends[row]:
-            rows[row].append(q.new_zeros(heads, s - ends[row], dim))
-        qs, ks, vs = q[row, :, s:e], k[row, :, s:e], v[row, :, s:e]
-        if args.softcap is not None or args.sinks is not None:
-            out = _math_attention(qs, ks, vs, args)
-        else:
-            allowed = _allowed(e - s, args, q.device) if args.window is not None else None
-            out = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=allowed,
-                is_causal=args.causal and allowed is None,
-                dropout_p=args.dropout,
-                scale=args.scale,
-                enable_gqa=heads != k.shape[1],
+    rows = []
+    for row, (qr, kr, vr) in enumerate(zip(q.split(1), k.split(1), v.split(1), strict=True)):
+        sizes, is_sequence, end = [], [], 0
+        for _, s, e in (span for span in spans if span[0] == row):
+            if s > end:
+                sizes.append(s - end)
+                is_sequence.append(False)
+            sizes.append(e - s)
+            is_sequence.append(True)
+            end = e
+        if end < length:
+            sizes.append(length - end)
+            is_sequence.append(False)
+        pieces = zip(qr.split(sizes, 2), kr.split(sizes, 2), vr.split(sizes, 2), is_sequence, strict=True)
+        rows.append(
+            torch.cat(
+                [
+                    _sequence_attention(qs, ks, vs, args) if real else q.new_zeros(1, heads, qs.shape[2], dim)
+                    for qs, ks, vs, real in pieces
+                ],
+                dim=2,
             )
-        rows[row].append(out)
-        ends[row] = e
-    for row in range(batch):
-        if ends[row] < length:
-            rows[row].append(q.new_zeros(heads, length - ends[row], dim))
-    return torch.stack([torch.cat(pieces, dim=1) for pieces in rows]).transpose(1, 2)
+        )
+    return torch.cat(rows).transpose(1, 2)
 
 
 def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str | None:

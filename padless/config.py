@@ -696,6 +696,7 @@ class TrainSettings:
     max_tokens_per_batch: int = 4096  # tokens per micro-batch for "tokens" and bin size for "packing"
     batch_size: int = 8  # sequences per micro-batch for "padded" (comparison mode only)
     padding_side: Literal["left", "right"] = "right"  # "padded" mode only
+    logits_memory_mb: int = 1024  # fp32 logits of a micro-batch above this: the LM head runs in chunks
     logging_steps: int = 10
     eval_steps: int = 0  # 0: evaluate only at the end (if data.eval is set)
     eval_generate: bool = False
@@ -719,6 +720,7 @@ class TrainSettings:
             "gradient_accumulation_steps",
             "max_tokens_per_batch",
             "batch_size",
+            "logits_memory_mb",
             "logging_steps",
             "eval_max_new_tokens",
             "eval_batch_size",

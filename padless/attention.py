@@ -300,11 +300,11 @@ def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Te
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
-    """One sequence written out: q ``[1, H, L, Dqk]``, k ``[1, Hkv, L, Dqk]``, v ``[1, Hkv, L, Dv]`` ->
-    ``[1, H, L, Dv]``.
+    """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``.
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
-    eager kernels do; memory ``H * L^2`` for this one sequence only.
+    eager kernels do; memory ``N * H * L^2`` for these sequences only.
     """
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -315,7 +315,7 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -math.inf)
     if args.sinks is not None:
-        sink = args.sinks.float().reshape(1, -1, 1, 1).expand(1, -1, q.shape[2], 1)
+        sink = args.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
         probs = scores.softmax(-1)
@@ -379,6 +379,120 @@ def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torc
     return torch.cat(rows).transpose(1, 2)
 
 
+# Two groups of sequences run as one SDPA call when padding them to one length adds less attention work
+# (query x key positions) than this: about what a call costs beyond its arithmetic, on CPU.
+GROUP_CALL_COST = 64 * 64
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """The sequences of a batch in few SDPA calls: sorted by length and cut into groups whose members are
+    padded on the right to the group's longest (cuts chosen to minimise padded attention work plus
+    :data:`GROUP_CALL_COST` per call). Under a causal mask no query sees the padding after it, so every
+    real output is its own sequence's; the padding's outputs are dropped and pass back no gradient.
+
+    ``slots`` ``[S]``: the position in the ``[B * T]`` layout each slot reads, group after group (a
+    padding slot repeats its sequence's last token); ``back`` ``[B * T]``: the slot holding each
+    position's output, ``S`` (a zero slot past the end) where a padded row has no sequence; ``owner``
+    (``[S]``, plus the zero slot): the position whose token a slot holds, ``B * T`` for none.
+    """
+
+    slots: torch.Tensor
+    owner: torch.Tensor
+    back: torch.Tensor
+    shapes: tuple[tuple[int, int], ...]  # (sequences, padded length) of each group, in slot order
+    covered: bool  # every position holds a sequence's token
+    padded: bool  # some slot is padding
+
+    @classmethod
+    def plan(cls, spans: list[Span], batch: int, length: int, device: torch.device) -> SequenceGroups:
+        by_length: dict[int, list[Span]] = {}
+        for span in sorted(spans, key=lambda sp: sp[1] - sp[2]):  # longest first
+            by_length.setdefault(span[2] - span[1], []).append(span)
+        lengths = list(by_length)
+        count = [0, *accumulate(len(by_length[n]) for n in lengths)]  # sequences among the i longest lengths
+        cost, start = [0], [0]  # cheapest work for the i longest lengths, and where its last group starts
+        for i in range(1, len(lengths) + 1):
+            best = min(
+                (cost[j] + (count[i] - count[j]) * lengths[j] ** 2 + GROUP_CALL_COST, j) for j in range(i)
+            )
+            cost.append(best[0])
+            start.append(best[1])
+        cuts, i = [], len(lengths)
+        while i:
+            cuts.append((start[i], i))
+            i = start[i]
+        slots: list[int] = []
+        owner: list[int] = []
+        back = [-1] * (batch * length)
+        shapes = []
+        for first, end in reversed(cuts):
+            padded = lengths[first]
+            members = [span for n in lengths[first:end] for span in by_length[n]]
+            for row, s, e in members:
+                at = row * length
+                back[at + s : at + e] = range(len(slots), len(slots) + e - s)
+                slots += [*range(at + s, at + e), *[at + e - 1] * (padded - (e - s))]
+                owner += [*range(at + s, at + e), *[batch * length] * (padded - (e - s))]
+            shapes.append((len(members), padded))
+        covered = min(back) >= 0
+        if not covered:  # the zero slot: no position's token
+            back = [b if b >= 0 else len(slots) for b in back]
+            owner.append(batch * length)
+        padded = len(slots) > sum(e - s for _, s, e in spans)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(slots), as_tensor(owner), as_tensor(back), tuple(shapes), covered, padded)
+
+
+# cu_seqlens tensor -> the groups of its packed row, planned once per batch like its bounds.
+_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward is a gather too: input row ``r`` gets the gradient of
+    output row ``inverse[r]`` (none where ``inverse[r] == len(output)``). Exact when no other output row
+    that reads ``r`` has a gradient, which holds for :class:`SequenceGroups`' padding; the scatter-add
+    that ``index_select``'s own backward runs (with a zero fill per call) took most of the grouped
+    attention's time on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, none_row: bool):
+        ctx.save_for_backward(inverse)
+        ctx.none_row = none_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        if ctx.none_row:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, inverse), None, None, None
+
+
+def _grouped_causal(q, k, v, groups: SequenceGroups, args: AttentionArgs) -> torch.Tensor:
+    """Exact causal attention of every sequence in ``len(groups.shapes)`` SDPA calls (see
+    :class:`SequenceGroups`): tokens gathered into the groups' padded rows and their outputs back."""
+    batch, heads, length, _ = q.shape
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [S, H, D]
+        flat = t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3])
+        return _Gather.apply(flat, groups.slots, groups.back, not groups.covered)
+
+    qs, ks, vs = gathered(q), gathered(k), gathered(v)
+    outs, offset = [], 0
+    for n, padded in groups.shapes:
+        part = slice(offset, offset + n * padded)
+        out = _sequence_attention(
+            *(t[part].view(n, padded, *t.shape[1:]).transpose(1, 2) for t in (qs, ks, vs)), args
+        )
+        outs.append(out.transpose(1, 2).reshape(n * padded, heads, -1))
+        offset += n * padded
+    if not groups.covered:
+        outs.append(q.new_zeros(1, heads, v.shape[-1]))
+    out = _Gather.apply(torch.cat(outs), groups.back, groups.owner, groups.padded)
+    return out.view(batch, length, heads, -1)
+
+
 def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str | None:
     """What of ``args`` the fused ``kernel`` cannot compute (``None``: it computes all of it).
 
@@ -397,13 +511,21 @@ def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str |
     return None
 
 
-def _fused_varlen(kernel: str, q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
-    """One fused varlen call over all sequences; padded rows are gathered into a packed row and back."""
+def _fused_varlen(
+    kernel: str, q, k, v, spans: list[Span], args: AttentionArgs, packed_cu: torch.Tensor | None
+) -> torch.Tensor:
+    """One fused varlen call over all sequences; padded rows are gathered into a packed row and back.
+
+    A packed row's own ``cu_seqlens`` (``packed_cu``) goes to the kernel as it is: no per-layer copy.
+    """
     batch, heads, length, _ = q.shape
     out_dim = v.shape[-1]
     dim = -(-max(q.shape[-1], out_dim) // 8) * 8  # one head size for q, k and v, a multiple of 8
     lens = [e - s for _, s, e in spans]
-    cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
+    if packed_cu is not None and packed_cu.dtype == torch.int32 and packed_cu.device == q.device:
+        cu = packed_cu
+    else:
+        cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
     max_len = max(lens)
     flat = [
         (F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t)
@@ -502,9 +624,17 @@ def varlen_attention_forward(
     KERNEL_CALLS[f"varlen:{kernel}"] += 1
     if not spans:  # every row is padding
         return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
+    if kernel == "sdpa" and args.causal:
+        cu = kwargs.get("cu_seq_lens_q")
+        groups = _GROUPS.get(cu) if cu is not None else None
+        if groups is None:
+            groups = SequenceGroups.plan(spans, batch, length, query.device)
+            if cu is not None:
+                _GROUPS[cu] = groups
+        return _grouped_causal(query, key, value, groups, args), None
     if kernel == "sdpa":
         return _exact_per_sequence(query, key, value, spans, args), None
-    return _fused_varlen(kernel, query, key, value, spans, args), None
+    return _fused_varlen(kernel, query, key, value, spans, args, kwargs.get("cu_seq_lens_q")), None
 
 
 _logged: set[str] = set()

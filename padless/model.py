@@ -18,6 +18,7 @@ from padless.attention import (
     probe_attention,
     require_backend,
     runtime_context,
+    sequence_bounds,
 )
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
 
@@ -135,6 +136,7 @@ def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
     """
     vision = batch.vision or {}
     if isinstance(batch, PackedBatch):
+        sequence_bounds(batch.cu_seqlens)  # read to the host here, once: no attention layer waits for it
         return {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,

@@ -257,15 +257,20 @@ class _WeightedLogps(torch.autograd.Function):
             h, y, w = (t[start : start + rows] for t in (hidden, labels, weights))
             raw = F.linear(h, weight)
             logits = head.finish(raw)
-            lse = logits.logsumexp(-1)
-            logps.append(logits.gather(-1, y[:, None])[:, 0] - lse)
-            if with_entropy or need_hidden or need_weight:
-                probs = (logits - lse[:, None]).exp_()
+            # As log_softmax does: shifted by the row's max, so log-probs and probabilities are
+            # differences of small numbers, not of the |logit|-sized log-sum-exp.
+            shifted = logits - logits.amax(-1, keepdim=True)
+            probs = shifted.exp()
+            total = probs.sum(-1, keepdim=True)
+            log_total = total.log()[:, 0]
+            logps.append(shifted.gather(-1, y[:, None])[:, 0] - log_total)
+            probs /= total
             if with_entropy:
-                entropies.append(lse - (probs * logits).sum(-1))
+                entropies.append(log_total - (probs * shifted).sum(-1))
+            del shifted
             if not (need_hidden or need_weight):
                 continue
-            # d/dlogits of sum_t w_t (logits[y_t] - lse_t) = w_t (onehot(y_t) - softmax_t)
+            # d/dlogits of sum_t w_t log softmax(logits_t)[y_t] = w_t (onehot(y_t) - softmax_t)
             grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None].float())
             grad = head.logits_grad(grad, logits).to(raw.dtype)
             if need_hidden:

@@ -127,9 +127,9 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel ``varlen`` runs for tensors on ``device`` in ``dtype``.
 
     CUDA half precision uses flash-attn when installed, else PyTorch's ``varlen_attn``; everything else
-    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact per-sequence attention
-    (``sdpa``). A layer that asks for something the fused kernel lacks runs exact too (see
-    :func:`varlen_attention_forward`).
+    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact attention through SDPA
+    (``sdpa``: sequences grouped by length, see :class:`SequenceGroups`). A layer that asks for something
+    the fused kernel lacks runs exact too (see :func:`varlen_attention_forward`).
     """
     choice = _varlen_kernel_choice
     if choice == "auto":
@@ -345,7 +345,8 @@ def _sequence_attention(
 
 
 def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
-    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask.
+    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask. For bidirectional
+    layers, which would see the padding :class:`SequenceGroups` adds.
 
     Each row is split into its sequences and padding (views whose backward is one concatenation, where
     indexing would build a zero gradient of the whole tensor per sequence), and the outputs are
@@ -379,17 +380,22 @@ def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torc
     return torch.cat(rows).transpose(1, 2)
 
 
-# Two groups of sequences run as one SDPA call when padding them to one length adds less attention work
-# (query x key positions) than this: about what a call costs beyond its arithmetic, on CPU.
-GROUP_CALL_COST = 64 * 64
+def padded_length(length: int) -> int:
+    """The length a sequence is padded to for the grouped SDPA calls: a multiple of 8 up to 128 tokens,
+    then of 1/16 of the next power of two (16 up to 256, 32 up to 512, ...): at most 7 tokens longer
+    up to 64 tokens, at most 1/8 longer past them."""
+    step = max(8, 1 << max(0, (length - 1).bit_length() - 4))
+    return -(-length // step) * step
 
 
 @dataclass(frozen=True)
 class SequenceGroups:
-    """The sequences of a batch in few SDPA calls: sorted by length and cut into groups whose members are
-    padded on the right to the group's longest (cuts chosen to minimise padded attention work plus
-    :data:`GROUP_CALL_COST` per call). Under a causal mask no query sees the padding after it, so every
-    real output is its own sequence's; the padding's outputs are dropped and pass back no gradient.
+    """The sequences of a batch in few SDPA calls, one per :func:`padded_length`: each sequence padded on
+    the right to a length that depends on its own length only. Under a causal mask no query sees the
+    padding after it, so every real output is its own sequence's, and SDPA computes every batch entry
+    alike: a sequence's numbers do not depend on the other sequences of its batch, bit for bit (what
+    RL's first-update ratios of exactly 1 rest on). The padding's outputs are dropped and pass back no
+    gradient.
 
     ``slots`` ``[S]``: the position in the ``[B * T]`` layout each slot reads, group after group (a
     padding slot repeats its sequence's last token); ``back`` ``[B * T]``: the slot holding each
@@ -406,35 +412,20 @@ class SequenceGroups:
 
     @classmethod
     def plan(cls, spans: list[Span], batch: int, length: int, device: torch.device) -> SequenceGroups:
-        by_length: dict[int, list[Span]] = {}
-        for span in sorted(spans, key=lambda sp: sp[1] - sp[2]):  # longest first
-            by_length.setdefault(span[2] - span[1], []).append(span)
-        lengths = list(by_length)
-        count = [0, *accumulate(len(by_length[n]) for n in lengths)]  # sequences among the i longest lengths
-        cost, start = [0], [0]  # cheapest work for the i longest lengths, and where its last group starts
-        for i in range(1, len(lengths) + 1):
-            best = min(
-                (cost[j] + (count[i] - count[j]) * lengths[j] ** 2 + GROUP_CALL_COST, j) for j in range(i)
-            )
-            cost.append(best[0])
-            start.append(best[1])
-        cuts, i = [], len(lengths)
-        while i:
-            cuts.append((start[i], i))
-            i = start[i]
+        groups: dict[int, list[Span]] = {}
+        for span in spans:
+            groups.setdefault(padded_length(span[2] - span[1]), []).append(span)
         slots: list[int] = []
         owner: list[int] = []
         back = [-1] * (batch * length)
         shapes = []
-        for first, end in reversed(cuts):
-            padded = lengths[first]
-            members = [span for n in lengths[first:end] for span in by_length[n]]
+        for size, members in sorted(groups.items(), reverse=True):
             for row, s, e in members:
                 at = row * length
                 back[at + s : at + e] = range(len(slots), len(slots) + e - s)
-                slots += [*range(at + s, at + e), *[at + e - 1] * (padded - (e - s))]
-                owner += [*range(at + s, at + e), *[batch * length] * (padded - (e - s))]
-            shapes.append((len(members), padded))
+                slots += [*range(at + s, at + e), *[at + e - 1] * (size - (e - s))]
+                owner += [*range(at + s, at + e), *[batch * length] * (size - (e - s))]
+            shapes.append((len(members), size))
         covered = min(back) >= 0
         if not covered:  # the zero slot: no position's token
             back = [b if b >= 0 else len(slots) for b in back]

@@ -248,8 +248,11 @@ class _WeightedLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, head: LogitsHead, rows: int, with_entropy: bool):
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
+    def forward(
+        ctx, hidden, weight, labels, weights, head: LogitsHead, rows: int, with_entropy: bool, grads: bool
+    ):
+        # ``grads``: whether autograd is on outside (needs_input_grad ignores torch.no_grad)
+        need_hidden, need_weight = (grads and need for need in ctx.needs_input_grad[:2])
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
         grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_weight else None
         logps, entropies = [], []
@@ -271,7 +274,7 @@ class _WeightedLogps(torch.autograd.Function):
             if not (need_hidden or need_weight):
                 continue
             # d/dlogits of sum_t w_t log softmax(logits_t)[y_t] = w_t (onehot(y_t) - softmax_t)
-            grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None].float())
+            grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None])
             grad = head.logits_grad(grad, logits).to(raw.dtype)
             if need_hidden:
                 grad_hidden[start : start + rows] = grad @ weight
@@ -291,6 +294,7 @@ class _WeightedLogps(torch.autograd.Function):
         return (
             None if grad_hidden is None else (grad_hidden * grad_total).to(hidden_dtype),
             None if grad_weight is None else (grad_weight * grad_total).to(weight_dtype),
+            None,
             None,
             None,
             None,
@@ -352,7 +356,10 @@ def logps_from_hidden(
     weighted = None
     if logp_weights is not None and head.fusable():
         w = logp_weights if rows is None else logp_weights[rows]
-        weighted, logps, ents = _WeightedLogps.apply(h, head.module.weight, y, w.float(), head, step, entropy)
+        grads = torch.is_grad_enabled()
+        weighted, logps, ents = _WeightedLogps.apply(
+            h, head.module.weight, y, w.float(), head, step, entropy, grads
+        )
     else:
         grad = torch.is_grad_enabled() and h.requires_grad
         pieces = [

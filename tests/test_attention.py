@@ -33,6 +33,7 @@ from padless.attention import (
     backend_problem,
     count_attention_calls,
     hf_name,
+    padded_length,
     probe_attention,
     set_varlen_kernel,
     validate_backend_name,
@@ -315,24 +316,50 @@ def _spans(lengths) -> list[tuple[int, int, int]]:
     return [(0, s, e) for s, e in itertools.pairwise([0, *itertools.accumulate(lengths)])]
 
 
-def test_sequence_groups_pad_within_a_group_only_where_cheaper_than_a_call():
-    plan = SequenceGroups.plan
-    similar = plan(_spans([60, 64, 62, 64]), 1, 250, torch.device("cpu"))
+def test_padded_lengths():
+    assert [padded_length(n) for n in (1, 8, 9, 64, 65, 128, 129, 300, 513)] == [
+        8, 8, 16, 64, 72, 128, 144, 320, 576
+    ]  # fmt: skip
+    assert all(n <= padded_length(n) <= max(n + 7, n * 9 // 8) for n in range(1, 5000))
+
+
+def test_sequence_groups_one_call_per_padded_length():
+    cpu = torch.device("cpu")
+    similar = SequenceGroups.plan(_spans([60, 64, 62, 64]), 1, 250, cpu)
     assert similar.shapes == ((4, 64),) and similar.covered and similar.padded
-    # Padding the short ones to 300 would cost far more than two calls.
-    ragged = plan(_spans([5, 300, 5, 6]), 1, 316, torch.device("cpu"))
-    assert ragged.shapes == ((1, 300), (3, 6))
-    equal = plan(_spans([8] * 5), 1, 40, torch.device("cpu"))
-    assert equal.shapes == ((5, 8),) and not equal.padded
-    # Longest first; the short sequence's padding slot repeats its last token and belongs to nobody.
-    small = plan(_spans([2, 3]), 1, 5, torch.device("cpu"))
-    assert small.slots.tolist() == [2, 3, 4, 0, 1, 1]
-    assert small.owner.tolist() == [2, 3, 4, 0, 1, 5]
-    assert small.back.tolist() == [3, 4, 0, 1, 2]
+    ragged = SequenceGroups.plan(_spans([5, 300, 5, 6]), 1, 316, cpu)
+    assert ragged.shapes == ((1, 320), (3, 8))
+    assert not SequenceGroups.plan(_spans([8] * 5), 1, 40, cpu).padded
+    # A padding slot repeats its sequence's last token and belongs to no position.
+    small = SequenceGroups.plan(_spans([2, 3]), 1, 5, cpu)
+    assert small.shapes == ((2, 8),)
+    assert small.slots.tolist() == [0, 1, *[1] * 6, 2, 3, 4, *[4] * 5]
+    assert small.owner.tolist() == [0, 1, *[5] * 6, 2, 3, 4, *[5] * 5]
+    assert small.back.tolist() == [0, 1, 8, 9, 10]
     # Padded rows: positions outside every sequence read the zero slot past the end.
-    rows = plan([(0, 3, 7), (1, 0, 5)], 2, 7, torch.device("cpu"))
-    assert rows.shapes == ((2, 5),) and not rows.covered
-    assert [rows.back[i].item() for i in (0, 1, 2, 12, 13)] == [10] * 5
+    rows = SequenceGroups.plan([(0, 3, 7), (1, 0, 5)], 2, 7, cpu)
+    assert rows.shapes == ((2, 8),) and not rows.covered
+    assert [rows.back[i].item() for i in (0, 1, 2, 12, 13)] == [16] * 5
+
+
+def test_grouped_attention_of_a_sequence_does_not_depend_on_its_batch():
+    """Bit for bit: a sequence's outputs and q, k, v gradients are the same alone and among others of
+    other lengths (its padded length depends on its own length only)."""
+    gen = torch.Generator().manual_seed(12)
+    mine = [torch.randn(1, h, 37, 8, generator=gen) for h in (4, 2, 2)]
+    results = []
+    for others in ([], [5, 70], [37, 1, 36]):
+        lengths = [37, *others]
+        q, k, v = (
+            torch.cat([m, torch.randn(1, m.shape[1], sum(others), 8, generator=gen)], 2).requires_grad_()
+            for m in mine
+        )
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        out, _ = varlen_attention_forward(MODULE, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+        grads = torch.autograd.grad(out[:, :37].square().sum(), (q, k, v))
+        results.append([out[:, :37], *(g[:, :, :37] for g in grads)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -342,8 +369,8 @@ def test_sequence_groups_pad_within_a_group_only_where_cheaper_than_a_call():
 )
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_grouped_attention_gradients_match_each_sequence_written_out(layout, extra):
-    """Sequences padded within their group (LENS: one group of 9, 17 padding slots; padded rows: 4 and 5
-    tokens padded to 5, and positions with no sequence): forward and q, k, v gradients equal each
+    """Sequences padded within their group (LENS, 3 to 9 tokens, padded to 8 and 16; padded rows: 4 and
+    5 tokens padded to 8, and positions with no sequence): forward and q, k, v gradients equal each
     sequence's attention written out in fp64."""
     window, softcap, sinks = extra.get("sliding_window"), extra.get("softcap"), extra.get("s_aux")
     if layout == "packed":

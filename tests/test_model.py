@@ -215,23 +215,28 @@ def test_head_whole_chunked_and_fused_equal_full_logits(case):
 
 
 def _count_head_matmuls(monkeypatch) -> list[int]:
-    """Count ``F.linear`` calls (the head's matmul, fused or through its module)."""
+    """Count the matmuls run from Python: ``F.linear`` (the head's logits, fused or through its module)
+    and ``@`` (the fused path's gradients); autograd's own backward matmuls are not Python calls."""
     calls = [0]
-    linear = F.linear
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return linear(*args, **kwargs)
+    def counted(original):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(F, "linear", counted)
+        return wrapper
+
+    monkeypatch.setattr(F, "linear", counted(F.linear))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted(torch.Tensor.__matmul__))
     return calls
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monkeypatch, fused):
     """Whole when the fp32 logits fit the budget (default: small models); past it, chunks of rows that
-    fit. The fused path computes each chunk's logits once (its backward only scales saved gradients);
-    through autograd every chunk is recomputed in backward."""
+    fit. The fused path runs each chunk's three matmuls (logits, gradients wrt hidden states and weight)
+    in the forward and none in backward; through autograd every chunk's logits are recomputed in
+    backward. Without autograd (eval) the fused path computes the logits only."""
     model = load_model("tiny-llama", training=True)
     hidden, labels, weights = _head_inputs(model)
     kept = int((labels != IGNORE_INDEX).sum())  # only labelled positions reach the head
@@ -244,12 +249,20 @@ def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monke
         (out.weighted if fused else (out.logps * weights).sum()).backward()
         return forward, calls[0] - forward
 
-    assert matmuls() == (1, 0)
+    def eval_matmuls() -> int:
+        calls[0] = 0
+        with torch.no_grad():
+            logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None)
+        return calls[0]
+
+    assert matmuls() == ((3, 0) if fused else (1, 0))
+    assert eval_matmuls() == 1
     budget_mb = 1  # 64 rows of the 4,096-token vocabulary's fp32 logits
     monkeypatch.setattr(model_module, "_logits_memory_bytes", budget_mb * 2**20)
     chunks = -(-kept // 64)
     assert chunks > 1
-    assert matmuls() == ((chunks, 0) if fused else (chunks, chunks))
+    assert matmuls() == ((3 * chunks, 0) if fused else (chunks, chunks))
+    assert eval_matmuls() == chunks
 
 
 def test_logits_memory_budget_must_be_positive():

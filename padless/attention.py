@@ -327,8 +327,8 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
 def _sequence_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs
 ) -> torch.Tensor:
-    """Exact attention over one whole sequence, ``[1, H, L, D]`` in and out (4D: SDPA's fused CPU and CUDA
-    kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
+    """Exact attention over whole sequences of one (padded) length, ``[N, H, L, D]`` in and out (4D: SDPA's
+    fused CPU and CUDA kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
     if args.softcap is not None or args.sinks is not None:
         return _math_attention(q, k, v, args)
     allowed = _allowed(q.shape[2], args, q.device) if args.window is not None else None

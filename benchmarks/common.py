@@ -329,8 +329,8 @@ def require_device(session: Any, device: str) -> Any:
 
 
 def padless_attention(cuda: bool) -> str:
-    """The report's name for padless's varlen attention (on CPU it runs SDPA once per sequence)."""
-    return "varlen" if cuda else "varlen (per-sequence SDPA)"
+    """The report's name for padless's varlen attention (on CPU: SDPA on sequences grouped by length)."""
+    return "varlen" if cuda else "varlen (SDPA, sequences grouped by length)"
 
 
 def train_padless(trainer: Any, run: Measurement, count: Callable[[Any], None]) -> None:

@@ -1,4 +1,4 @@
-"""SFT throughput: padless packed vs padless padded vs TRL SFTTrainer (padding-free and padded).
+"""SFT throughput: padless packed and padded vs TRL SFTTrainer (padding-free and padded) vs a dense ideal.
 
 Same model, same tokenized data (the embedded ``tiny:sft`` chats through ``padless.data.tokenize_sft``,
 loss on assistant tokens only), same optimizer settings, same machine, one run. Each contender trains in a
@@ -11,6 +11,11 @@ fresh subprocess (so its peak memory is its own) with the same thread count:
 * ``trl-padding-free``  TRL ``SFTTrainer`` with ``padding_free=True``, the same number of sequences per
   step as the padded runs (so about the same tokens per step as padless packed).
 * ``trl-padded``  TRL ``SFTTrainer`` with ``padding_free=False``.
+* ``dense-ideal``  what the hardware does with the same model, optimizer and tokens per step when nothing
+  is ragged: the same token stream cut into rows of one length with no padding, plain transformers
+  ``model(input_ids, labels=...)`` (full logits, ``sdpa`` causal attention), a bare PyTorch loop (AdamW,
+  the same schedule and clipping, nothing else). The row length is the data's token-weighted mean sequence
+  length ``sum L_i^2 / sum L_i``, so its attention does the same FLOPs per token as the packed run's.
 
 TRL gets the pre-tokenized data with a ``labels`` column that carries padless's assistant-only mask, so
 both compute the loss on exactly the same tokens and TRL does no tokenization. Timing runs from the end of
@@ -38,7 +43,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo r
 except ModuleNotFoundError:
     from benchmarks import common
 
-CONTENDERS = ("padless-packed", "padless-padded", "trl-padding-free", "trl-padded")
+CONTENDERS = ("padless-packed", "padless-padded", "trl-padding-free", "trl-padded", "dense-ideal")
 IGNORE_INDEX = -100
 OPTIM = common.optimizer_settings(learning_rate=1e-4)  # padless's SFT default
 
@@ -96,10 +101,14 @@ def plan(args: argparse.Namespace, examples: list[Tokenized]) -> dict[str, Any]:
     packed_tokens_per_step = sum(lengths) / len(bins)
     mean_len = sum(lengths) / len(lengths)
     batch_size = args.batch_size or max(1, round(packed_tokens_per_step / mean_len))
+    # dense ideal: the attention FLOPs per token of the packed run, sum L^2 / sum L, in equal rows
+    dense_len = round(sum(n * n for n in lengths) / sum(lengths))
     return {
         **common.base_spec(args, OPTIM),
         "max_tokens_per_batch": args.max_tokens_per_batch,
         "batch_size": batch_size,
+        "dense_rows": max(1, round(packed_tokens_per_step / dense_len)),
+        "dense_len": dense_len,
         "data": {
             "spec": args.data,
             "examples": len(lengths),
@@ -122,7 +131,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     print(
         f"{d['examples']} examples, {d['tokens']:,} tokens; packed: {d['packed_steps_per_epoch']} "
         f"steps/epoch, {d['packed_tokens_per_step']:,.0f} tokens/step; padded and TRL: "
-        f"{spec['batch_size']} sequences/step",
+        f"{spec['batch_size']} sequences/step; dense ideal: {spec['dense_rows']} rows of {spec['dense_len']}",
         flush=True,
     )
     return spec, {"examples": examples}
@@ -135,6 +144,7 @@ def run_contender(name: str, spec: dict[str, Any], examples: list[Tokenized]) ->
         "padless-padded": lambda: run_padless(spec, examples, "padded"),
         "trl-padding-free": lambda: run_trl(spec, examples, padding_free=True),
         "trl-padded": lambda: run_trl(spec, examples, padding_free=False),
+        "dense-ideal": lambda: run_dense(spec, examples),
     }[name]
     return common.contender_main(runner, spec, profile_name=name)
 
@@ -215,14 +225,69 @@ def run_trl(spec: dict[str, Any], examples: list[Tokenized], padding_free: bool)
 
 
 # --------------------------------------------------------------------------------------------------------
+# Contender: the dense ideal (equal rows, no padding, full logits, a bare loop)
+
+
+def run_dense(spec: dict[str, Any], examples: list[Tokenized]) -> dict[str, Any]:
+    import random
+
+    import torch
+    from transformers import get_scheduler
+
+    model, _, attn = common.trl_model({**spec, "trl_attn": "sdpa"})  # seed-0 weights, bf16 on CUDA
+    device = torch.device(spec["device"])
+    model.to(device).train()
+    o = spec["optim"]
+    steps = spec["warmup"] + spec["steps"]
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=o["learning_rate"],
+        betas=(o["adam_beta1"], o["adam_beta2"]),
+        eps=o["adam_epsilon"],
+        weight_decay=o["weight_decay"],
+    )
+    scheduler = get_scheduler(o["lr_scheduler"], optimizer, num_warmup_steps=0, num_training_steps=steps)
+    # The examples' tokens in a seeded order, labels -100 where padless has no loss, cut into equal rows.
+    order = list(range(len(examples)))
+    random.Random(spec["seed"]).shuffle(order)
+    ids = torch.tensor([t for i in order for t in examples[i][0]])
+    labels = torch.tensor(
+        [t if m else IGNORE_INDEX for i in order for t, m in zip(*examples[i], strict=True)]
+    )
+    rows, length = spec["dense_rows"], spec["dense_len"]
+    per_step = rows * length
+    if per_step * steps > ids.numel():  # more steps than one epoch of data: go round again
+        repeat = -(-per_step * steps // ids.numel())
+        ids, labels = ids.repeat(repeat), labels.repeat(repeat)
+    run = common.Measurement(spec)
+    run.start()
+    for step in range(steps):
+        window = slice(step * per_step, (step + 1) * per_step)
+        batch_ids = ids[window].view(rows, length).to(device)
+        batch_labels = labels[window].view(rows, length).to(device)
+        loss = model(input_ids=batch_ids, labels=batch_labels, use_cache=False).loss
+        loss.backward()
+        if o["max_grad_norm"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.recorder.tokens(per_step, per_step, int((batch_labels[:, 1:] != IGNORE_INDEX).sum()))
+        run.step_end(loss.item())
+    return run.result(model, f"dense, {rows} rows x {length}", attn)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Report
 
 
 TARGETS = {  # (numerator, denominator, minimum ratio of real tokens/s)
+    "padless packed >= 0.9x dense ideal (issue 13)": ("padless-packed", "dense-ideal", 0.9),
     "padless packed >= 1.5x padless padded (issue)": ("padless-packed", "padless-padded", 1.5),
     "padless packed >= 1.1x TRL padding-free (DESIGN)": ("padless-packed", "trl-padding-free", 1.1),
 }
 RATIOS = (
+    ("padless packed / dense ideal", "padless-packed", "dense-ideal"),
     ("padless packed / padless padded", "padless-packed", "padless-padded"),
     ("padless packed / TRL padding-free", "padless-packed", "trl-padding-free"),
     ("padless packed / TRL padded", "padless-packed", "trl-padded"),

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -126,9 +127,9 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel ``varlen`` runs for tensors on ``device`` in ``dtype``.
 
     CUDA half precision uses flash-attn when installed, else PyTorch's ``varlen_attn``; everything else
-    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact per-sequence attention
-    (``sdpa``). A layer that asks for something the fused kernel lacks runs exact too (see
-    :func:`varlen_attention_forward`).
+    (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact attention through SDPA
+    (``sdpa``: sequences grouped by length, see :class:`SequenceGroups`). A layer that asks for something
+    the fused kernel lacks runs exact too (see :func:`varlen_attention_forward`).
     """
     choice = _varlen_kernel_choice
     if choice == "auto":
@@ -145,22 +146,39 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
 
 Span = tuple[int, int, int]  # (row, start, end) of one sequence inside a [B, T] layout
 
+# cu_seqlens tensor -> its boundaries as Python ints. Read once per batch (model_inputs reads it before the
+# forward) and then by every layer from here: no layer converts a tensor to host values, which on CUDA
+# would wait for the GPU once per layer.
+_HOST_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as Python ints, converted once per tensor object and remembered while it lives."""
+    bounds = _HOST_BOUNDS.get(cu_seqlens)
+    if bounds is None:
+        bounds = _HOST_BOUNDS[cu_seqlens] = tuple(cu_seqlens.tolist())
+    return bounds
+
 
 def _spans(
     batch: int, length: int, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
 ) -> list[Span]:
-    """Where each sequence lies: from cu_seq_lens (packed), a 2D padding mask, or restarts of position_ids."""
+    """Where each sequence lies: from cu_seq_lens (packed), a 2D padding mask, or restarts of position_ids.
+
+    Packed rows (every training and scoring pass) read their bounds through :func:`sequence_bounds`;
+    padded rows and bare position ids (comparison runs) are read from the tensors in every layer.
+    """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         if batch != 1:
             raise AttentionError(f"cu_seq_lens describe one packed row, got a batch of {batch} rows")
+        bounds = sequence_bounds(cu)
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.to(cu.device, cu.dtype), cu):
+        if cu_k is not None and cu_k is not cu and sequence_bounds(cu_k) != bounds:
             raise AttentionError(
                 "cu_seq_lens_k differs from cu_seq_lens_q: varlen runs self-attention over whole sequences "
                 "only (no cross-attention, no KV cache)"
             )
-        bounds = cu.tolist()
         return [(0, s, e) for s, e in pairwise(bounds)]
     spans = []
     if attention_mask is not None:
@@ -282,21 +300,22 @@ def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Te
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
-    """One sequence written out: q ``[H, L, Dqk]``, k ``[Hkv, L, Dqk]``, v ``[Hkv, L, Dv]`` -> ``[H, L, Dv]``.
+    """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``.
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
-    eager kernels do; memory ``H * L^2`` for this one sequence only.
+    eager kernels do; memory ``N * H * L^2`` for these sequences only.
     """
-    rep = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * args.scale
     if args.softcap is not None:
         scores = torch.tanh(scores / args.softcap) * args.softcap
-    allowed = _allowed(q.shape[1], args, q.device)
+    allowed = _allowed(q.shape[2], args, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -math.inf)
     if args.sinks is not None:
-        sink = args.sinks.float().reshape(-1, 1, 1).expand(-1, q.shape[1], 1)
+        sink = args.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     else:
         probs = scores.softmax(-1)
@@ -305,40 +324,164 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
     return probs.to(v.dtype) @ v
 
 
-def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
-    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask.
+def _sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs
+) -> torch.Tensor:
+    """Exact attention over whole sequences of one (padded) length, ``[N, H, L, D]`` in and out (4D: SDPA's
+    fused CPU and CUDA kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
+    if args.softcap is not None or args.sinks is not None:
+        return _math_attention(q, k, v, args)
+    allowed = _allowed(q.shape[2], args, q.device) if args.window is not None else None
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=allowed,
+        is_causal=args.causal and allowed is None,
+        dropout_p=args.dropout,
+        scale=args.scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
-    Outputs are concatenated (zeros where a row is padding) rather than written into a preallocated
-    tensor, whose backward would copy the whole tensor once per sequence.
+
+def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
+    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask. For bidirectional
+    layers, which would see the padding :class:`SequenceGroups` adds.
+
+    Each row is split into its sequences and padding (views whose backward is one concatenation, where
+    indexing would build a zero gradient of the whole tensor per sequence), and the outputs are
+    concatenated back, zeros where a row is padding.
     """
-    batch, heads, length, _ = q.shape
+    _, heads, length, _ = q.shape
     dim = v.shape[-1]
-    rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    ends = [0] * batch
-    for row, s, e in spans:
-        if s > ends[row]:
-            rows[row].append(q.new_zeros(heads, s - ends[row], dim))
-        qs, ks, vs = q[row, :, s:e], k[row, :, s:e], v[row, :, s:e]
-        if args.softcap is not None or args.sinks is not None:
-            out = _math_attention(qs, ks, vs, args)
-        else:
-            allowed = _allowed(e - s, args, q.device) if args.window is not None else None
-            out = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=allowed,
-                is_causal=args.causal and allowed is None,
-                dropout_p=args.dropout,
-                scale=args.scale,
-                enable_gqa=heads != k.shape[1],
+    rows = []
+    for row, (qr, kr, vr) in enumerate(zip(q.split(1), k.split(1), v.split(1), strict=True)):
+        sizes, is_sequence, end = [], [], 0
+        for _, s, e in (span for span in spans if span[0] == row):
+            if s > end:
+                sizes.append(s - end)
+                is_sequence.append(False)
+            sizes.append(e - s)
+            is_sequence.append(True)
+            end = e
+        if end < length:
+            sizes.append(length - end)
+            is_sequence.append(False)
+        pieces = zip(qr.split(sizes, 2), kr.split(sizes, 2), vr.split(sizes, 2), is_sequence, strict=True)
+        rows.append(
+            torch.cat(
+                [
+                    _sequence_attention(qs, ks, vs, args) if real else q.new_zeros(1, heads, qs.shape[2], dim)
+                    for qs, ks, vs, real in pieces
+                ],
+                dim=2,
             )
-        rows[row].append(out)
-        ends[row] = e
-    for row in range(batch):
-        if ends[row] < length:
-            rows[row].append(q.new_zeros(heads, length - ends[row], dim))
-    return torch.stack([torch.cat(pieces, dim=1) for pieces in rows]).transpose(1, 2)
+        )
+    return torch.cat(rows).transpose(1, 2)
+
+
+def padded_length(length: int) -> int:
+    """The length a sequence is padded to for the grouped SDPA calls: a multiple of 8 up to 128 tokens,
+    then of 1/16 of the next power of two (16 up to 256, 32 up to 512, ...): at most 7 tokens longer
+    up to 64 tokens, at most 1/8 longer past them."""
+    step = max(8, 1 << max(0, (length - 1).bit_length() - 4))
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """The sequences of a batch in few SDPA calls, one per :func:`padded_length`: each sequence padded on
+    the right to a length that depends on its own length only. Under a causal mask no query sees the
+    padding after it, so every real output is its own sequence's, and SDPA computes every batch entry
+    alike: a sequence's numbers do not depend on the other sequences of its batch, bit for bit (what
+    RL's first-update ratios of exactly 1 rest on). The padding's outputs are dropped and pass back no
+    gradient.
+
+    ``slots`` ``[S]``: the position in the ``[B * T]`` layout each slot reads, group after group (a
+    padding slot repeats its sequence's last token); ``back`` ``[B * T]``: the slot holding each
+    position's output, ``S`` (a zero slot past the end) where a padded row has no sequence; ``owner``
+    (``[S]``, plus the zero slot): the position whose token a slot holds, ``B * T`` for none.
+    """
+
+    slots: torch.Tensor
+    owner: torch.Tensor
+    back: torch.Tensor
+    shapes: tuple[tuple[int, int], ...]  # (sequences, padded length) of each group, in slot order
+    covered: bool  # every position holds a sequence's token
+    padded: bool  # some slot is padding
+
+    @classmethod
+    def plan(cls, spans: list[Span], batch: int, length: int, device: torch.device) -> SequenceGroups:
+        groups: dict[int, list[Span]] = {}
+        for span in spans:
+            groups.setdefault(padded_length(span[2] - span[1]), []).append(span)
+        slots: list[int] = []
+        owner: list[int] = []
+        back = [-1] * (batch * length)
+        shapes = []
+        for size, members in sorted(groups.items(), reverse=True):
+            for row, s, e in members:
+                at = row * length
+                back[at + s : at + e] = range(len(slots), len(slots) + e - s)
+                slots += [*range(at + s, at + e), *[at + e - 1] * (size - (e - s))]
+                owner += [*range(at + s, at + e), *[batch * length] * (size - (e - s))]
+            shapes.append((len(members), size))
+        covered = min(back) >= 0
+        if not covered:  # the zero slot: no position's token
+            back = [b if b >= 0 else len(slots) for b in back]
+            owner.append(batch * length)
+        padded = len(slots) > sum(e - s for _, s, e in spans)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(slots), as_tensor(owner), as_tensor(back), tuple(shapes), covered, padded)
+
+
+# cu_seqlens tensor -> the groups of its packed row, planned once per batch like its bounds.
+_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward is a gather too: input row ``r`` gets the gradient of
+    output row ``inverse[r]`` (none where ``inverse[r] == len(output)``). Exact when no other output row
+    that reads ``r`` has a gradient, which holds for :class:`SequenceGroups`' padding; the scatter-add
+    that ``index_select``'s own backward runs (with a zero fill per call) took most of the grouped
+    attention's time on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, none_row: bool):
+        ctx.save_for_backward(inverse)
+        ctx.none_row = none_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        if ctx.none_row:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, inverse), None, None, None
+
+
+def _grouped_causal(q, k, v, groups: SequenceGroups, args: AttentionArgs) -> torch.Tensor:
+    """Exact causal attention of every sequence in ``len(groups.shapes)`` SDPA calls (see
+    :class:`SequenceGroups`): tokens gathered into the groups' padded rows and their outputs back."""
+    batch, heads, length, _ = q.shape
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [S, H, D]
+        flat = t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3])
+        return _Gather.apply(flat, groups.slots, groups.back, not groups.covered)
+
+    qs, ks, vs = gathered(q), gathered(k), gathered(v)
+    outs, offset = [], 0
+    for n, padded in groups.shapes:
+        part = slice(offset, offset + n * padded)
+        out = _sequence_attention(
+            *(t[part].view(n, padded, *t.shape[1:]).transpose(1, 2) for t in (qs, ks, vs)), args
+        )
+        outs.append(out.transpose(1, 2).reshape(n * padded, heads, -1))
+        offset += n * padded
+    if not groups.covered:
+        outs.append(q.new_zeros(1, heads, v.shape[-1]))
+    out = _Gather.apply(torch.cat(outs), groups.back, groups.owner, groups.padded)
+    return out.view(batch, length, heads, -1)
 
 
 def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str | None:
@@ -359,13 +502,21 @@ def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str |
     return None
 
 
-def _fused_varlen(kernel: str, q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
-    """One fused varlen call over all sequences; padded rows are gathered into a packed row and back."""
+def _fused_varlen(
+    kernel: str, q, k, v, spans: list[Span], args: AttentionArgs, packed_cu: torch.Tensor | None
+) -> torch.Tensor:
+    """One fused varlen call over all sequences; padded rows are gathered into a packed row and back.
+
+    A packed row's own ``cu_seqlens`` (``packed_cu``) goes to the kernel as it is: no per-layer copy.
+    """
     batch, heads, length, _ = q.shape
     out_dim = v.shape[-1]
     dim = -(-max(q.shape[-1], out_dim) // 8) * 8  # one head size for q, k and v, a multiple of 8
     lens = [e - s for _, s, e in spans]
-    cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
+    if packed_cu is not None and packed_cu.dtype == torch.int32 and packed_cu.device == q.device:
+        cu = packed_cu
+    else:
+        cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
     max_len = max(lens)
     flat = [
         (F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t)
@@ -464,9 +615,17 @@ def varlen_attention_forward(
     KERNEL_CALLS[f"varlen:{kernel}"] += 1
     if not spans:  # every row is padding
         return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
+    if kernel == "sdpa" and args.causal:
+        cu = kwargs.get("cu_seq_lens_q")
+        groups = _GROUPS.get(cu) if cu is not None else None
+        if groups is None:
+            groups = SequenceGroups.plan(spans, batch, length, query.device)
+            if cu is not None:
+                _GROUPS[cu] = groups
+        return _grouped_causal(query, key, value, groups, args), None
     if kernel == "sdpa":
         return _exact_per_sequence(query, key, value, spans, args), None
-    return _fused_varlen(kernel, query, key, value, spans, args), None
+    return _fused_varlen(kernel, query, key, value, spans, args, kwargs.get("cu_seq_lens_q")), None
 
 
 _logged: set[str] = set()

@@ -723,6 +723,8 @@ class TrainSettings(ConfigModel):
     """sequences per micro-batch for "padded" (comparison mode only)"""
     padding_side: Literal["left", "right"] = "right"
     """batching padded only"""
+    logits_memory_mb: PositiveInt = 1024
+    """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
     logging_steps: PositiveInt = 10
     eval_steps: NonNegativeInt = 0
     """0: evaluate only at the end (if data.eval is set)"""

@@ -25,6 +25,7 @@ class EngineOutput(NamedTuple):
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    weighted: torch.Tensor | None = None  # sum_t w_t logps_t for ``logp_weights`` w (packed batches)
 
 
 class ModelEngine(torch.nn.Module):
@@ -48,24 +49,35 @@ class ModelEngine(torch.nn.Module):
         logps: bool = False,
         entropy: bool = False,
         temperature: float = 1.0,
+        logp_weights: torch.Tensor | None = None,
         values: bool = False,
         generate: dict[str, Any] | None = None,
     ) -> EngineOutput | torch.Tensor:
         """Log-probs of ``batch.labels`` (and entropy) from the LM head, per-token values from the value
         model (or from this model's own scalar head), or — with ``generate`` — token ids from
-        ``generate(**generate)`` (inside this forward, so sharded parameters are gathered for it)."""
+        ``generate(**generate)`` (inside this forward, so sharded parameters are gathered for it).
+
+        ``logp_weights`` ``[T]`` (a packed batch's loss weights, known before the forward: SFT) gives
+        ``weighted = sum_t w_t logps_t``, whose gradient the head computes in its forward pass; the
+        log-probs are then values only (see :func:`padless.model.logps_from_hidden`)."""
         if generate is not None:
             return self.model.generate(**generate)
-        out_logps = out_entropy = out_values = None
+        out = EngineOutput()
         if logps:
             if isinstance(batch, PackedBatch):
-                tokens = forward_packed(self.model, batch, entropy=entropy, temperature=temperature)
-                out_logps, out_entropy = tokens.logps, tokens.entropy
+                tokens = forward_packed(
+                    self.model, batch, entropy=entropy, temperature=temperature, logp_weights=logp_weights
+                )
+                out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+            elif logp_weights is not None:
+                raise ValueError("logp_weights applies to packed batches only")
             else:
-                out_logps = forward_padded(self.model, batch, temperature=temperature)
+                out = out._replace(logps=forward_padded(self.model, batch, temperature=temperature))
         if values:
-            out_values = forward_scores(self.value if self.value is not None else self.model, batch)
-        return EngineOutput(out_logps, out_entropy, out_values)
+            out = out._replace(
+                values=forward_scores(self.value if self.value is not None else self.model, batch)
+            )
+        return out
 
 
 def _no_split(model: torch.nn.Module) -> list[str]:

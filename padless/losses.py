@@ -16,6 +16,13 @@ def sft_loss(logps: torch.Tensor, mask: torch.Tensor, normaliser: float) -> torc
     return -(logps * mask).sum() / normaliser
 
 
+def sft_token_weights(mask: torch.Tensor, normaliser: float) -> torch.Tensor:
+    """Per-token weights ``w`` with ``sft_loss(logps, mask, normaliser) == (w * logps).sum()``: the form in
+    which the LM head takes the loss before its forward pass (``logp_weights``), to compute the gradient
+    there."""
+    return -mask.float() / normaliser
+
+
 def dpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -17,13 +18,24 @@ from padless.attention import (
     probe_attention,
     require_backend,
     runtime_context,
+    sequence_bounds,
 )
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# At most this many fp32 logits exist at once in forward_packed: 2**26 floats = 256 MiB.
-LOGIT_CHUNK_ELEMENTS = 2**26
+# The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
+# (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
+DEFAULT_LOGITS_MEMORY_MB = 1024
+_logits_memory_bytes = DEFAULT_LOGITS_MEMORY_MB * 2**20
+
+
+def set_logits_memory(megabytes: int) -> None:
+    """Set the memory the fp32 logits of one micro-batch may take before the head runs in chunks."""
+    global _logits_memory_bytes
+    if megabytes <= 0:
+        raise ValueError(f"logits memory budget must be positive, got {megabytes} MB")
+    _logits_memory_bytes = megabytes * 2**20
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -88,6 +100,7 @@ class TokenOutputs:
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
+    weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
@@ -123,6 +136,7 @@ def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
     """
     vision = batch.vision or {}
     if isinstance(batch, PackedBatch):
+        sequence_bounds(batch.cu_seqlens)  # read to the host here, once: no attention layer waits for it
         return {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,
@@ -154,24 +168,139 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> t
         return backbone(model)(**model_inputs(batch), use_cache=False).last_hidden_state
 
 
+@dataclass(frozen=True)
+class LogitsHead:
+    """How a causal LM turns hidden states into the logits its log-probs are taken from:
+    ``cap(head(h) / scaling) / temperature``, as transformers' models compute them (Granite divides by
+    ``logits_scaling``, Gemma 2 soft-caps with ``final_logit_softcapping``), in fp32."""
+
+    module: torch.nn.Module
+    scaling: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, temperature: float = 1.0) -> LogitsHead:
+        text = model.config.get_text_config()
+        return cls(
+            model.get_output_embeddings(),
+            getattr(text, "logits_scaling", None) or 1.0,
+            getattr(text, "final_logit_softcapping", None) or None,
+            temperature,
+        )
+
+    @property
+    def vocab(self) -> int:
+        return self.module.weight.shape[0]
+
+    def fusable(self) -> bool:
+        """Whether the fused weighted path can read the head's weight directly: a plain bias-free
+        ``nn.Linear`` (not a LoRA-wrapped head) whose weight is whole here (not ZeRO-3-partitioned, which
+        DeepSpeed gathers only inside the module's own forward)."""
+        plain = type(self.module) is torch.nn.Linear and self.module.bias is None
+        return plain and not hasattr(self.module.weight, "ds_id")
+
+    def finish(self, raw: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the head's raw output."""
+        logits = raw.float()
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
+
+    def logits_grad(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The gradient wrt the raw head output from the one wrt :meth:`finish`'s logits (in place)."""
+        if self.temperature != 1.0:
+            grad /= self.temperature
+        if self.softcap:
+            capped = logits * (self.temperature / self.softcap)  # tanh(raw / scaling / softcap)
+            grad *= 1 - capped.square()
+        if self.scaling != 1.0:
+            grad /= self.scaling
+        return grad
+
+
+def _chunk_starts(total: int, step: int) -> range:
+    """Where the chunks of ``total`` rows start; one empty chunk when there are none, so that every path
+    still returns (empty) tensors connected to the graph."""
+    return range(0, max(total, 1), step)
+
+
 def _chunk_logps(
-    hidden: torch.Tensor,
-    head: torch.nn.Module,
-    labels: torch.Tensor,
-    temperature: float,
-    softcap: float | None,
-    with_entropy: bool,
-    logits_scaling: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float() / logits_scaling
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logits.log_softmax(-1)
-    picked = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)
-    return picked, entropy
+    head: LogitsHead, hidden: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp = head.finish(head.module(hidden)).log_softmax(-1)
+    picked = logp.gather(-1, labels[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+class _WeightedLogps(torch.autograd.Function):
+    """``sum_t w_t log p(y_t | h_t)`` for weights known before the forward pass (SFT's NLL: the target mask
+    over the step's normaliser), with its gradients wrt the hidden states and the head's weight computed in
+    the forward chunk loop, as fused linear-cross-entropy kernels do: each chunk's logits are computed
+    once, used and freed, and the backward only scales the saved gradients by the upstream scalar.
+
+    The per-token log-probs (and entropy) it also returns are values only. The saved gradients are fp32:
+    ``[n, hidden]`` and ``[vocab, hidden]``, the size of the head's weight in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, labels, weights, head: LogitsHead, rows: int, with_entropy: bool, grads: bool
+    ):
+        # ``grads``: whether autograd is on outside (needs_input_grad ignores torch.no_grad)
+        need_hidden, need_weight = (grads and need for need in ctx.needs_input_grad[:2])
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_weight else None
+        logps, entropies = [], []
+        for start in _chunk_starts(hidden.shape[0], rows):
+            h, y, w = (t[start : start + rows] for t in (hidden, labels, weights))
+            raw = F.linear(h, weight)
+            logits = head.finish(raw)
+            # As log_softmax does: shifted by the row's max, so log-probs and probabilities are
+            # differences of small numbers, not of the |logit|-sized log-sum-exp.
+            shifted = logits - logits.amax(-1, keepdim=True)
+            probs = shifted.exp()
+            total = probs.sum(-1, keepdim=True)
+            log_total = total.log()[:, 0]
+            logps.append(shifted.gather(-1, y[:, None])[:, 0] - log_total)
+            probs /= total
+            if with_entropy:
+                entropies.append(log_total - (probs * shifted).sum(-1))
+            del shifted
+            if not (need_hidden or need_weight):
+                continue
+            # d/dlogits of sum_t w_t log softmax(logits_t)[y_t] = w_t (onehot(y_t) - softmax_t)
+            grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None])
+            grad = head.logits_grad(grad, logits).to(raw.dtype)
+            if need_hidden:
+                grad_hidden[start : start + rows] = grad @ weight
+            if need_weight:
+                grad_weight += grad.T @ h
+        logps = torch.cat(logps)
+        entropy = torch.cat(entropies) if with_entropy else None
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(logps, *([entropy] if with_entropy else []))
+        return (logps * weights).sum(), logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (
+            None if grad_hidden is None else (grad_hidden * grad_total).to(hidden_dtype),
+            None if grad_weight is None else (grad_weight * grad_total).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def forward_packed(
@@ -181,12 +310,9 @@ def forward_packed(
     entropy: bool = False,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
 ) -> TokenOutputs:
-    """Per-token log-probs of ``batch.labels`` (and optionally entropy), log-softmax in chunks.
-
-    With gradients on, each chunk is recomputed in backward, so the fp32 ``[T, vocab]`` logits never
-    exist at once: memory holds only one chunk of ``LOGIT_CHUNK_ELEMENTS`` floats.
-    """
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
     hidden = hidden_states(model, batch)[0]
     return logps_from_hidden(
         unwrap(model),
@@ -195,6 +321,7 @@ def forward_packed(
         entropy=entropy,
         temperature=temperature,
         chunk_tokens=chunk_tokens,
+        logp_weights=logp_weights,
     )
 
 
@@ -206,33 +333,52 @@ def logps_from_hidden(
     entropy: bool = False,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
 ) -> TokenOutputs:
-    """The LM head and log-softmax over hidden states ``[T, H]``, chunked (see :func:`forward_packed`)."""
-    head = model.get_output_embeddings()
-    vocab = head.weight.shape[0]
-    step = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    logits_scaling = getattr(model.config.get_text_config(), "logits_scaling", 1.0)  # Granite divides by it
-    logps, ents = [], []
-    for start in range(0, hidden.shape[0], step):
-        args = (
-            hidden[start : start + step],
-            head,
-            labels[start : start + step],
-            temperature,
-            softcap,
-            entropy,
-            logits_scaling,
-        )
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            picked, ent = checkpoint(_chunk_logps, *args, use_reentrant=False)
-        else:
-            picked, ent = _chunk_logps(*args)
-        logps.append(picked)
-        ents.append(ent)
+    """The LM head and log-softmax over hidden states ``[T, H]``, on the positions that have a label only.
+
+    The fp32 logits of those positions are computed whole when they fit the logits memory budget
+    (:func:`set_logits_memory`), else in chunks of rows that do (``chunk_tokens`` forces a chunk size).
+    With ``logp_weights`` ``[T]`` (known before the forward: SFT's NLL), the result's ``weighted`` is
+    ``sum_t w_t logp_t`` and carries the gradient, computed in the forward chunk loop at no extra head
+    pass (:class:`_WeightedLogps`); ``logps`` and ``entropy`` are then values only. Without weights,
+    ``logps`` and ``entropy`` carry the gradient; chunks are then recomputed in backward (the price of
+    never holding all logits at once when the loss is not known in advance).
+    """
+    head = LogitsHead.of(model, temperature)
     keep = labels != IGNORE_INDEX
-    logp = torch.cat(logps) * keep
-    return TokenOutputs(logps=logp, entropy=torch.cat(ents) * keep if entropy else None)
+    rows = torch.nonzero(keep)[:, 0]  # one host sync per batch: how many positions carry a label
+    if rows.numel() == labels.numel():
+        rows = None  # every position has a label: no gather
+    h = hidden if rows is None else hidden[rows]
+    y = labels if rows is None else labels[rows]
+    step = chunk_tokens or max(1, _logits_memory_bytes // (4 * head.vocab))
+    weighted = None
+    if logp_weights is not None and head.fusable():
+        w = logp_weights if rows is None else logp_weights[rows]
+        grads = torch.is_grad_enabled()
+        weighted, logps, ents = _WeightedLogps.apply(
+            h, head.module.weight, y, w.float(), head, step, entropy, grads
+        )
+    else:
+        grad = torch.is_grad_enabled() and h.requires_grad
+        pieces = [
+            checkpoint(_chunk_logps, head, h[s : s + step], y[s : s + step], entropy, use_reentrant=False)
+            if grad and step < h.shape[0]
+            else _chunk_logps(head, h[s : s + step], y[s : s + step], entropy)
+            for s in _chunk_starts(h.shape[0], step)
+        ]
+        logps = torch.cat([p for p, _ in pieces])
+        ents = torch.cat([e for _, e in pieces]) if entropy else None
+        if logp_weights is not None:  # a head the fused path cannot read: the same sum through autograd
+            weighted = (logps * (logp_weights if rows is None else logp_weights[rows])).sum()
+
+    def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None or rows is None:
+            return values
+        return values.new_zeros(labels.shape).index_copy(0, rows, values)
+
+    return TokenOutputs(logps=scatter(logps), entropy=scatter(ents), weighted=weighted)
 
 
 def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -5,8 +5,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import math
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -20,12 +26,14 @@ from padless.attention import (
     KERNEL_CALLS,
     VARLEN_NAME,
     AttentionError,
+    SequenceGroups,
     assert_attention,
     attention_in_use,
     available_backends,
     backend_problem,
     count_attention_calls,
     hf_name,
+    padded_length,
     probe_attention,
     set_varlen_kernel,
     validate_backend_name,
@@ -302,6 +310,164 @@ def test_varlen_function_refusals():
         varlen_attention_forward(MODULE, q, k, v, torch.tensor([[1, 1, 0, 1, 1, 1]] * 2).bool())
     with pytest.raises(AttentionError, match="no KV cache"):
         varlen_attention_forward(MODULE, q[:, :, :1], k, v, None)
+
+
+def _spans(lengths) -> list[tuple[int, int, int]]:
+    return [(0, s, e) for s, e in itertools.pairwise([0, *itertools.accumulate(lengths)])]
+
+
+def test_padded_lengths():
+    assert [padded_length(n) for n in (1, 8, 9, 64, 65, 128, 129, 300, 513)] == [
+        8, 8, 16, 64, 72, 128, 144, 320, 576
+    ]  # fmt: skip
+    assert all(n <= padded_length(n) <= max(n + 7, n * 9 // 8) for n in range(1, 5000))
+
+
+def test_sequence_groups_one_call_per_padded_length():
+    cpu = torch.device("cpu")
+    similar = SequenceGroups.plan(_spans([60, 64, 62, 64]), 1, 250, cpu)
+    assert similar.shapes == ((4, 64),) and similar.covered and similar.padded
+    ragged = SequenceGroups.plan(_spans([5, 300, 5, 6]), 1, 316, cpu)
+    assert ragged.shapes == ((1, 320), (3, 8))
+    assert not SequenceGroups.plan(_spans([8] * 5), 1, 40, cpu).padded
+    # A padding slot repeats its sequence's last token and belongs to no position.
+    small = SequenceGroups.plan(_spans([2, 3]), 1, 5, cpu)
+    assert small.shapes == ((2, 8),)
+    assert small.slots.tolist() == [0, 1, *[1] * 6, 2, 3, 4, *[4] * 5]
+    assert small.owner.tolist() == [0, 1, *[5] * 6, 2, 3, 4, *[5] * 5]
+    assert small.back.tolist() == [0, 1, 8, 9, 10]
+    # Padded rows: positions outside every sequence read the zero slot past the end.
+    rows = SequenceGroups.plan([(0, 3, 7), (1, 0, 5)], 2, 7, cpu)
+    assert rows.shapes == ((2, 8),) and not rows.covered
+    assert [rows.back[i].item() for i in (0, 1, 2, 12, 13)] == [16] * 5
+
+
+def test_grouped_attention_of_a_sequence_does_not_depend_on_its_batch():
+    """Bit for bit: a sequence's outputs and q, k, v gradients are the same alone and among others of
+    other lengths (its padded length depends on its own length only)."""
+    gen = torch.Generator().manual_seed(12)
+    mine = [torch.randn(1, h, 37, 8, generator=gen) for h in (4, 2, 2)]
+    results = []
+    for others in ([], [5, 70], [37, 1, 36]):
+        lengths = [37, *others]
+        q, k, v = (
+            torch.cat([m, torch.randn(1, m.shape[1], sum(others), 8, generator=gen)], 2).requires_grad_()
+            for m in mine
+        )
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        out, _ = varlen_attention_forward(MODULE, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+        grads = torch.autograd.grad(out[:, :37].square().sum(), (q, k, v))
+        results.append([out[:, :37], *(g[:, :, :37] for g in grads)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"sliding_window": 4}, {"softcap": 1.5, "s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0])}],
+    ids=["causal", "window", "softcap+sinks"],
+)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_grouped_attention_gradients_match_each_sequence_written_out(layout, extra):
+    """Sequences padded within their group (LENS, 3 to 9 tokens, padded to 8 and 16; padded rows: 4 and
+    5 tokens padded to 8, and positions with no sequence): forward and q, k, v gradients equal each
+    sequence's attention written out in fp64."""
+    window, softcap, sinks = extra.get("sliding_window"), extra.get("softcap"), extra.get("s_aux")
+    if layout == "packed":
+        q, k, v = (t.requires_grad_() for t in _qkv(1, sum(LENS), seed=9))
+        kwargs = {"cu_seq_lens_q": CU.clone()}
+        spans, mask = _spans(LENS), None
+    else:
+        q, k, v = (t.requires_grad_() for t in _qkv(2, 7, seed=10))
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]).bool()
+        kwargs, spans = {}, [(0, 3, 7), (1, 0, 5)]
+    assert SequenceGroups.plan(spans, q.shape[0], q.shape[2], q.device).padded
+    out, _ = varlen_attention_forward(MODULE, q * 3, k, v, mask, scaling=0.4, **extra, **kwargs)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want_out = torch.zeros_like(out)
+    for row, start, end in spans:
+        piece = slice(start, end)
+        want_out[row, piece] = _naive(
+            q[row, :, piece] * 3, k[row, :, piece], v[row, :, piece], 0.4, window, True, softcap, sinks
+        )
+    want = torch.autograd.grad((want_out * weights).sum(), (q, k, v))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    for g, w, name in zip(got, want, "qkv", strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=name)
+
+
+HOST_CONVERSIONS = (
+    "tolist",
+    "item",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+)
+
+
+@contextlib.contextmanager
+def _host_conversions() -> Iterator[Counter[str]]:
+    """Count tensor-to-host conversions (on CUDA each waits for the GPU): ``inside`` the varlen attention
+    function, and ``total`` apart from the CPU stand-ins of the fused kernels (which read the bounds
+    themselves where the real kernels read them on the GPU)."""
+    counts: Counter[str] = Counter()
+    inside = [False]
+
+    def counted(original):
+        def wrapper(*args, **kwargs):
+            if not sys._getframe(1).f_code.co_filename.endswith("testing/kernels.py"):
+                counts["inside"] += inside[0]
+                counts["total"] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def attention_function(*args, **kwargs):
+        inside[0] = True
+        try:
+            return varlen_attention_forward(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    with contextlib.ExitStack() as stack:
+        for name in HOST_CONVERSIONS:
+            stack.enter_context(mock.patch.object(torch.Tensor, name, counted(getattr(torch.Tensor, name))))
+        for name in ("equal", "nonzero"):
+            stack.enter_context(mock.patch.object(torch, name, counted(getattr(torch, name))))
+        mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+        stack.enter_context(mock.patch.dict(mapping, {VARLEN_NAME: attention_function}))
+        yield counts
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "torch", "flash_attn"])
+def test_varlen_converts_nothing_to_host_inside_layers(kernel, probe_seqs):
+    """The packed row's bounds are read to the host once per batch (model_inputs) and every layer reuses
+    them, on the exact path and on the fused kernels' branch. Over a training forward and backward the
+    attention function converts nothing, and a model twice as deep converts no more in all."""
+    from padless.testing.kernels import fused_kernels_on_cpu
+
+    totals = {}
+    for layers in (2, 4):
+        config = tiny_config("tiny-qwen2")
+        config.num_hidden_layers = layers
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=VARLEN_NAME).train()
+        model.padless_attention = "varlen"
+        batch = _packed_batch(probe_seqs)
+        fused = fused_kernels_on_cpu(FP32_ONLY) if kernel != "sdpa" else contextlib.nullcontext()
+        before = KERNEL_CALLS[f"varlen:{kernel}"]
+        with fused:
+            set_varlen_kernel(kernel)
+            with _host_conversions() as counts:
+                forward_packed(model, batch).logps.sum().backward()
+        assert KERNEL_CALLS[f"varlen:{kernel}"] - before == layers
+        assert counts["inside"] == 0
+        totals[layers] = counts["total"]
+    assert totals[2] == totals[4] <= 3, totals  # the bounds, the head's labelled rows, one in transformers
 
 
 class _Attention(torch.nn.Module):

@@ -130,7 +130,8 @@ def test_run_matrix_cpu(qwen2, probe_seqs, pad_id):
 
     with torch.no_grad():
         reference = alone_logps(qwen2, probe_seqs)
-    assert limit == bound(torch.float32, reference.magnitude)
+    # run_matrix's reference runs on eager, this one on varlen: the magnitudes agree to round-off
+    assert limit == pytest.approx(bound(torch.float32, reference.magnitude), rel=1e-6)
     by_backend = {r.backend: r for r in rows}
     assert list(by_backend) == ["varlen", "sdpa", "eager", "flash_attention_2"]
     flash = by_backend["flash_attention_2"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from padless.engine import ModelEngine, score_positions, sequence_scores
 from padless.model import forward_packed, forward_scores, load_model
-from padless.packing import Example, pack
+from padless.packing import Example, pack, to_padded
 from padless.tiny import build_tiny_model, tiny_tokenizer
 
 
@@ -24,6 +25,27 @@ def test_engine_outputs_are_the_model_functions(probe_seqs):
         only = engine(batch, logps=True)
     assert only.entropy is None and only.values is None
     assert isinstance(out, tuple)  # a NamedTuple: FSDP2 registers its backward hooks on these tensors
+
+
+def test_engine_weighted_logps_carry_the_gradient_of_the_weighted_sum(probe_seqs, pad_id):
+    """SFT's path: loss weights in, their weighted log-prob sum out with the gradient the plain sum of
+    weighted log-probs has; padded batches (comparison mode) take no weights."""
+    policy = load_model("tiny-llama", training=True)
+    engine = ModelEngine(policy)
+    batch = pack([Example(s) for s in probe_seqs])
+    weights = batch.loss_mask[0] * -0.01
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad(loss, list(policy.parameters()))
+
+    out = engine(batch, logps=True, logp_weights=weights)
+    plain = forward_packed(policy, batch).logps
+    torch.testing.assert_close(out.logps, plain.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.weighted, (plain * weights).sum(), rtol=1e-6, atol=0)
+    for got, want in zip(grads(out.weighted), grads((plain * weights).sum()), strict=True):
+        assert (got - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * want.abs().max()
+    with pytest.raises(ValueError, match="packed batches only"):
+        engine(to_padded(batch, "right", pad_id), logps=True, logp_weights=weights)
 
 
 def test_score_positions_skip_trailing_pad_like_transformers():

@@ -16,6 +16,7 @@ from padless.losses import (
     group_advantages,
     kl_k3,
     sft_loss,
+    sft_token_weights,
     whiten,
 )
 
@@ -34,6 +35,15 @@ def test_sft_loss_is_sum_over_global_count():
     logps = torch.tensor([-1.0, -2.0, -3.0, -4.0])
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
     assert sft_loss(logps, mask, normaliser=6).item() == pytest.approx((1 + 3 + 4) / 6)
+
+
+def test_sft_token_weights_give_the_sft_loss():
+    """The form the LM head takes SFT's loss in before the forward pass (ModelEngine's logp_weights)."""
+    logps = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    mask = torch.tensor([True, False, True, True])
+    weights = sft_token_weights(mask, normaliser=6)
+    assert weights.tolist() == pytest.approx([-1 / 6, 0.0, -1 / 6, -1 / 6])
+    assert (weights * logps).sum().item() == pytest.approx(sft_loss(logps, mask, normaliser=6).item())
 
 
 def test_dpo_sigmoid_matches_hand_computation():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
+import padless.model as model_module
 from padless.attention import attention_in_use
 from padless.engine import ModelEngine, sequence_scores
 from padless.model import (
@@ -17,10 +19,13 @@ from padless.model import (
     hidden_states,
     load_model,
     load_tokenizer,
+    logps_from_hidden,
     resolve_dtype,
     score_head,
+    set_logits_memory,
 )
 from padless.packing import IGNORE_INDEX, Example, pack, to_padded, unpad
+from padless.tolerance import bound
 
 FP32_TOL = 1e-5
 CHUNK = 7  # does not divide any sequence length or the total: chunks straddle sequence boundaries
@@ -120,6 +125,228 @@ def test_chunked_gradients_match_unchunked(examples):
         for other, label in ((chunked, "chunked"), (plain, "plain")):
             rel = (other[name] - whole[name]).abs().max().item() / scale
             assert rel <= 1e-5, f"{name}: {label} gradient differs by {rel:.2g} of its scale"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The LM head: whole or in chunks, gradient in the forward pass (weights known) or through autograd
+# ----------------------------------------------------------------------------------------------------------
+
+HEAD_TOKENS = 200
+# name: (model, config attributes the head reads, temperature)
+HEAD_CASES = {
+    "qwen2 tied": ("tiny-qwen2", {}, 1.0),
+    "llama untied": ("tiny-llama", {}, 1.0),
+    "temperature": ("tiny-qwen2", {}, 0.7),
+    "granite logits_scaling": ("tiny-llama", {"logits_scaling": 4.0}, 1.0),
+    "gemma2 final softcap": ("tiny-llama", {"final_logit_softcapping": 30.0}, 1.0),
+}
+
+
+def _head_inputs(model, seed=0, logit_size=30.0):
+    """Hidden states ``[T, H]`` scaled so the largest |logit| is ``logit_size`` (before scaling and
+    capping: past the soft-cap, which then matters), labels with every fifth position ignored, and
+    positive loss weights on the labelled positions."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = model.get_output_embeddings().weight.detach()
+    hidden = torch.randn(HEAD_TOKENS, weight.shape[1], generator=gen)
+    scaling = getattr(model.config, "logits_scaling", 1.0)
+    hidden *= logit_size * scaling / (hidden @ weight.T).abs().max()
+    labels = torch.randint(0, weight.shape[0], (HEAD_TOKENS,), generator=gen)
+    labels[::5] = IGNORE_INDEX
+    weights = torch.rand(HEAD_TOKENS, generator=gen) * (labels != IGNORE_INDEX)
+    return hidden.requires_grad_(), labels, weights
+
+
+def _full_logits_reference(model, hidden, labels, weights, temperature):
+    """Log-probs, entropy and the gradients of ``sum w * logp`` wrt hidden states and head weight, from
+    the whole fp32 logits written out as transformers' models compute them."""
+    weight = model.get_output_embeddings().weight
+    logits = (hidden @ weight.T).float() / getattr(model.config, "logits_scaling", 1.0)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    logp = (logits / temperature).log_softmax(-1)
+    keep = labels != IGNORE_INDEX
+    picked = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * keep
+    entropy = -(logp.exp() * logp).sum(-1) * keep
+    grads = torch.autograd.grad((picked * weights).sum(), (hidden, weight))
+    return picked.detach(), entropy.detach(), grads, logits.abs().max().item()  # |logit| before temperature
+
+
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_head_whole_chunked_and_fused_equal_full_logits(case):
+    """Every way the head runs (whole or in chunks of 7 rows that straddle ignored positions; the fused
+    weighted path or autograd) gives the full-logits reference's log-probs, entropy and gradients wrt
+    the hidden states and the head weight, at |logit| 30. Bound: 16 eps * the compared values' size
+    (padless.tolerance); measured at most 1.1 eps * |logit| on log-probs and entropy, 5.4 eps * max|grad|
+    on gradients."""
+    name, attributes, temperature = HEAD_CASES[case]
+    model = load_model(name, training=True)
+    for key, value in attributes.items():
+        setattr(model.config, key, value)
+    hidden, labels, weights = _head_inputs(model)
+    want_logps, want_entropy, want_grads, logit_size = _full_logits_reference(
+        model, hidden, labels, weights, temperature
+    )
+    assert 20 <= logit_size <= 31  # realistic logits, capped or not
+    size = logit_size / temperature  # entropy and log-probs are differences of numbers this large
+    weight = model.get_output_embeddings().weight
+    for chunk in (None, 7):
+        for fused in (True, False):
+            out = logps_from_hidden(
+                model,
+                hidden,
+                labels,
+                entropy=True,
+                temperature=temperature,
+                chunk_tokens=chunk,
+                logp_weights=weights if fused else None,
+            )
+            loss = out.weighted if fused else (out.logps * weights).sum()
+            assert (out.logps.grad_fn is None) == fused  # the fused path's log-probs are values only
+            grads = torch.autograd.grad(loss, (hidden, weight))
+            where = f"{case}, chunk {chunk}, {'fused' if fused else 'autograd'}"
+            assert (out.logps - want_logps).abs().max() <= bound(torch.float32, size), where
+            assert (out.entropy - want_entropy).abs().max() <= bound(torch.float32, size), where
+            assert (out.logps[labels == IGNORE_INDEX] == 0).all(), where
+            assert loss.item() == pytest.approx((want_logps * weights).sum().item(), rel=1e-6), where
+            for got, want, what in zip(grads, want_grads, ("hidden", "head weight"), strict=True):
+                assert (got - want).abs().max() <= bound(torch.float32, want.abs().max()), (where, what)
+
+
+def _count_head_matmuls(monkeypatch) -> list[int]:
+    """Count the matmuls run from Python: ``F.linear`` (the head's logits, fused or through its module)
+    and ``@`` (the fused path's gradients); autograd's own backward matmuls are not Python calls."""
+    calls = [0]
+
+    def counted(original):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(F, "linear", counted(F.linear))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted(torch.Tensor.__matmul__))
+    return calls
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monkeypatch, fused):
+    """Whole when the fp32 logits fit the budget (default: small models); past it, chunks of rows that
+    fit. The fused path runs each chunk's three matmuls (logits, gradients wrt hidden states and weight)
+    in the forward and none in backward; through autograd every chunk's logits are recomputed in
+    backward. Without autograd (eval) the fused path computes the logits only."""
+    model = load_model("tiny-llama", training=True)
+    hidden, labels, weights = _head_inputs(model)
+    kept = int((labels != IGNORE_INDEX).sum())  # only labelled positions reach the head
+    calls = _count_head_matmuls(monkeypatch)
+
+    def matmuls() -> tuple[int, int]:
+        calls[0] = 0
+        out = logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None)
+        forward = calls[0]
+        (out.weighted if fused else (out.logps * weights).sum()).backward()
+        return forward, calls[0] - forward
+
+    def eval_matmuls() -> int:
+        calls[0] = 0
+        with torch.no_grad():
+            logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None)
+        return calls[0]
+
+    assert matmuls() == ((3, 0) if fused else (1, 0))
+    assert eval_matmuls() == 1
+    budget_mb = 1  # 64 rows of the 4,096-token vocabulary's fp32 logits
+    monkeypatch.setattr(model_module, "_logits_memory_bytes", budget_mb * 2**20)
+    chunks = -(-kept // 64)
+    assert chunks > 1
+    assert matmuls() == ((3 * chunks, 0) if fused else (chunks, chunks))
+    assert eval_matmuls() == chunks
+
+
+def test_logits_memory_budget_must_be_positive():
+    with pytest.raises(ValueError, match="must be positive"):
+        set_logits_memory(0)
+
+
+def test_fused_head_gradient_scales_with_the_upstream_gradient():
+    """accelerate divides the loss by the accumulation steps (and fp16 scales it): the saved gradients
+    are multiplied by whatever reaches the weighted sum."""
+    model = load_model("tiny-qwen2", training=True)
+    hidden, labels, weights = _head_inputs(model, seed=1)
+    (one,) = torch.autograd.grad(
+        logps_from_hidden(model, hidden, labels, logp_weights=weights).weighted, hidden
+    )
+    scaled = logps_from_hidden(model, hidden, labels, logp_weights=weights).weighted * -0.25
+    (quarter,) = torch.autograd.grad(scaled, hidden)
+    torch.testing.assert_close(quarter, -0.25 * one, rtol=1e-6, atol=0)
+
+
+def test_head_without_labels_gives_zeros_and_a_connected_graph():
+    model = load_model("tiny-qwen2", training=True)
+    hidden, labels, weights = _head_inputs(model)
+    labels = torch.full_like(labels, IGNORE_INDEX)
+    for given in (weights, None):
+        out = logps_from_hidden(model, hidden, labels, entropy=True, logp_weights=given)
+        assert (out.logps == 0).all() and (out.entropy == 0).all()
+        loss = out.weighted if given is not None else out.logps.sum()
+        (grad,) = torch.autograd.grad(loss, hidden)
+        assert (grad == 0).all()
+
+
+def test_fused_head_under_bf16_autocast_matches_autograd():
+    """Under bf16 autocast both paths run the head's matmuls in bf16 (the gradients' too) and the
+    log-softmax in fp32: they agree to bf16 round-off of the compared values."""
+    model = load_model("tiny-qwen2", training=True)
+    hidden, labels, weights = _head_inputs(model, seed=2)
+    weight = model.get_output_embeddings().weight
+    results = []
+    for fused in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = logps_from_hidden(
+                model, hidden, labels, chunk_tokens=64, logp_weights=weights if fused else None
+            )
+            loss = out.weighted if fused else (out.logps * weights).sum()
+        results.append((out.logps.detach(), torch.autograd.grad(loss, (hidden, weight))))
+    (fused_logps, fused_grads), (plain_logps, plain_grads) = results
+    assert (fused_logps - plain_logps).abs().max() <= bound(torch.float32, plain_logps.abs().max())
+    for got, want in zip(fused_grads, plain_grads, strict=True):
+        assert got.dtype == want.dtype == torch.float32
+        assert (got - want).abs().max() <= bound(torch.bfloat16, want.abs().max())
+
+
+def test_lora_on_the_head_runs_through_autograd_with_the_same_numbers(examples):
+    """A LoRA-wrapped head is not a plain Linear: the weighted sum goes through autograd, chunked or
+    whole, and equals full logits through the model's own forward, gradients of the adapters included."""
+    model = load_model("tiny-llama", training=True)
+    lora = LoraConfig(r=4, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    model = get_peft_model(model, lora)
+    batch = pack(examples)
+    keep = batch.loss_mask[0]
+    weights = keep / keep.sum()
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert any("lm_head" in n for n, p in model.named_parameters() if "lora_" in n)
+
+    def run(chunk):
+        out = forward_packed(model, batch, chunk_tokens=chunk, logp_weights=weights)
+        assert out.logps.grad_fn is not None  # not the fused path: its log-probs carry the graph
+        return out.logps.detach(), torch.autograd.grad(out.weighted, adapters)
+
+    logits = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **batch.attention_kwargs(),
+    ).logits[0]
+    labels = batch.labels[0]
+    want = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * keep
+    want_grads = torch.autograd.grad((want * weights).sum(), adapters)
+    for chunk in (None, CHUNK):
+        logps, grads = run(chunk)
+        assert (logps - want.detach()).abs().max() <= bound(torch.float32, want.abs().max())
+        for got, ref in zip(grads, want_grads, strict=True):
+            assert (got - ref).abs().max() <= bound(torch.float32, ref.abs().max())
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

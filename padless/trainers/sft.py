@@ -14,7 +14,7 @@ from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
 from padless.data.images import ImageInputs
 from padless.engine import ModelEngine
-from padless.losses import sft_loss
+from padless.losses import sft_loss, sft_token_weights
 from padless.model import pad_token_id
 from padless.packing import (
     Example,
@@ -93,8 +93,13 @@ class SFTRecipe:
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        logps, mask = self.token_logps(model, micro.data)
-        loss = sft_loss(logps, mask, normaliser)
+        if self.cfg.batching == "padded":
+            logps, mask = self.token_logps(model, micro.data)
+            loss = sft_loss(logps, mask, normaliser)
+        else:  # the loss weights are known before the forward: the head computes the gradient in it
+            batch = self.collate(micro.data)
+            weights = sft_token_weights(batch.loss_mask[0], normaliser)
+            loss = model(batch, logps=True, logp_weights=weights).weighted
         return loss, {"loss": loss.item()}
 
     def eval_plan(self) -> list[MicroBatch]:

@@ -13,8 +13,10 @@ packs its own micro-batches, gradients are reduced across ranks), so losses agre
 we allow 1e-5. Weights after a few AdamW steps at lr 1e-3: Adam divides each gradient entry by its own
 running RMS, so an entry whose gradient is itself at round-off level (embedding rows of tokens seen once or
 twice, and DPO's gradients, which are differences of nearly equal log-prob sums) moves by a visible
-fraction of the learning rate; we allow 3e-5 absolute (3 % of one step's largest move, measured up to
-1.1e-5) plus 1e-5 relative. A wrong normaliser, a lost micro-batch or an unsynced rank moves
+fraction of the learning rate; we allow 1e-4 absolute (10 % of one step's largest move, measured up to
+6.0e-5: RM under ZeRO-3, two embedding rows whose gradients, ~1e-7, are round-off of the attention
+backward; the same rows move as much between two CPU attention kernels in one process) plus 1e-5
+relative. A wrong normaliser, a lost micro-batch or an unsynced rank moves
 weights by a whole step (~1e-3). A resumed run repeats the very same operations: 1e-6 relative and
 1e-7 absolute.
 """
@@ -206,7 +208,7 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
             assert norms[step] == pytest.approx(want[step], rel=norm_rel), (kind, "grad_norm", step)
         last = max(one)
         assert_weights_close(
-            weights(tmp_path / kind, last), weights(one_process[kind], last), 3e-5, 1e-5, f"{kind} vs 1 proc"
+            weights(tmp_path / kind, last), weights(one_process[kind], last), 1e-4, 1e-5, f"{kind} vs 1 proc"
         )
 
         if kind not in RESUME_FROM:

@@ -602,6 +602,13 @@ def _require_positive(obj: Any, *names: str) -> None:
             raise invalid(name, f"must be > 0, got {value!r}", f"set {name} to a positive value")
 
 
+def _require_num_proc(data: Any) -> None:
+    if data.num_proc is not None and data.num_proc < 1:
+        raise invalid(
+            "num_proc", f"must be >= 1, got {data.num_proc!r}", "set num_proc to 1 or more, or null"
+        )
+
+
 def _require_non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -669,11 +676,14 @@ class DataSettings:
     truncation: Literal["error", "truncate"] = "error"  # what to do with a sequence longer than max_length
     completion_only_loss: bool = True
     skip_bad_rows: bool = False
+    cache_dir: str | None = None  # tokenized sets are cached here; null: padless/ in the datasets cache
+    num_proc: int | None = None  # processes that tokenize on a cache miss; null: one per core, at most 8
 
     def __post_init__(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
         _require_positive(self, "max_length")
+        _require_num_proc(self)
 
 
 @dataclass
@@ -793,11 +803,14 @@ class PreferenceDataSettings:
     max_length: int = 2048  # per side: prompt + chosen, and prompt + rejected
     truncation: Literal["error", "truncate"] = "error"  # truncate cuts the completion, never the prompt
     skip_bad_rows: bool = False
+    cache_dir: str | None = None  # tokenized sets are cached here; null: padless/ in the datasets cache
+    num_proc: int | None = None  # processes that tokenize on a cache miss; null: one per core, at most 8
 
     def __post_init__(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
         _require_positive(self, "max_length")
+        _require_num_proc(self)
 
 
 @dataclass
@@ -920,11 +933,14 @@ class RLDataSettings:
     max_prompt_length: int = 512  # prompts are never truncated: a longer one is a bad row
     chat_template: bool | None = None  # string prompts as a user message; None: when the tokenizer has one
     skip_bad_rows: bool = False
+    cache_dir: str | None = None  # tokenized sets are cached here; null: padless/ in the datasets cache
+    num_proc: int | None = None  # processes that tokenize on a cache miss; null: one per core, at most 8
 
     def __post_init__(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
         _require_positive(self, "max_prompt_length")
+        _require_num_proc(self)
 
 
 @dataclass

@@ -58,12 +58,14 @@ class DPORecipe(PairRecipe):
             return
         for pairs in (self.pairs, self.eval_pairs):
             budget = self.cfg.max_tokens_per_batch
-            groups = budget_batches([len(p) for p in pairs], budget, shuffle=False) if pairs else []
+            groups = budget_batches(pairs.lengths, budget, shuffle=False) if pairs else []
+            stored: list[tuple[float, float] | None] = [None] * len(pairs)
             for g in groups:
-                chunk = [pairs[i] for i in g]
+                chunk = pairs.take(g)
                 ref = self.reference_logps(model, chunk, self.collate(chunk)).tolist()
-                for k, p in enumerate(chunk):
-                    p.meta["ref_logps"] = (ref[2 * k], ref[2 * k + 1])
+                for k, i in enumerate(g):
+                    stored[i] = (ref[2 * k], ref[2 * k + 1])
+            pairs.set_meta("ref_logps", stored)  # pairs are read from disk when used: stored beside them
         self.ref_model = None
 
     def loss(

@@ -266,9 +266,11 @@ def budget_batches(
             f"({too_long.size} item(s) too long). Raise max_tokens_per_batch to at least "
             f"{int(lengths[too_long].max())}, or truncate with max_length."
         )
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(lengths.size)
-    order = order[np.argsort(-lengths[order], kind="stable")].tolist()  # longest first, ties shuffled
+    rng = random.Random(seed)
+    shuffled = list(range(lengths.size))
+    rng.shuffle(shuffled)
+    shuffled = np.array(shuffled, dtype=np.int64)
+    order = shuffled[np.argsort(-lengths[shuffled], kind="stable")].tolist()  # longest first, ties shuffled
     sizes = lengths.tolist()
     # Open bins grouped by the room they have left: ``rooms`` holds the distinct rooms in ascending order
     # (at most max_tokens + 1 of them, however many bins), ``stacks[room]`` the bins with that room, the one
@@ -295,7 +297,7 @@ def budget_batches(
             bisect.insort(rooms, room)
             stacks[room] = [b]
     if shuffle:
-        bins = [bins[b] for b in rng.permutation(len(bins))]
+        rng.shuffle(bins)
     return bins
 
 

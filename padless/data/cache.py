@@ -132,9 +132,10 @@ def _record_failure(failure: Path, error: ValueError) -> None:
     os.replace(tmp, failure)
 
 
-def publish(path: Path, build: Callable[[Path], None]) -> None:
+def publish(path: Path, build: Callable[[Path], None], share_failure: bool = False) -> None:
     """Build into a temporary folder next to ``path`` (``build`` writes the set, :data:`META_FILE` last),
-    then rename it into place. An input error is recorded for waiting processes and raised."""
+    then rename it into place. An input error is raised, and recorded for waiting processes if
+    ``share_failure``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     failure = _failure_file(path)
     failure.unlink(missing_ok=True)
@@ -149,7 +150,8 @@ def publish(path: Path, build: Callable[[Path], None]) -> None:
             if not _complete(path):
                 raise
     except ValueError as e:
-        _record_failure(failure, e)
+        if share_failure:
+            _record_failure(failure, e)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -168,15 +170,26 @@ def wait_for(path: Path, what: str) -> None:
             log.info("%s: still waiting for the main process to build it (%.0f s)", what, last_said - started)
 
 
-def load_or_build(path: Path, build: Callable[[Path], None], what: str) -> bool:
-    """Make sure the set at ``path`` exists: built by this machine's main process, waited for by the
-    others. Returns whether it was there already (a cache hit)."""
-    from accelerate import PartialState
-
+def load_or_build(
+    path: Path,
+    build: Callable[[Path], None],
+    what: str,
+    builder: bool | None = None,
+    shared: bool | None = None,
+) -> bool:
+    """Make sure the set at ``path`` exists: built by the ``builder`` (default: this machine's main
+    process), waited for by the others, who get its error if it fails (``shared``: other processes wait,
+    by default when there are several). Returns whether the set was there already (a cache hit)."""
     if _complete(path):
         return True
-    if PartialState().is_local_main_process:
-        publish(path, build)
+    if builder is None or shared is None:
+        from accelerate import PartialState
+
+        state = PartialState()
+        builder = state.is_local_main_process if builder is None else builder
+        shared = state.num_processes > 1 if shared is None else shared
+    if builder:
+        publish(path, build, share_failure=shared)
     else:
         wait_for(path, what)
     return False

@@ -21,6 +21,7 @@ items hold pixel tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
+import pyarrow.compute as pc
 
 from padless.data import cache
 from padless.data.preference import PairExample, _PairEncoder, check_args, pair_example, pair_fields
@@ -60,6 +62,7 @@ T = TypeVar("T")
 
 MIN_ROWS_PER_PROCESS = 2000  # below this a worker process costs more than it saves
 MAX_PROCESSES = 8  # the default: one per core, at most this many
+PROGRESS_ROWS = 10_000  # sets this big show datasets' progress bars while they build
 READ, FATAL, SKIPPED = 0, 1, 2  # error_kind: an unreadable line, an error to raise, a row to skip
 
 
@@ -584,48 +587,17 @@ def _build(
 ) -> dict[str, Any]:
     """Tokenize ``raw`` into a set saved at ``out``; raise what the row-by-row driver would raise first.
     Returns what to record about the build."""
-    import datasets
-
     started = time.perf_counter()
     rows = len(raw.dataset)
     procs = max(1, min(num_proc or default_processes(), rows // MIN_ROWS_PER_PROCESS))
-    features = {"row": datasets.Value("int64"), "length": datasets.Value("int32"), **layout.features()}
-    errors = _error_features()
-    mapped = (
-        raw.dataset.with_format("arrow")
-        .map(
-            _Tokenize(raw, layout, [*features, *errors]),
-            batched=True,
-            with_indices=True,
-            remove_columns=raw.dataset.column_names,
-            features=datasets.Features(features | errors),
-            num_proc=procs if procs > 1 else None,
-            cache_file_name=str(workdir / "map.arrow"),
-            load_from_cache_file=False,
-            new_fingerprint=f"padless-{layout.name}-{os.getpid()}",
-            desc=f"padless: tokenizing {raw.decoder.source}",
-        )
-        .with_format(None)
-    )
-    bad = np.flatnonzero(mapped.data.column("error_kind").is_valid().to_numpy(zero_copy_only=False))
-    stats = SkipStats()
-    if bad.size:
-        records = mapped.select(bad).select_columns(["row", *errors]).to_list()
-        stop = [r for r in records if r["error_kind"] == READ] or [
-            r for r in records if r["error_kind"] == FATAL
-        ]
-        if stop:
-            raise _error(stop[0], raw.decoder.source)
-        for record in records:
-            stats.record(_error(record, raw.decoder.source))
-    stats.kept = rows - int(bad.size)
-    kept = mapped.remove_columns(list(errors))
-    if bad.size:
-        kept = kept.select(np.setdiff1d(np.arange(len(kept)), bad))
-    kept.save_to_disk(str(out))
+    with _progress_bars(rows >= PROGRESS_ROWS):
+        mapped = _map(raw, layout, procs, workdir)
+        stats, kept = _kept(mapped, raw.decoder.source)
+        tokens = pc.sum(mapped.data.column("length"), min_count=0).as_py()  # bad rows' lengths are null
+        kept.save_to_disk(str(out), num_shards=None if len(kept) else 1)  # an empty set still gets a file
     return {
         "rows": stats.kept,
-        "tokens": int(np.asarray(kept.data.column("length").to_numpy(), dtype=np.int64).sum()),
+        "tokens": tokens,
         "processes": procs,
         "build_s": round(time.perf_counter() - started, 3),
         "stats": {
@@ -636,6 +608,62 @@ def _build(
             "rows_of": stats.rows_of,
         },
     }
+
+
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """``datasets``' progress bars for sets big enough to take a while; small ones build quietly."""
+    import datasets
+
+    change = not show and datasets.is_progress_bar_enabled()
+    if change:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if change:
+            datasets.enable_progress_bars()
+
+
+def _map(raw: RawRows, layout: Layout[Any], procs: int, workdir: Path) -> datasets.Dataset:
+    """Every row through :class:`_Tokenize`, by ``procs`` processes, each on a contiguous share."""
+    import datasets
+
+    features = {"row": datasets.Value("int64"), "length": datasets.Value("int32"), **layout.features()}
+    features |= _error_features()
+    mapped = raw.dataset.with_format("arrow").map(
+        _Tokenize(raw, layout, list(features)),
+        batched=True,
+        with_indices=True,
+        remove_columns=raw.dataset.column_names,
+        features=datasets.Features(features),
+        num_proc=procs if procs > 1 else None,
+        cache_file_name=str(workdir / "map.arrow"),
+        load_from_cache_file=False,
+        new_fingerprint=f"padless-{layout.name}-{os.getpid()}",
+        desc=f"padless: tokenizing {raw.decoder.source}",
+    )
+    return mapped.with_format(None)
+
+
+def _kept(mapped: datasets.Dataset, source: str) -> tuple[SkipStats, datasets.Dataset]:
+    """The rows to keep and the skip report; raises the error that stops the run, if there is one."""
+    errors = list(_error_features())
+    bad = np.flatnonzero(mapped.data.column("error_kind").is_valid().to_numpy(zero_copy_only=False))
+    stats = SkipStats()
+    if bad.size:
+        records = mapped.select(bad).select_columns(["row", *errors]).to_list()
+        read = [r for r in records if r["error_kind"] == READ]
+        stop = read or [r for r in records if r["error_kind"] == FATAL]
+        if stop:
+            raise _error(stop[0], source)
+        for record in records:
+            stats.record(_error(record, source))
+    stats.kept = len(mapped) - int(bad.size)
+    kept = mapped.remove_columns(errors)
+    if bad.size:
+        kept = kept.select(np.setdiff1d(np.arange(len(kept)), bad))
+    return stats, kept
 
 
 def _stats(saved: dict[str, Any]) -> SkipStats:

@@ -10,7 +10,8 @@ import torch
 from padless.config import TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.data.tokenized import ExampleSet, PairLayout, as_set, load_set
+from padless.data.sets import ExampleSet, as_set
+from padless.data.tokenized import PairLayout, load_set
 from padless.packing import (
     IGNORE_INDEX,
     PackedBatch,

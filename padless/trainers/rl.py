@@ -23,7 +23,8 @@ from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
-from padless.data.tokenized import ExampleSet, PromptLayout, load_set
+from padless.data.sets import ExampleSet
+from padless.data.tokenized import PromptLayout, load_set
 from padless.engine import inner_engine
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack

@@ -14,7 +14,8 @@ from accelerate.utils import gather_object
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
-from padless.data.tokenized import ExampleSet, SFTLayout, as_set, load_set
+from padless.data.sets import ExampleSet, as_set
+from padless.data.tokenized import SFTLayout, load_set
 from padless.engine import ModelEngine
 from padless.losses import sft_loss
 from padless.model import pad_token_id

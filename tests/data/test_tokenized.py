@@ -19,7 +19,8 @@ from padless.data import (
     tokenize_sft,
 )
 from padless.data import tokenized as tk
-from padless.data.tokenized import ArrowSet, InMemory, PairLayout, PromptLayout, SFTLayout, load_set
+from padless.data.sets import ArrowSet, InMemory
+from padless.data.tokenized import PairLayout, PromptLayout, SFTLayout, load_set
 from padless.tiny import tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -96,19 +97,6 @@ def test_same_examples_as_the_row_by_row_driver(name: str, processes: int, tmp_p
     assert list(got) == want  # every token, mask, meta (row, source, side) and field
     assert got.lengths.tolist() == [len(x) for x in want]
     _same_stats(stats, want_stats)
-
-
-def test_selections_are_read_when_iterated_and_meta_can_be_attached(tmp_path: Path) -> None:
-    pairs, _ = _load("tiny:preference", PairLayout(max_length=2048), tmp_path)
-    picked = pairs.select([5, 2, 9])
-    first, again = list(picked), list(picked)
-    assert first == again and first[0] is not again[0]  # read afresh: nothing is kept in memory
-    assert [p.meta["row"] for p in first] == [6, 3, 10]  # jsonl rows are 1-based line numbers
-    pairs.set_meta("ref_logps", [(float(i), -float(i)) for i in range(len(pairs))])
-    assert [p.meta["ref_logps"] for p in picked] == [(5.0, -5.0), (2.0, -2.0), (9.0, -9.0)]
-    listed = InMemory(list(pairs.take([5, 2])))
-    listed.set_meta("ref_logps", [(1.0, 1.0), (2.0, 2.0)])
-    assert [p.meta["ref_logps"] for p in listed.select([1, 0])] == [(2.0, 2.0), (1.0, 1.0)]
 
 
 def test_skipped_rows_and_their_report_match_in_order(tmp_path: Path) -> None:

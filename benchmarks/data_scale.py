@@ -141,6 +141,7 @@ def child_rank(data: str, cache: str) -> dict[str, Any]:
         times = [time.perf_counter()]
         examples, _ = load_set(spec, SFTLayout(max_length=MAX_LENGTH), tokenizer, cache_dir=cache)
         times.append(time.perf_counter())
+        assert examples.cached or spec != data, "the rank measurement must load a built set"
         micros = SFTRecipe(examples, settings, tokenizer, torch.device("cpu")).plan(0)
         times.append(time.perf_counter())
         tokens = sum(len(e) for micro in micros for e in micro.read().data)
@@ -191,6 +192,7 @@ def child_start(argv: list[str], spawned: float) -> dict[str, Any]:
 
     def load_set(*args: Any, **kwargs: Any) -> Any:
         out = original_load(*args, **kwargs)
+        assert out[0].cached, "the start-up must be measured on a warm cache"
         marks.setdefault("data_ready", time.time())
         return out
 

@@ -108,8 +108,11 @@ class _Selection(Sequence[T]):
 class ArrowSet(ExampleSet[T]):
     """A tokenized set on disk, memory-mapped; items are rebuilt from their columns when read."""
 
-    def __init__(self, dataset: datasets.Dataset, layout: Layout[T], source: str, path: Path | None) -> None:
-        self.dataset, self.layout, self.source, self.path = dataset, layout, source, path
+    def __init__(
+        self, dataset: datasets.Dataset, layout: Layout[T], source: str, path: Path, cached: bool
+    ) -> None:
+        """``path``: the set's folder; ``cached``: whether it was there already (not built by this call)."""
+        self.dataset, self.layout, self.source, self.path, self.cached = dataset, layout, source, path, cached
         self.lengths = dataset.data.column("length").to_numpy()
         read = layout.read_columns(dataset.column_names)
         self._columns = dataset.with_format("arrow").select_columns(["row", *read])

@@ -37,9 +37,16 @@ import numpy as np
 import pyarrow.compute as pc
 
 from padless.data import cache
-from padless.data.preference import PairExample, _PairEncoder, check_args, pair_example, pair_fields
+from padless.data.preference import (
+    PairExample,
+    _PairEncoder,
+    check_args,
+    pair_example,
+    pair_fields,
+    tokenize_preference,
+)
 from padless.data.records import DataError, RawRows, Row, no_rows, open_source, raw_rows, sliced
-from padless.data.rl import PromptExample, prompt_encoder, prompt_example
+from padless.data.rl import PromptExample, prompt_encoder, prompt_example, tokenize_prompts
 from padless.data.rl import check_args as check_prompt_args
 from padless.data.sets import ArrowSet, ExampleSet, InMemory
 from padless.data.sft import (
@@ -78,11 +85,12 @@ class Layout(ABC, Generic[T]):
     """
 
     name: ClassVar[str]
+    fingerprinted: ClassVar[tuple[str, ...]]  # the settings that change a set's content
     skip_bad_rows: bool
 
-    @abstractmethod
     def settings(self) -> dict[str, Any]:
-        """Everything that changes the set's content (part of its fingerprint)."""
+        """The settings that change the set's content (part of its fingerprint)."""
+        return {k: getattr(self, k) for k in self.fingerprinted}
 
     @abstractmethod
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
@@ -126,6 +134,7 @@ class SFTLayout(Layout[Example]):
     """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
 
     name: ClassVar[str] = "sft"
+    fingerprinted = ("max_length", "format", "truncation", "completion_only_loss", "skip_bad_rows")
     max_length: int
     format: str = "auto"
     truncation: Truncation = "error"
@@ -135,11 +144,6 @@ class SFTLayout(Layout[Example]):
 
     def __post_init__(self) -> None:
         check_sft_args(self.format, self.max_length, self.truncation)
-
-    def settings(self) -> dict[str, Any]:
-        return {
-            k: getattr(self, k) for k in ("max_length", "format", "truncation", "completion_only_loss")
-        } | {"skip_bad_rows": self.skip_bad_rows}
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
@@ -203,6 +207,7 @@ class PairLayout(Layout[PairExample]):
     """
 
     name: ClassVar[str] = "preference"
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
@@ -212,9 +217,6 @@ class PairLayout(Layout[PairExample]):
 
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
-
-    def settings(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("max_length", "truncation", "skip_bad_rows", "require_margin")}
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         needed, how = pair_fields(raw, self.skip_bad_rows)
@@ -283,8 +285,6 @@ class PairLayout(Layout[PairExample]):
     def in_memory(
         self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
     ) -> tuple[list[PairExample], SkipStats]:
-        from padless.data.preference import tokenize_preference
-
         pairs, stats = tokenize_preference(
             rows,
             tokenizer,
@@ -309,6 +309,7 @@ class PromptLayout(Layout[PromptExample]):
     """
 
     name: ClassVar[str] = "prompts"
+    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
     max_prompt_length: int
     chat_template: bool | None = None
     skip_bad_rows: bool = False
@@ -317,9 +318,6 @@ class PromptLayout(Layout[PromptExample]):
 
     def __post_init__(self) -> None:
         check_prompt_args(self.max_prompt_length, self.chat_template)
-
-    def settings(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("max_prompt_length", "chat_template", "skip_bad_rows")}
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         self._state = prompt_encoder(tokenizer, self.chat_template)
@@ -364,8 +362,6 @@ class PromptLayout(Layout[PromptExample]):
     def in_memory(
         self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
     ) -> tuple[list[PromptExample], SkipStats]:
-        from padless.data.rl import tokenize_prompts
-
         return tokenize_prompts(
             rows,
             tokenizer,
@@ -632,4 +628,4 @@ def _open(path: Path, layout: Layout[T], source: str, spec: Any, hit: bool) -> t
         f"{meta['tokens']:,}",
         size / 1e6,
     )
-    return ArrowSet(dataset, layout, source, path), _stats(meta["stats"])
+    return ArrowSet(dataset, layout, source, path, hit), _stats(meta["stats"])

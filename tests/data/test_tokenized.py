@@ -240,6 +240,7 @@ def test_a_second_load_reads_the_cache_without_tokenizing(tmp_path: Path, encode
     assert len(encoded) == 400
     second, again = _load("tiny:sft", SFTLayout(max_length=1024), tmp_path)
     assert len(encoded) == 400, "the cached set was tokenized again"
+    assert not first.cached and second.cached
     assert second.path == first.path and list(second) == list(first)
     _same_stats(again, stats)
     assert len(list((tmp_path / "cache").iterdir())) == 1  # no leftovers beside the one set

@@ -90,11 +90,15 @@ def write_rows(sizes: list[int], folder: Path, seed: int) -> dict[int, Path]:
 
 def rss() -> dict[str, int]:
     """This process's resident memory in bytes (total, anonymous, file-backed; Linux ``/proc``), after
-    collecting garbage and handing freed heap back to the system, so only live memory counts."""
+    collecting garbage and handing freed heap (Python's and Arrow's) back to the system, so only live memory
+    counts."""
     import ctypes
     import gc
 
+    import pyarrow as pa
+
     gc.collect()
+    pa.default_memory_pool().release_unused()  # Arrow's allocator returns freed memory lazily otherwise
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -692,6 +692,10 @@ class DataSettings(ConfigModel):
     """what to do with a sequence longer than max_length"""
     completion_only_loss: bool = True
     skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
 
     def _check(self) -> None:
         if not self.train:
@@ -817,6 +821,10 @@ class PreferenceDataSettings(ConfigModel):
     truncation: Literal["error", "truncate"] = "error"
     """truncate cuts the completion, never the prompt"""
     skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
 
     def _check(self) -> None:
         if not self.train:
@@ -949,6 +957,10 @@ class RLDataSettings(ConfigModel):
     chat_template: bool | None = None
     """string prompts as a user message; None: when the tokenizer has one"""
     skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
 
     def _check(self) -> None:
         if not self.train:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from padless.vision import concat_vision
@@ -256,34 +257,45 @@ def budget_batches(
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens}")
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
-    if too_long:
-        i, n = too_long[0]
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)  # a list, or a dataset's length column
+    too_long = np.flatnonzero(lengths > max_tokens)
+    if too_long.size:
+        i, n = int(too_long[0]), int(lengths[too_long[0]])
         raise ValueError(
             f"item {i} has {n} tokens, more than max_tokens_per_batch={max_tokens} "
-            f"({len(too_long)} item(s) too long). Raise max_tokens_per_batch to at least "
-            f"{max(n for _, n in too_long)}, or truncate with max_length."
+            f"({too_long.size} item(s) too long). Raise max_tokens_per_batch to at least "
+            f"{int(lengths[too_long].max())}, or truncate with max_length."
         )
     rng = random.Random(seed)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    order.sort(key=lambda i: -lengths[i])  # stable: the shuffle breaks ties
-    # free[k] is the remaining room of bin slot[k]; kept sorted so the best fit is a bisect away.
-    free: list[int] = []
-    slot: list[int] = []
+    shuffled = list(range(lengths.size))
+    rng.shuffle(shuffled)
+    shuffled = np.array(shuffled, dtype=np.int64)
+    order = shuffled[np.argsort(-lengths[shuffled], kind="stable")].tolist()  # longest first, ties shuffled
+    sizes = lengths.tolist()
+    # Open bins grouped by the room they have left: ``rooms`` holds the distinct rooms in ascending order
+    # (at most max_tokens + 1 of them, however many bins), ``stacks[room]`` the bins with that room, the one
+    # that got it last on top. The best fit is the top bin of the smallest room that holds the item.
+    rooms: list[int] = []
+    stacks: dict[int, list[int]] = {}
     bins: list[list[int]] = []
     for i in order:
-        n = lengths[i]
-        k = bisect.bisect_left(free, n)
-        if k == len(free):
+        n = sizes[i]
+        k = bisect.bisect_left(rooms, n)
+        if k == len(rooms):
             bins.append([i])
             room, b = max_tokens - n, len(bins) - 1
         else:
-            room, b = free.pop(k) - n, slot.pop(k)
+            stack = stacks[rooms[k]]
+            b = stack.pop()
+            room = rooms[k] - n
+            if not stack:
+                del stacks[rooms.pop(k)]
             bins[b].append(i)
-        k = bisect.bisect_left(free, room)
-        free.insert(k, room)
-        slot.insert(k, b)
+        if room in stacks:
+            stacks[room].append(b)
+        else:
+            bisect.insort(rooms, room)
+            stacks[room] = [b]
     if shuffle:
         rng.shuffle(bins)
     return bins

@@ -16,6 +16,26 @@ PROBE_LENGTHS = (3, 20, 90)
 LogpsFn = Callable[[torch.nn.Module, list[list[int]]], list[torch.Tensor]]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _datasets_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tokenized sets (and anything else ``datasets`` caches) go to a folder of this session, also in the
+    processes tests launch, never into the user's cache."""
+    import os
+
+    import datasets.config
+
+    folder = tmp_path_factory.mktemp("hf_datasets_cache")
+    saved = datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_DATASETS_CACHE")
+    datasets.config.HF_DATASETS_CACHE = folder
+    os.environ["HF_DATASETS_CACHE"] = str(folder)
+    yield
+    datasets.config.HF_DATASETS_CACHE = saved[0]
+    if saved[1] is None:
+        os.environ.pop("HF_DATASETS_CACHE", None)
+    else:
+        os.environ["HF_DATASETS_CACHE"] = saved[1]
+
+
 @pytest.fixture(autouse=True)
 def _reset_varlen_kernel() -> Iterator[None]:
     """``set_varlen_kernel`` (and ``padless check --varlen-kernel``) set process-wide state: never leak it."""

@@ -211,6 +211,44 @@ def test_budget_batches_deterministic_per_seed():
     assert lengths[fixed[0][0]] == max(lengths)
 
 
+def _best_fit_decreasing(lengths: list[int], budget: int, seed: int, shuffle: bool) -> list[list[int]]:
+    """Textbook best-fit decreasing, one scan of every open bin per item: the tightest bin that holds the
+    item, among equally tight ones the one filled last; ties in length and the batch order seeded."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    order.sort(key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    filled: list[int] = []
+    for t, i in enumerate(order):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (room[b], -filled[b]))
+            bins[b].append(i)
+            room[b] -= lengths[i]
+            filled[b] = t
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+            filled.append(t)
+    if shuffle:
+        rng.shuffle(bins)
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_budget_batches_are_best_fit_decreasing(seed):
+    """The bins-by-room structure (fast enough for a million rows) plans exactly the textbook way."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 400))]
+    budget = rng.randint(60, 200)
+    for shuffle in (True, False):
+        assert budget_batches(lengths, budget, seed=seed, shuffle=shuffle) == _best_fit_decreasing(
+            lengths, budget, seed, shuffle
+        )
+
+
 def test_budget_batches_exact_fit():
     # 6 + 4 and 7 + 3 and 5 + 5 fill budget 10 exactly; best fit decreasing finds it.
     lengths = [6, 4, 7, 3, 5, 5]

@@ -26,7 +26,7 @@ implicit pair.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -315,7 +315,7 @@ def _example(
     return Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
 
 
-def _check_args(max_length: int, truncation: str) -> None:
+def check_args(max_length: int, truncation: str) -> None:
     if truncation not in ("error", "truncate"):
         raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
     if not isinstance(max_length, int) or max_length <= 0:
@@ -333,6 +333,65 @@ def _require(row: Row, names: Sequence[str], how: str) -> None:
                 reason="missing field",
                 fix="Give every row these fields, or set data.skip_bad_rows: true to skip it.",
             )
+
+
+def pair_fields(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[tuple[str, ...], str]:
+    """The fields every row needs and how that was decided: explicit prompts if the first row (the first
+    with 'chosen' and 'rejected' when skipping bad rows) has one. Reads rows only as far as it needs to."""
+    rows = iter(rows)
+    first = next(rows)
+    if skip_bad_rows and not set(SIDES) <= _present(first):
+        first = next((r for r in rows if set(SIDES) <= _present(r)), first)
+    if "prompt" in _present(first):
+        return ("prompt", *SIDES), f"rows with explicit prompts (as {first.where} has)"
+    return SIDES, "preference rows"
+
+
+def pair_example(
+    row: Row,
+    enc: _PairEncoder,
+    needed: tuple[str, ...],
+    how: str,
+    *,
+    max_length: int,
+    truncation: Truncation,
+    require_margin: bool,
+    images: ImageInputs | None = None,
+) -> PairExample:
+    """One row as a pair; a bad row raises :class:`DataError` (see :func:`tokenize_preference`)."""
+    _require(row, needed, how)
+    row, pictures = _prepare(row, images)
+    if "prompt" in _present(row):
+        prompt_ids, completions, prompt_field = enc.explicit(row)
+    else:
+        prompt_ids, completions, prompt_field = enc.implicit(row)
+    vision = None
+    if images is not None:
+        prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+    if completions[0] == completions[1]:
+        raise _equal(row)
+    _fit_prompt(row, prompt_ids, prompt_field, max_length)
+    fitted = [
+        _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
+        for s, ids in zip(SIDES, completions, strict=True)
+    ]
+    if fitted[0] == fitted[1]:
+        raise _equal(row, f" once both are truncated to max_length={max_length}")
+    meta: dict[str, Any] = {"row": row.index, "source": row.source}
+    margin = _margin(row, require_margin)
+    if margin is not None:
+        meta["margin"] = margin
+    chosen, rejected = (
+        _example(
+            images,
+            prompt_ids + ids,
+            [False] * len(prompt_ids) + [True] * len(ids),
+            vision,
+            {"row": row.index, "source": row.source, "side": side},
+        )
+        for side, ids in zip(SIDES, fitted, strict=True)
+    )
+    return PairExample(chosen, rejected, meta)
 
 
 def tokenize_preference(
@@ -355,59 +414,31 @@ def tokenize_preference(
     :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
     prompt, so chosen and rejected share them.
     """
-    _check_args(max_length, truncation)
+    check_args(max_length, truncation)
     stats = SkipStats()
     if not rows:
         return [], stats
-    first = next((r for r in rows if set(SIDES) <= _present(r)), rows[0]) if skip_bad_rows else rows[0]
-    explicit = "prompt" in _present(first)
-    if explicit:
-        needed, how = ("prompt", *SIDES), f"rows with explicit prompts (as {first.where} has)"
-    else:
-        needed, how = SIDES, "preference rows"
-
+    needed, how = pair_fields(rows, skip_bad_rows)
     enc = _PairEncoder(tokenizer)
     pairs = []
     for row in rows:
         try:
-            _require(row, needed, how)
-            row, pictures = _prepare(row, images)
-            if "prompt" in _present(row):
-                prompt_ids, completions, prompt_field = enc.explicit(row)
-            else:
-                prompt_ids, completions, prompt_field = enc.implicit(row)
-            vision = None
-            if images is not None:
-                prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-            if completions[0] == completions[1]:
-                raise _equal(row)
-            _fit_prompt(row, prompt_ids, prompt_field, max_length)
-            fitted = [
-                _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
-                for s, ids in zip(SIDES, completions, strict=True)
-            ]
-            if fitted[0] == fitted[1]:
-                raise _equal(row, f" once both are truncated to max_length={max_length}")
-            meta: dict[str, Any] = {"row": row.index, "source": row.source}
-            margin = _margin(row, require_margin)
-            if margin is not None:
-                meta["margin"] = margin
+            pair = pair_example(
+                row,
+                enc,
+                needed,
+                how,
+                max_length=max_length,
+                truncation=truncation,
+                require_margin=require_margin,
+                images=images,
+            )
         except DataError as e:
             if not skip_bad_rows:
                 raise
             stats.record(e)
             continue
-        chosen, rejected = (
-            _example(
-                images,
-                prompt_ids + ids,
-                [False] * len(prompt_ids) + [True] * len(ids),
-                vision,
-                {"row": row.index, "source": row.source, "side": side},
-            )
-            for side, ids in zip(SIDES, fitted, strict=True)
-        )
-        pairs.append(PairExample(chosen, rejected, meta))
+        pairs.append(pair)
         stats.kept += 1
     return pairs, stats
 
@@ -428,7 +459,7 @@ def tokenize_scoring(
     model was trained on. ``meta`` keeps ``row`` and ``source`` so scores map back to their rows, also when
     ``skip_bad_rows`` leaves some out (counted in ``stats`` when one is given).
     """
-    _check_args(max_length, truncation)
+    check_args(max_length, truncation)
     stats = stats if stats is not None else SkipStats()
     enc = _PairEncoder(tokenizer)
     out = []

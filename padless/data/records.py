@@ -7,10 +7,14 @@ field, what was expected and how to fix it, so a bad row in a 100k-row file can 
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+import pyarrow as pa
 
 if TYPE_CHECKING:
     import datasets
@@ -99,33 +103,40 @@ def _checked_rows(
     return rows
 
 
+def _parse_line(raw: bytes, lineno: int, source: str) -> Row | None:
+    """Line ``lineno`` of a .jsonl file as a row; None for a blank line (skipped, but still counted)."""
+    try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{source} row {lineno} (line {lineno}): not valid UTF-8 ({e.reason} at byte {e.start}). "
+            "Re-encode the file as UTF-8.",
+            source=source,
+            index=lineno,
+            reason="invalid UTF-8",
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{source} row {lineno} (line {lineno}): not valid JSON ({e.msg} at column {e.colno}). "
+            "Each line of a .jsonl file must hold exactly one JSON object; fix or remove the line.",
+            source=source,
+            index=lineno,
+            reason="invalid JSON",
+        ) from None
+    return _checked_rows([item], source, "line", start=lineno)[0]
+
+
 def _read_jsonl(path: Path, source: str) -> list[Row]:
     # Split on b"\n" only: str.splitlines would also split on U+2028, which JSON allows inside strings.
     rows = []
     for lineno, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        try:
-            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{source} row {lineno} (line {lineno}): not valid UTF-8 ({e.reason} at byte {e.start}). "
-                "Re-encode the file as UTF-8.",
-                source=source,
-                index=lineno,
-                reason="invalid UTF-8",
-            ) from None
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{source} row {lineno} (line {lineno}): not valid JSON ({e.msg} at column {e.colno}). "
-                "Each line of a .jsonl file must hold exactly one JSON object; fix or remove the line.",
-                source=source,
-                index=lineno,
-                reason="invalid JSON",
-            ) from None
-        rows.extend(_checked_rows([item], source, "line", start=lineno))
+        row = _parse_line(raw, lineno, source)
+        if row is not None:
+            rows.append(row)
     return rows
 
 
@@ -153,18 +164,12 @@ def _read_json(path: Path, source: str) -> list[Row]:
 
 
 def _read_parquet(path: Path, source: str) -> list[Row]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # pragma: no cover - pyarrow ships with datasets
-        import datasets
+    import pyarrow.parquet as pq
 
-        items = datasets.Dataset.from_parquet(str(path)).to_list()
-    else:
-        items = pq.read_table(path).to_pylist()
-    return _checked_rows(items, source, "index")
+    return _checked_rows(pq.read_table(path).to_pylist(), source, "index")
 
 
-def _from_datasets(obj: Any, source: str, split: str) -> list[Row]:
+def _split_of(obj: Any, source: str, split: str) -> datasets.Dataset:
     import datasets
 
     if isinstance(obj, datasets.DatasetDict):
@@ -183,7 +188,7 @@ def _from_datasets(obj: Any, source: str, split: str) -> list[Row]:
             source=source,
             reason="wrong layout",
         )
-    return _checked_rows(obj.to_list(), source, "index")
+    return obj
 
 
 def _dataset_name(ds: Any) -> str:
@@ -191,44 +196,129 @@ def _dataset_name(ds: Any) -> str:
     return f"datasets.{type(ds).__name__}({name})" if name else f"in-memory datasets.{type(ds).__name__}"
 
 
-def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> list[Row]:
-    """Read every row of ``spec`` as a dict with its provenance; never touches the network.
+SourceKind = Literal["jsonl", "json", "parquet", "datasets", "python"]
 
-    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object). A
-    trailing ``[start:stop]`` keeps that slice of the rows (``tiny:rl[:16]``), as ``datasets`` splits do.
-    A source without a single row is an error: an empty file is never what a run meant to train on.
+
+@dataclass
+class Source:
+    """A data source checked to exist and to be of an accepted kind, not yet read.
+
+    ``kind`` is ``"python"`` for the embedded image sets, which are built in memory (PNG bytes in their rows)
+    and are only ever read as Python rows.
     """
-    source, selected = _sliced(spec)
-    rows = _read_rows(source, split)[selected]
-    if not rows:
-        source = _dataset_name(spec) if not isinstance(spec, (str, Path)) else str(spec)
-        raise DataError(
-            f"{source}: has no rows (an empty file, or only blank lines); fix: point the data setting at "
-            "the file that holds the rows, or fill this one",
-            source=source,
-            reason="empty",
-        )
-    return rows
+
+    name: str  # what rows and messages call it
+    kind: SourceKind
+    path: Path | None = None
+    dataset: datasets.Dataset | None = None
+    items: list[Any] | None = None
+
+    def rows(self) -> list[Row]:
+        if self.kind == "jsonl":
+            return _read_jsonl(self.path, self.name)
+        if self.kind == "json":
+            return _read_json(self.path, self.name)
+        if self.kind == "parquet":
+            return _read_parquet(self.path, self.name)
+        if self.kind == "python":
+            return _checked_rows(self.items, self.name, "index")
+        return _checked_rows(self.dataset.to_list(), self.name, "index")
+
+    def identity(self) -> str:
+        """What changes when the rows may have: a file's path, size and modification time (as ``make`` and
+        ``datasets`` judge files), or a dataset's ``datasets`` fingerprint plus its files' sizes and times."""
+        if self.path is not None and self.dataset is None:
+            stat = self.path.stat()
+            return f"{self.kind}:{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        files = sorted(f["filename"] for f in self.dataset.cache_files)
+        stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        return f"datasets:{self.dataset._fingerprint}:{stats}"
+
+    def arrow(self, workdir: Path) -> tuple[datasets.Dataset, Literal["line", "index"] | None]:
+        """All rows as an Arrow dataset, and how JSON rows are numbered (None: the source is Arrow already).
+
+        JSON sources become two columns, ``index`` (line number or position) and ``line`` (the row's JSON
+        text, undecoded), streamed to ``workdir`` without holding the file in memory: each worker then decodes
+        its own rows, bad lines keep their line numbers and every row keeps its own types (``datasets``' JSON
+        reader would unify one schema over all rows). Parquet files are streamed to an Arrow file so workers
+        memory-map it.
+        """
+        import datasets
+
+        if self.kind == "datasets":
+            return self.dataset, None
+        path = workdir / "rows.arrow"
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(self.path)
+            with pa.ipc.new_stream(str(path), parquet.schema_arrow) as out:
+                for batch in parquet.iter_batches():
+                    out.write_batch(batch)
+            return datasets.Dataset.from_file(str(path)), None
+        if self.kind == "jsonl":
+            lines, numbering = _jsonl_lines(self.path), "line"
+        elif self.kind == "json":
+            lines = ((r.index, json.dumps(r.data).encode()) for r in self.rows())
+            numbering = "index"
+        else:
+            raise TypeError(f"{self.name}: rows built in memory are read as Python rows, not as Arrow")
+        schema = pa.schema([("index", pa.int64()), ("line", pa.binary())])
+        with pa.ipc.new_stream(str(path), schema) as out:
+            for chunk in _chunks(lines, 10_000):
+                index, text = zip(*chunk, strict=True)
+                out.write_batch(
+                    pa.record_batch([pa.array(index, pa.int64()), pa.array(text, pa.binary())], schema)
+                )
+        return datasets.Dataset.from_file(str(path)), numbering
 
 
-def _sliced(spec: Any) -> tuple[Any, slice]:
-    """``tiny:rl[:16]`` or ``data.jsonl[100:200]``: the source and a row slice (as in ``datasets`` splits)."""
-    match = re.fullmatch(r"(.+)\[(-?\d*):(-?\d*)\]", spec) if isinstance(spec, str) else None
-    if match is None or Path(spec).expanduser().exists():
-        return spec, slice(None)
-    start, stop = (int(x) if x else None for x in match.group(2, 3))
-    return match.group(1), slice(start, stop)
+def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
-def _read_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str) -> list[Row]:
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every line that is not blank, streamed."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            raw = raw.removesuffix(b"\n")
+            if not _blank(raw, lineno):
+                yield lineno, raw
+
+
+def _blank(raw: bytes, lineno: int) -> bool:
+    """Whether :func:`_parse_line` skips this line as blank, decoding only lines that do not start with an
+    ASCII character (JSON rows start with ``{``); a line that is not valid UTF-8 is not blank (its worker
+    reports it)."""
+    rest = raw.lstrip()
+    if not rest:
+        return True
+    if rest[0] < 0x80 and not chr(rest[0]).isspace():
+        return False
+    try:
+        return not raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
+    except UnicodeDecodeError:
+        return False
+
+
+def open_source(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> Source:
+    """Check that ``spec`` (without a row slice) names an accepted source; nothing is read yet."""
     if not isinstance(spec, (str, Path)):
-        return _from_datasets(spec, _dataset_name(spec), split)
+        name = _dataset_name(spec)
+        return Source(name, "datasets", dataset=_split_of(spec, name, split))
     if isinstance(spec, str) and spec.startswith("tiny:"):
         from padless.tiny import DATASETS, data_path, shapes
 
         name = spec.removeprefix("tiny:")
         if name in shapes.SPLITS:
-            return _checked_rows(shapes.rows(name), spec, "index")
+            return Source(spec, "python", items=shapes.rows(name))
         if name not in DATASETS:
             valid = ", ".join("tiny:" + d for d in (*DATASETS, *shapes.SPLITS))
             raise DataError(
@@ -236,7 +326,7 @@ def _read_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split
                 source=spec,
                 reason="unknown dataset",
             )
-        return _read_jsonl(data_path(name), spec)
+        return Source(spec, "jsonl", path=data_path(name))
     source = str(spec)
     path = Path(spec).expanduser()
     if not path.exists():
@@ -255,16 +345,104 @@ def _read_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split
             )
         import datasets
 
-        return _from_datasets(datasets.load_from_disk(str(path)), source, split)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _read_jsonl(path, source)
-    if suffix == ".json":
-        return _read_json(path, source)
-    if suffix == ".parquet":
-        return _read_parquet(path, source)
-    raise DataError(
-        f"{source}: unsupported file type {suffix or '(no extension)'!r}. Accepted: {ACCEPTED_FORMATS}.",
+        return Source(source, "datasets", path, _split_of(datasets.load_from_disk(str(path)), source, split))
+    kind = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}.get(path.suffix.lower())
+    if kind is None:
+        raise DataError(
+            f"{source}: unsupported file type {path.suffix.lower() or '(no extension)'!r}. "
+            f"Accepted: {ACCEPTED_FORMATS}.",
+            source=source,
+            reason="unsupported format",
+        )
+    return Source(source, kind, path)
+
+
+def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> list[Row]:
+    """Read every row of ``spec`` as a dict with its provenance; never touches the network.
+
+    ``split`` only matters for DatasetDicts (a ``save_to_disk`` directory or an in-memory object). A
+    trailing ``[start:stop]`` keeps that slice of the rows (``tiny:rl[:16]``), as ``datasets`` splits do.
+    A source without a single row is an error: an empty file is never what a run meant to train on.
+    """
+    source, selected = sliced(spec)
+    rows = open_source(source, split).rows()[selected]
+    if not rows:
+        raise no_rows(spec)
+    return rows
+
+
+def no_rows(spec: Any) -> DataError:
+    source = _dataset_name(spec) if not isinstance(spec, (str, Path)) else str(spec)
+    return DataError(
+        f"{source}: has no rows (an empty file, or only blank lines); fix: point the data setting at "
+        "the file that holds the rows, or fill this one",
         source=source,
-        reason="unsupported format",
+        reason="empty",
     )
+
+
+def sliced(spec: Any) -> tuple[Any, slice]:
+    """``tiny:rl[:16]`` or ``data.jsonl[100:200]``: the source and a row slice (as in ``datasets`` splits)."""
+    match = re.fullmatch(r"(.+)\[(-?\d*):(-?\d*)\]", spec) if isinstance(spec, str) else None
+    if match is None or Path(spec).expanduser().exists():
+        return spec, slice(None)
+    start, stop = (int(x) if x else None for x in match.group(2, 3))
+    return match.group(1), slice(start, stop)
+
+
+@dataclass(frozen=True)
+class RowDecoder:
+    """Turns a batch of a source's Arrow rows back into :class:`Row` s; small, so it travels to workers."""
+
+    source: str
+    numbering: Literal["line", "index"] | None  # JSON rows and how they are numbered; None: Arrow rows
+    positions: range  # Arrow rows: each selected row's position in the source
+
+    def rows(self, batch: pa.Table, indices: Sequence[int]) -> Iterator[Row | DataError]:
+        """The batch's rows in order; a line that cannot be read comes as its :class:`DataError`."""
+        if self.numbering is None:
+            for i, item in zip(indices, batch.to_pylist(), strict=True):
+                yield Row(item, self.source, self.positions[i], "index")
+            return
+        lines = zip(batch.column("index").to_pylist(), batch.column("line").to_pylist(), strict=True)
+        for index, raw in lines:
+            if self.numbering == "index":  # .json rows, checked when the file was read
+                yield Row(json.loads(raw), self.source, index, "index")
+                continue
+            try:
+                row = _parse_line(raw, index, self.source)
+            except DataError as e:
+                yield e
+            else:
+                assert row is not None, "blank lines are not stored"
+                yield row
+
+
+@dataclass
+class RawRows:
+    """The selected rows of a source in Arrow, and how to decode them (see :meth:`Source.arrow`)."""
+
+    dataset: datasets.Dataset
+    decoder: RowDecoder
+
+    def __iter__(self) -> Iterator[Row]:
+        """Rows in order, read in this process; the first unreadable one raises its :class:`DataError`."""
+        table = self.dataset.with_format("arrow")
+        for start in range(0, len(table), 1000):
+            batch = table[start : start + 1000]
+            for item in self.decoder.rows(batch, range(start, start + batch.num_rows)):
+                if isinstance(item, DataError):
+                    raise item
+                yield item
+
+
+def raw_rows(source: Source, selected: slice, spec: Any, workdir: Path) -> RawRows:
+    """The rows ``selected`` of ``source`` in Arrow (``spec``, the setting as given, names an empty
+    selection)."""
+    dataset, numbering = source.arrow(workdir)
+    positions = range(len(dataset))[selected]
+    if not positions:
+        raise no_rows(spec)
+    if len(positions) != len(dataset):
+        dataset = dataset.select(positions)
+    return RawRows(dataset, RowDecoder(source.name, numbering, positions))

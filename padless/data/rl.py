@@ -111,7 +111,7 @@ class _PromptEncoder(_Encoder):
         return ids, str(text)
 
 
-def _check_args(max_prompt_length: int, chat_template: bool | None) -> None:
+def check_args(max_prompt_length: int, chat_template: bool | None) -> None:
     if (
         isinstance(max_prompt_length, bool)
         or not isinstance(max_prompt_length, int)
@@ -120,6 +120,44 @@ def _check_args(max_prompt_length: int, chat_template: bool | None) -> None:
         raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
     if chat_template not in (None, True, False):
         raise ValueError(f"chat_template must be None, True or False, got {chat_template!r}")
+
+
+def prompt_encoder(tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> _PromptEncoder:
+    """The encoder for ``chat_template``; refuses ``True`` for a tokenizer without a template."""
+    enc = _PromptEncoder(tokenizer, chat_template)
+    if chat_template is True and enc.template is None:
+        raise ChatTemplateError(
+            "data.chat_template is true, but the tokenizer has no chat_template. Set tokenizer.chat_template "
+            "to a Jinja chat template, or set data.chat_template to false (raw text) or null (template only "
+            "when the tokenizer has one)."
+        )
+    return enc
+
+
+def prompt_example(
+    row: Row, enc: _PromptEncoder, max_prompt_length: int, images: ImageInputs | None = None
+) -> PromptExample:
+    """One row as a prompt; a bad row raises :class:`DataError` (see :func:`tokenize_prompts`)."""
+    vision = None
+    if images is None:
+        reject_images(row)
+        ids, text = enc.prompt(row)
+    else:
+        prepared = images.prepare(row)
+        row = prepared.row
+        ids, text = enc.prompt(row)
+        ids, _, vision = images.expand(row, ids, None, prepared.images)
+    if len(ids) > max_prompt_length:
+        raise row.error(
+            PROMPT,
+            f"is {len(ids)} tokens as rendered, more than max_prompt_length={max_prompt_length} "
+            "(prompts are never truncated: a cut question no longer matches its answer)",
+            reason="prompt too long",
+            fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
+            "to skip it.",
+        )
+    fields = {k: v for k, v in row.data.items() if k != PROMPT}
+    return PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision)
 
 
 def tokenize_prompts(
@@ -138,45 +176,20 @@ def tokenize_prompts(
     Tokenizer problems (``chat_template=True`` or message prompts without a template) raise
     :class:`ChatTemplateError` regardless, since no row can fix them.
     """
-    _check_args(max_prompt_length, chat_template)
+    check_args(max_prompt_length, chat_template)
     stats = SkipStats()
     if not rows:
         return [], stats
-    enc = _PromptEncoder(tokenizer, chat_template)
-    if chat_template is True and enc.template is None:
-        raise ChatTemplateError(
-            "data.chat_template is true, but the tokenizer has no chat_template. Set tokenizer.chat_template "
-            "to a Jinja chat template, or set data.chat_template to false (raw text) or null (template only "
-            "when the tokenizer has one)."
-        )
+    enc = prompt_encoder(tokenizer, chat_template)
     out = []
     for row in rows:
         try:
-            vision = None
-            if images is None:
-                reject_images(row)
-                ids, text = enc.prompt(row)
-            else:
-                prepared = images.prepare(row)
-                row = prepared.row
-                ids, text = enc.prompt(row)
-                ids, _, vision = images.expand(row, ids, None, prepared.images)
-            if len(ids) > max_prompt_length:
-                raise row.error(
-                    PROMPT,
-                    f"is {len(ids)} tokens as rendered, more than max_prompt_length={max_prompt_length} "
-                    "(prompts are never truncated: a cut question no longer matches its answer)",
-                    reason="prompt too long",
-                    fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
-                    "to skip it.",
-                )
+            out.append(prompt_example(row, enc, max_prompt_length, images))
         except DataError as e:
             if not skip_bad_rows:
                 raise
             stats.record(e)
             continue
-        fields = {k: v for k, v in row.data.items() if k != PROMPT}
-        out.append(PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision))
         stats.kept += 1
     return out, stats
 

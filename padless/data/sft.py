@@ -26,7 +26,7 @@ import json
 import re
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -597,6 +597,62 @@ def _fit(
     return ids, mask
 
 
+def check_sft_args(format: str, max_length: int, truncation: str) -> None:
+    if format not in ("auto", *FORMAT_FIELDS):
+        raise ValueError(f"unknown SFT format {format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
+    if truncation not in ("error", "truncate"):
+        raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
+    if not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+
+
+def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> tuple[str, str]:
+    """The format every row must have and how it was decided (for messages): ``format`` unless ``"auto"``,
+    else detected from the first row (the first well-formed one when skipping bad rows). Reads rows only
+    as far as it needs to."""
+    if format != "auto":
+        return format, "set by data.format"
+    rows = iter(rows)
+    first = next(rows)
+    chosen = first
+    if skip_bad_rows and not _matching_format(first):
+        chosen = next((r for r in rows if _matching_format(r)), first)
+    return detect_format(chosen), f"detected from {chosen.where}"
+
+
+def sft_example(
+    row: Row,
+    enc: _Encoder,
+    fmt: str,
+    how: str,
+    *,
+    max_length: int,
+    truncation: Truncation,
+    completion_only_loss: bool,
+    images: ImageInputs | None = None,
+) -> Example:
+    """One row as an example; a bad row raises :class:`DataError` (see :func:`tokenize_sft`)."""
+    _check_fields(row, fmt, how)
+    if images is None:
+        reject_images(row)
+    else:
+        prepared = images.prepare(row)
+        row = prepared.row
+    if fmt == "messages":
+        ids, mask = enc.messages_row(row)
+    elif fmt == "prompt_completion":
+        ids, mask = enc.prompt_completion_row(row, completion_only_loss)
+    else:
+        ids, mask = enc.text_row(row)
+    if images is not None:
+        ids, mask, vision = images.expand(row, ids, mask, prepared.images)
+        if truncation == "truncate":
+            ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
+    ids, mask = _fit(row, ids, mask, max_length, truncation)
+    meta = {"row": row.index, "source": row.source}
+    return Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
+
+
 def tokenize_sft(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
@@ -616,52 +672,30 @@ def tokenize_sft(
     Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
     model's processor, see :mod:`padless.data.images`); without it they are bad rows.
     """
-    if format not in ("auto", *FORMAT_FIELDS):
-        raise ValueError(f"unknown SFT format {format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
-    if truncation not in ("error", "truncate"):
-        raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
-    if not isinstance(max_length, int) or max_length <= 0:
-        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    check_sft_args(format, max_length, truncation)
     stats = SkipStats()
     if not rows:
         return [], stats
-
-    if format != "auto":
-        fmt, how = format, "set by data.format"
-    else:
-        first = next((r for r in rows if _matching_format(r)), None) if skip_bad_rows else rows[0]
-        fmt = detect_format(first if first is not None else rows[0])
-        how = f"detected from {first.where if first is not None else rows[0].where}"
-
+    fmt, how = sft_format(rows, format, skip_bad_rows)
     enc = _Encoder(tokenizer)
     examples = []
     for row in rows:
         try:
-            _check_fields(row, fmt, how)
-            if images is None:
-                reject_images(row)
-            else:
-                prepared = images.prepare(row)
-                row = prepared.row
-            if fmt == "messages":
-                ids, mask = enc.messages_row(row)
-            elif fmt == "prompt_completion":
-                ids, mask = enc.prompt_completion_row(row, completion_only_loss)
-            else:
-                ids, mask = enc.text_row(row)
-            if images is not None:
-                ids, mask, vision = images.expand(row, ids, mask, prepared.images)
-                if truncation == "truncate":
-                    ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
-            ids, mask = _fit(row, ids, mask, max_length, truncation)
+            example = sft_example(
+                row,
+                enc,
+                fmt,
+                how,
+                max_length=max_length,
+                truncation=truncation,
+                completion_only_loss=completion_only_loss,
+                images=images,
+            )
         except DataError as e:
             if not skip_bad_rows:
                 raise
             stats.record(e)
             continue
-        meta = {"row": row.index, "source": row.source}
-        examples.append(
-            Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
-        )
+        examples.append(example)
         stats.kept += 1
     return examples, stats

@@ -57,16 +57,17 @@ class DPORecipe(PairRecipe):
         The pass is split between ranks (each runs its share of the packed batches) and summed once."""
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
-        for pairs in (self.pairs, self.eval_pairs or []):
-            groups = budget_batches([len(p) for p in pairs], self.cfg.max_tokens_per_batch, shuffle=False)
+        for pairs in (self.pairs, self.eval_pairs):
+            if not pairs:
+                continue
+            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
 
-            def run(group: list[int], pairs: list[PairExample] = pairs) -> torch.Tensor:
-                chunk = [pairs[i] for i in group]
+            def run(group: list[int], pairs=pairs) -> torch.Tensor:
+                chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
             ref = shared_pass(groups, run, len(pairs), 2).tolist()
-            for p, (chosen, rejected) in zip(pairs, ref, strict=True):
-                p.meta["ref_logps"] = (chosen, rejected)
+            pairs.set_meta("ref_logps", [tuple(r) for r in ref])  # pairs are read from disk when used
         self.ref_model = None
 
     def loss(

@@ -54,6 +54,11 @@ class MicroBatch:
     scale: float = 1.0  # 0 for a filler that keeps a rank without data in step with the others
     step: int | None = None  # set by recipes whose steps are fixed sets of data (RL mini-batches)
 
+    def read(self) -> MicroBatch:
+        """This micro-batch with its data in memory: a selection of an on-disk set is read here, once, right
+        before its forward, and dropped after (a plan holds only indices)."""
+        return self if isinstance(self.data, list) else replace(self, data=list(self.data))
+
 
 class Recipe(Protocol):
     def plan(self, epoch: int) -> list[MicroBatch]:
@@ -194,7 +199,7 @@ class Trainer:
             last = k == len(step.micros) - 1
             self.acc.sync_gradients = last
             with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
-                loss, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+                loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
                 self.guard.watch(loss, k, len(step.micros))
                 # Ranks average gradients; the normaliser is already global, so undo the mean.
                 self.acc.backward(loss * (micro.scale * world))
@@ -314,7 +319,7 @@ class Trainer:
         step = plan_steps(micros, math.ceil(len(micros) / world), world, self.acc.process_index)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
-            _, metrics = self.recipe.loss(self.model, micro, step.normaliser)
+            _, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         keys = sorted(sums)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from padless.config import TrainSettings
-from padless.data import PairExample, load_rows, tokenize_preference
+from padless.data import PairExample
 from padless.data.images import ImageInputs
+from padless.data.sets import ExampleSet, as_set
+from padless.data.tokenized import PairLayout, load_set
 from padless.packing import (
     IGNORE_INDEX,
     PackedBatch,
@@ -23,41 +26,32 @@ from padless.trainers.reporting import report_data
 
 
 class PairRecipe:
-    """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs."""
+    """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs.
+    Plans come from the sets' length column; a micro-batch's pairs are read when it runs."""
 
     def __init__(
         self,
-        pairs: list[PairExample],
+        pairs: Sequence[PairExample],
         cfg: TrainSettings,
         pad_id: int,
         device: torch.device,
-        eval_pairs: list[PairExample] | None = None,
+        eval_pairs: Sequence[PairExample] | None = None,
     ):
-        self.pairs, self.cfg, self.pad_id, self.device = pairs, cfg, pad_id, device
-        self.eval_pairs = eval_pairs or []
+        self.pairs, self.cfg, self.pad_id, self.device = as_set(pairs), cfg, pad_id, device
+        self.eval_pairs = as_set(eval_pairs or [])
 
-    def _groups(self, pairs: list[PairExample], seed: int, shuffle: bool) -> list[list[int]]:
+    def _micros(self, pairs: ExampleSet[PairExample], seed: int, shuffle: bool) -> list[MicroBatch]:
         if self.cfg.batching == "padded":
-            return fixed_count_batches(len(pairs), self.cfg.batch_size, seed=seed, shuffle=shuffle)
-        return budget_batches(
-            [len(p) for p in pairs], self.cfg.max_tokens_per_batch, seed=seed, shuffle=shuffle
-        )
-
-    @staticmethod
-    def micro(pairs: list[PairExample]) -> MicroBatch:
-        return MicroBatch(pairs, units=len(pairs), tokens=sum(len(p) for p in pairs))
+            groups = fixed_count_batches(len(pairs), self.cfg.batch_size, seed=seed, shuffle=shuffle)
+        else:
+            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, seed=seed, shuffle=shuffle)
+        return [MicroBatch(pairs.select(g), units=len(g), tokens=int(pairs.lengths[g].sum())) for g in groups]
 
     def plan(self, epoch: int) -> list[MicroBatch]:
-        groups = self._groups(self.pairs, self.cfg.seed + epoch, shuffle=True)
-        return [self.micro([self.pairs[i] for i in g]) for g in groups]
+        return self._micros(self.pairs, self.cfg.seed + epoch, shuffle=True)
 
     def eval_plan(self) -> list[MicroBatch]:
-        if not self.eval_pairs:
-            return []
-        return [
-            self.micro([self.eval_pairs[i] for i in g])
-            for g in self._groups(self.eval_pairs, 0, shuffle=False)
-        ]
+        return self._micros(self.eval_pairs, 0, shuffle=False) if self.eval_pairs else []
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         return {}
@@ -80,22 +74,20 @@ def load_pairs(
     role: str,
     margin: bool = False,
     images: ImageInputs | None = None,
-) -> list[PairExample]:
+) -> ExampleSet[PairExample]:
     """Tokenized pairs of ``data.<role>`` (skips reported); ``margin`` requires a numeric margin per row,
     else margins are dropped. ``images``: the model's image side (vision-language models)."""
-    pairs, stats = tokenize_preference(
-        load_rows(spec),
-        tokenizer,
+    layout = PairLayout(
         max_length=data.max_length,
         truncation=data.truncation,
         skip_bad_rows=data.skip_bad_rows,
         require_margin=margin,
-        images=images,
+        keep_margin=margin,
+    )
+    pairs, stats = load_set(
+        spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
     )
     report_data(stats, role, spec, train.output_dir)
-    if not margin:
-        for p in pairs:
-            p.meta.pop("margin", None)
     return pairs
 
 

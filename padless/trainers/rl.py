@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
-from padless.data import PromptExample, load_rows, reward_inputs, tokenize_prompts
+from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
+from padless.data.sets import ExampleSet
+from padless.data.tokenized import PromptLayout, load_set
 from padless.engine import inner_engine
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
@@ -54,7 +57,7 @@ class RolloutRecipe:
 
     def __init__(
         self,
-        prompts: list[PromptExample],
+        prompts: Sequence[PromptExample],
         cfg: Any,
         tokenizer: Any,
         policy: torch.nn.Module,
@@ -62,7 +65,7 @@ class RolloutRecipe:
         device: torch.device,
         rewards: RewardComposer | None = None,
         reward_model: torch.nn.Module | None = None,
-        eval_prompts: list[PromptExample] | None = None,
+        eval_prompts: Sequence[PromptExample] | None = None,
         ref_model: torch.nn.Module | None = None,
         images: ImageInputs | None = None,
     ):
@@ -75,16 +78,23 @@ class RolloutRecipe:
         self.eval_prompts, self.ref_model, self.images = eval_prompts or [], ref_model, images
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
+        self._order: tuple[int, np.ndarray] | None = None
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
         """The rollout's prompts: consecutive slices of a fresh seeded permutation per pass over the data."""
         n, k = len(self.prompts), self.cfg.rollout.prompts_per_step
-        chosen = []
-        for position in range(rollout * k, (rollout + 1) * k):
-            order = list(range(n))
-            random.Random(self.cfg.train.seed + position // n).shuffle(order)
-            chosen.append(self.prompts[order[position % n]])
-        return chosen
+        return [
+            self.prompts[self.order(position // n)[position % n]]
+            for position in range(rollout * k, (rollout + 1) * k)
+        ]
+
+    def order(self, data_pass: int) -> np.ndarray:
+        """The permutation of the prompts for one pass over them (the last one is kept)."""
+        if self._order is None or self._order[0] != data_pass:
+            order = list(range(len(self.prompts)))
+            random.Random(self.cfg.train.seed + data_pass).shuffle(order)
+            self._order = (data_pass, np.array(order))
+        return self._order[1]
 
     def collect(
         self, prompts: list[PromptExample], group: int, seed: int, greedy: bool = False
@@ -210,9 +220,9 @@ class RolloutRecipe:
 
     def restore_plan(self, epoch: int, state: list[dict[str, Any]]) -> None:
         """The saved rollout back; image inputs come from the prompts (a checkpoint's plan holds tokens)."""
-        vision = {p.meta["row"]: p.vision for p in self.prompts}
+        vision = {p.meta["row"]: p.vision for p in self.prompts} if self.images is not None else {}
         examples = [
-            self.example(e["input_ids"], e["loss_mask"], e["meta"], vision[e["meta"]["prompt_row"]])
+            self.example(e["input_ids"], e["loss_mask"], e["meta"], vision.get(e["meta"]["prompt_row"]))
             for e in state
         ]
         self.rollout = (epoch, examples)
@@ -311,14 +321,14 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
 
-    def prompts(spec: str, role: str) -> list[PromptExample]:
-        examples, stats = tokenize_prompts(
-            load_rows(spec),
-            tokenizer,
+    def prompts(spec: str, role: str) -> ExampleSet[PromptExample]:
+        layout = PromptLayout(
             max_prompt_length=data.max_prompt_length,
             chat_template=data.chat_template,
             skip_bad_rows=data.skip_bad_rows,
-            images=images,
+        )
+        examples, stats = load_set(
+            spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
         )
         report_data(stats, role, spec, cfg.train.output_dir)
         return examples

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
-from padless.data import load_rows, tokenize_sft
+from padless.data import load_rows
 from padless.data.images import ImageInputs
+from padless.data.sets import ExampleSet, as_set
+from padless.data.tokenized import SFTLayout, load_set
 from padless.engine import ModelEngine
 from padless.losses import sft_loss, sft_token_weights
 from padless.model import pad_token_id
@@ -32,12 +35,12 @@ from padless.trainers.session import start_session
 
 
 def group_examples(
-    examples: list[Example], cfg: TrainSettings, epoch: int, bins: list[list[int]] | None
+    examples: ExampleSet[Example], cfg: TrainSettings, epoch: int, bins: list[list[int]] | None
 ) -> list[list[int]]:
     """Micro-batches for an epoch: token budget, fixed bins (offline packing), or fixed count (padded)."""
     seed = cfg.seed + epoch
     if cfg.batching == "tokens":
-        return budget_batches([len(e) for e in examples], cfg.max_tokens_per_batch, seed=seed)
+        return budget_batches(examples.lengths, cfg.max_tokens_per_batch, seed=seed)
     if cfg.batching == "packing":
         order = fixed_count_batches(len(bins), 1, seed=seed)
         return [bins[i[0]] for i in order]
@@ -45,24 +48,27 @@ def group_examples(
 
 
 class SFTRecipe:
+    """Micro-batches are planned from the sets' length and target columns; their examples are read from the
+    set (memory-mapped Arrow, or a list) only when the micro-batch runs."""
+
     def __init__(
         self,
-        examples: list[Example],
+        examples: Sequence[Example],
         cfg: TrainSettings,
         tokenizer: Any,
         device: torch.device,
-        eval_examples: list[Example] | None = None,
+        eval_examples: Sequence[Example] | None = None,
         eval_prompts: list[list[int]] | None = None,
         eval_vision: list[dict[str, torch.Tensor] | None] | None = None,
     ):
-        self.examples, self.cfg, self.tokenizer, self.device = examples, cfg, tokenizer, device
-        self.eval_examples, self.eval_prompts = eval_examples or [], eval_prompts or []
+        self.examples, self.cfg, self.tokenizer, self.device = as_set(examples), cfg, tokenizer, device
+        self.eval_examples, self.eval_prompts = as_set(eval_examples or []), eval_prompts or []
         self.eval_vision = eval_vision  # the eval prompts' images (vision-language models)
         self.pad_id = pad_token_id(tokenizer)
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
             self.bins = budget_batches(
-                [len(e) for e in examples], cfg.max_tokens_per_batch, seed=cfg.seed, shuffle=False
+                self.examples.lengths, cfg.max_tokens_per_batch, seed=cfg.seed, shuffle=False
             )
 
     def collate(self, examples: list[Example]) -> Any:
@@ -72,13 +78,15 @@ class SFTRecipe:
         return batch
 
     def plan(self, epoch: int) -> list[MicroBatch]:
-        groups = group_examples(self.examples, self.cfg, epoch, self.bins)
-        return [self.micro([self.examples[i] for i in g]) for g in groups]
+        return self.micros(self.examples, group_examples(self.examples, self.cfg, epoch, self.bins))
 
     @staticmethod
-    def micro(examples: list[Example]) -> MicroBatch:
-        units = sum(e.num_targets for e in examples)
-        return MicroBatch(examples, units=units, tokens=sum(len(e) for e in examples))
+    def micros(examples: ExampleSet[Example], groups: list[list[int]]) -> list[MicroBatch]:
+        targets, lengths = examples.targets, examples.lengths
+        return [
+            MicroBatch(examples.select(g), units=int(targets[g].sum()), tokens=int(lengths[g].sum()))
+            for g in groups
+        ]
 
     def token_logps(
         self, model: torch.nn.Module, examples: list[Example]
@@ -103,9 +111,10 @@ class SFTRecipe:
         return loss, {"loss": loss.item()}
 
     def eval_plan(self) -> list[MicroBatch]:
-        lengths = [len(e) for e in self.eval_examples]
-        groups = budget_batches(lengths, self.cfg.max_tokens_per_batch, shuffle=False) if lengths else []
-        return [self.micro([self.eval_examples[i] for i in g]) for g in groups]
+        if not self.eval_examples:
+            return []
+        groups = budget_batches(self.eval_examples.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
+        return self.micros(self.eval_examples, groups)
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         if self.cfg.eval_generate and self.eval_prompts:
@@ -167,25 +176,25 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     data = cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
 
-    def tokenize(spec: str, role: str) -> tuple[list[Any], list[Example]]:
-        rows = load_rows(spec)
-        examples, stats = tokenize_sft(
-            rows,
-            tokenizer,
-            format=data.format,
+    def tokenize(spec: str, role: str) -> ExampleSet[Example]:
+        layout = SFTLayout(
             max_length=data.max_length,
+            format=data.format,
             truncation=data.truncation,
             completion_only_loss=data.completion_only_loss,
             skip_bad_rows=data.skip_bad_rows,
-            images=images,
+        )
+        examples, stats = load_set(
+            spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
         )
         report_data(stats, role, spec, cfg.train.output_dir)
-        return rows, examples
+        return examples
 
-    _, examples = tokenize(data.train, "train")
+    examples = tokenize(data.train, "train")
     eval_examples, eval_prompts, eval_vision = None, None, None
     if data.eval:
-        eval_rows, eval_examples = tokenize(data.eval, "eval")
+        eval_examples = tokenize(data.eval, "eval")
+        eval_rows = load_rows(data.eval) if cfg.train.eval_generate else []
         if cfg.train.eval_generate and images is not None:
             eval_prompts, eval_vision = images.prompts(eval_rows)
         elif cfg.train.eval_generate:

@@ -1,0 +1,631 @@
+"""Tokenized sets: rows tokenized once by a batched ``datasets.map``, kept in Arrow on disk, memory-mapped
+by every rank and turned into Python objects one micro-batch at a time.
+
+Token ids are int32 (4 bytes a token), loss masks one bit a token, and a process touches only the pages it
+reads, which every process of a machine shares through the page cache; a ``length`` column (tokens per item)
+is all that planning micro-batches needs. :func:`load_set` is the entry point: it fingerprints the data,
+tokenizer and settings, builds the set on a cache miss (:mod:`padless.data.cache`) and returns an
+:class:`ArrowSet` with the report of skipped rows.
+
+Each task lays its items out in columns (a :class:`Layout`). A layout makes each item with the task's own
+per-row function — the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``,
+``tokenize_prompts``) — and turns it into columns and back, so both paths give the same examples and the
+same errors. Errors are not raised inside the workers: a bad row becomes a row of error columns, and once
+the map is done the error the row-by-row driver would have raised first is raised (any unreadable line,
+then the first bad row), or the bad rows are counted as skipped, in row order, whatever the number of
+processes.
+
+Rows with images (vision-language models) and the embedded image sets stay on the in-memory path: their
+items hold pixel tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+import pyarrow.compute as pc
+
+from padless.data import cache
+from padless.data.preference import (
+    PairExample,
+    _PairEncoder,
+    check_args,
+    pair_example,
+    pair_fields,
+    tokenize_preference,
+)
+from padless.data.records import DataError, RawRows, Row, no_rows, open_source, raw_rows, sliced
+from padless.data.rl import PromptExample, prompt_encoder, prompt_example, tokenize_prompts
+from padless.data.rl import check_args as check_prompt_args
+from padless.data.sets import ArrowSet, ExampleSet, InMemory
+from padless.data.sft import (
+    SkipStats,
+    Truncation,
+    _Encoder,
+    check_sft_args,
+    sft_example,
+    sft_format,
+    tokenize_sft,
+)
+from padless.packing import Example
+
+if TYPE_CHECKING:
+    import datasets
+
+    from padless.data.images import ImageInputs
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MIN_ROWS_PER_PROCESS = 2000  # below this a worker process costs more than it saves
+MAX_PROCESSES = 8  # the default: one per core, at most this many
+PROGRESS_ROWS = 10_000  # sets this big show datasets' progress bars while they build
+READ, FATAL, SKIPPED = 0, 1, 2  # error_kind: an unreadable line, an error to raise, a row to skip
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layouts: one task's items as columns
+
+
+class Layout(ABC, Generic[T]):
+    """How one task's items are made from rows, stored in columns and read back.
+
+    Every set also has ``row`` (the row's number in its source) and ``length`` (tokens of the item).
+    """
+
+    name: ClassVar[str]
+    fingerprinted: ClassVar[tuple[str, ...]]  # the settings that change a set's content
+    skip_bad_rows: bool
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that change the set's content (part of its fingerprint)."""
+        return {k: getattr(self, k) for k in self.fingerprinted}
+
+    @abstractmethod
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        """Decide what the first rows decide (the format...) and build the encoder, in the main process."""
+
+    @abstractmethod
+    def example(self, row: Row) -> T:
+        """One row's item; a bad row raises :class:`DataError` (the task's per-row function)."""
+
+    @abstractmethod
+    def columns(self, item: T) -> dict[str, Any]:
+        """The item's own columns."""
+
+    @abstractmethod
+    def features(self) -> dict[str, Any]:
+        """``datasets`` features of :meth:`columns` (after :meth:`prepare`)."""
+
+    @abstractmethod
+    def read_columns(self, stored: list[str]) -> list[str]:
+        """Which of a stored set's columns :meth:`decode` reads, besides ``row``."""
+
+    @abstractmethod
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[T]:
+        """Items back from a batch of columns."""
+
+    @abstractmethod
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[T], SkipStats]:
+        """The row-by-row driver with these settings (rows with images take this path)."""
+
+
+def _ids() -> Any:
+    import datasets
+
+    return datasets.List(datasets.Value("int32"))
+
+
+@dataclass
+class SFTLayout(Layout[Example]):
+    """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
+
+    name: ClassVar[str] = "sft"
+    fingerprinted = ("max_length", "format", "truncation", "completion_only_loss", "skip_bad_rows")
+    max_length: int
+    format: str = "auto"
+    truncation: Truncation = "error"
+    completion_only_loss: bool = True
+    skip_bad_rows: bool = False
+    _state: tuple[_Encoder, str, str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_sft_args(self.format, self.max_length, self.truncation)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
+        self._state = (_Encoder(tokenizer), fmt, how)
+
+    def example(self, row: Row) -> Example:
+        assert self._state is not None, "prepare() first"
+        enc, fmt, how = self._state
+        return sft_example(
+            row,
+            enc,
+            fmt,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+        )
+
+    def columns(self, item: Example) -> dict[str, Any]:
+        return {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "targets": item.num_targets}
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        return {
+            "input_ids": _ids(),
+            "loss_mask": datasets.List(datasets.Value("bool")),
+            "targets": datasets.Value("int32"),
+        }
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["input_ids", "loss_mask"]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[Example]:
+        return [
+            Example(ids, mask, {"row": row, "source": source})
+            for row, ids, mask in zip(columns["row"], columns["input_ids"], columns["loss_mask"], strict=True)
+        ]
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[Example], SkipStats]:
+        return tokenize_sft(
+            rows,
+            tokenizer,
+            format=self.format,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+        )
+
+
+@dataclass
+class PairLayout(Layout[PairExample]):
+    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
+
+    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
+    column is stored either way.
+    """
+
+    name: ClassVar[str] = "preference"
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
+    max_length: int
+    truncation: Truncation = "error"
+    skip_bad_rows: bool = False
+    require_margin: bool = False
+    keep_margin: bool = True
+    _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_args(self.max_length, self.truncation)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        needed, how = pair_fields(raw, self.skip_bad_rows)
+        self._state = (_PairEncoder(tokenizer), needed, how)
+
+    def example(self, row: Row) -> PairExample:
+        assert self._state is not None, "prepare() first"
+        enc, needed, how = self._state
+        return pair_example(
+            row,
+            enc,
+            needed,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            require_margin=self.require_margin,
+        )
+
+    def columns(self, item: PairExample) -> dict[str, Any]:
+        n = item.prompt_length
+        return {
+            "prompt_ids": item.chosen.input_ids[:n],
+            "chosen_ids": item.chosen.input_ids[n:],
+            "rejected_ids": item.rejected.input_ids[n:],
+            "margin": item.meta.get("margin"),
+        }
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        ids = _ids()
+        return {
+            "prompt_ids": ids,
+            "chosen_ids": ids,
+            "rejected_ids": ids,
+            "margin": datasets.Value("float64"),
+        }
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["prompt_ids", "chosen_ids", "rejected_ids", "margin"]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PairExample]:
+        pairs = []
+        for row, prompt, chosen, rejected, margin in zip(
+            columns["row"],
+            columns["prompt_ids"],
+            columns["chosen_ids"],
+            columns["rejected_ids"],
+            columns["margin"],
+            strict=True,
+        ):
+            sides = [
+                Example(
+                    prompt + ids,
+                    [False] * len(prompt) + [True] * len(ids),
+                    {"row": row, "source": source, "side": side},
+                )
+                for side, ids in (("chosen", chosen), ("rejected", rejected))
+            ]
+            meta: dict[str, Any] = {"row": row, "source": source}
+            if margin is not None and self.keep_margin:
+                meta["margin"] = margin
+            pairs.append(PairExample(*sides, meta))
+        return pairs
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PairExample], SkipStats]:
+        pairs, stats = tokenize_preference(
+            rows,
+            tokenizer,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            skip_bad_rows=self.skip_bad_rows,
+            require_margin=self.require_margin,
+            images=images,
+        )
+        if not self.keep_margin:
+            for p in pairs:
+                p.meta.pop("margin", None)
+        return pairs, stats
+
+
+@dataclass
+class PromptLayout(Layout[PromptExample]):
+    """RL prompts: ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
+
+    Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values); rows
+    read from Arrow keep them as columns of their own types (``field.<name>``).
+    """
+
+    name: ClassVar[str] = "prompts"
+    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
+    max_prompt_length: int
+    chat_template: bool | None = None
+    skip_bad_rows: bool = False
+    _state: Any = field(default=None, repr=False)
+    _fields: dict[str, Any] | None = field(default=None, repr=False)  # Arrow rows: name -> feature
+
+    def __post_init__(self) -> None:
+        check_prompt_args(self.max_prompt_length, self.chat_template)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        self._state = prompt_encoder(tokenizer, self.chat_template)
+        if raw.decoder.numbering is None:
+            self._fields = {k: v for k, v in raw.dataset.features.items() if k != "prompt"}
+
+    def example(self, row: Row) -> PromptExample:
+        return prompt_example(row, self._state, self.max_prompt_length)
+
+    def columns(self, item: PromptExample) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_ids": item.prompt_ids, "text": item.text}
+        if self._fields is None:
+            out["fields"] = json.dumps(item.fields, ensure_ascii=False)
+        else:
+            out.update({f"field.{k}": item.fields.get(k) for k in self._fields})
+        return out
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        out = {"prompt_ids": _ids(), "text": datasets.Value("string")}
+        if self._fields is None:
+            return out | {"fields": datasets.Value("string")}
+        return out | {f"field.{k}": v for k, v in self._fields.items()}
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["prompt_ids", "text", *(c for c in stored if c == "fields" or c.startswith("field."))]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PromptExample]:
+        own = [c for c in columns if c.startswith("field.")]
+        out = []
+        for k, (row, ids, text) in enumerate(
+            zip(columns["row"], columns["prompt_ids"], columns["text"], strict=True)
+        ):
+            if "fields" in columns:
+                fields = json.loads(columns["fields"][k])
+            else:
+                fields = {c.removeprefix("field."): columns[c][k] for c in own}
+            out.append(PromptExample(ids, fields, {"row": row, "source": source}, text))
+        return out
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PromptExample], SkipStats]:
+        return tokenize_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=self.max_prompt_length,
+            chat_template=self.chat_template,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building a set: the map, the errors, the folder
+
+
+def _error_features() -> dict[str, Any]:
+    import datasets
+
+    string = datasets.Value("string")
+    return {
+        "error_kind": datasets.Value("int8"),
+        "error_type": string,
+        "error": string,
+        "error_field": string,
+        "error_reason": string,
+    }
+
+
+class _Tokenize:
+    """The batched map function: one output row per row read, error columns set on bad rows.
+
+    Rows are handled in order within a worker's share. After the share's first error that stops the run,
+    rows are only read (an unreadable line later still wins: the row-by-row path reads the whole file
+    before it tokenizes); after an unreadable line nothing more matters.
+    """
+
+    def __init__(self, raw: RawRows, layout: Layout[Any], names: list[str]) -> None:
+        self.decoder, self.layout, self.names = raw.decoder, layout, names
+        self.failed = self.stopped = False
+
+    def __call__(self, batch: Any, indices: list[int]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {name: [] for name in self.names}
+        for item in self.decoder.rows(batch, indices):
+            if self.stopped:
+                break
+            if isinstance(item, DataError):
+                self._error(out, item.index, READ, item)
+                self.stopped = True
+            elif not self.failed:
+                try:
+                    example = self.layout.example(item)
+                except DataError as e:
+                    self._error(out, item.index, SKIPPED if self.layout.skip_bad_rows else FATAL, e)
+                except ValueError as e:  # the template or the tokenizer: no row can fix it
+                    self._error(out, item.index, FATAL, e)
+                else:
+                    record = {"row": item.index, "length": len(example), **self.layout.columns(example)}
+                    self._append(out, record)
+        return out
+
+    def _error(self, out: dict[str, list[Any]], index: int | None, kind: int, error: ValueError) -> None:
+        self.failed = self.failed or kind != SKIPPED
+        record = cache.error_record(error)
+        attrs = record["attrs"]
+        self._append(
+            out,
+            {
+                "row": index,
+                "error_kind": kind,
+                "error_type": record["type"],
+                "error": record["message"],
+                "error_field": attrs.get("field"),
+                "error_reason": attrs.get("reason"),
+            },
+        )
+
+    def _append(self, out: dict[str, list[Any]], record: dict[str, Any]) -> None:
+        for name, column in out.items():
+            column.append(record.get(name))
+
+
+def _error(record: dict[str, Any], source: str) -> ValueError:
+    """An error row of the map back as the exception the row-by-row driver raises."""
+    attrs = {"source": source, "index": record["row"], "field": record["error_field"]}
+    attrs["reason"] = record["error_reason"]
+    return cache.error_from({"type": record["error_type"], "message": record["error"], "attrs": attrs})
+
+
+def default_processes() -> int:
+    """One per core this process may run on, at most :data:`MAX_PROCESSES`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_PROCESSES)
+
+
+def _build(
+    raw: RawRows, layout: Layout[Any], out: Path, workdir: Path, num_proc: int | None
+) -> dict[str, Any]:
+    """Tokenize ``raw`` into a set saved at ``out``; raise what the row-by-row driver would raise first.
+    Returns what to record about the build."""
+    started = time.perf_counter()
+    rows = len(raw.dataset)
+    procs = max(1, min(num_proc or default_processes(), rows // MIN_ROWS_PER_PROCESS))
+    with _progress_bars(rows >= PROGRESS_ROWS):
+        mapped = _map(raw, layout, procs, workdir)
+        stats, kept = _kept(mapped, raw.decoder.source)
+        tokens = pc.sum(mapped.data.column("length"), min_count=0).as_py()  # bad rows' lengths are null
+        kept.save_to_disk(str(out), num_shards=None if len(kept) else 1)  # an empty set still gets a file
+    return {
+        "rows": stats.kept,
+        "tokens": tokens,
+        "processes": procs,
+        "build_s": round(time.perf_counter() - started, 3),
+        "stats": {
+            "skipped": stats.skipped,
+            "kept": stats.kept,
+            "reasons": list(stats.reasons.items()),
+            "examples_of": stats.examples_of,
+            "rows_of": stats.rows_of,
+        },
+    }
+
+
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """``datasets``' progress bars for sets big enough to take a while; small ones build quietly."""
+    import datasets
+
+    change = not show and datasets.is_progress_bar_enabled()
+    if change:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if change:
+            datasets.enable_progress_bars()
+
+
+def _map(raw: RawRows, layout: Layout[Any], procs: int, workdir: Path) -> datasets.Dataset:
+    """Every row through :class:`_Tokenize`, by ``procs`` processes, each on a contiguous share."""
+    import datasets
+
+    features = {"row": datasets.Value("int64"), "length": datasets.Value("int32"), **layout.features()}
+    features |= _error_features()
+    mapped = raw.dataset.with_format("arrow").map(
+        _Tokenize(raw, layout, list(features)),
+        batched=True,
+        with_indices=True,
+        remove_columns=raw.dataset.column_names,
+        features=datasets.Features(features),
+        num_proc=procs if procs > 1 else None,
+        cache_file_name=str(workdir / "map.arrow"),
+        load_from_cache_file=False,
+        new_fingerprint=f"padless-{layout.name}-{os.getpid()}",
+        desc=f"padless: tokenizing {raw.decoder.source}",
+    )
+    return mapped.with_format(None)
+
+
+def _kept(mapped: datasets.Dataset, source: str) -> tuple[SkipStats, datasets.Dataset]:
+    """The rows to keep and the skip report; raises the error that stops the run, if there is one."""
+    errors = list(_error_features())
+    bad = np.flatnonzero(mapped.data.column("error_kind").is_valid().to_numpy(zero_copy_only=False))
+    stats = SkipStats()
+    if bad.size:
+        records = mapped.select(bad).select_columns(["row", *errors]).to_list()
+        read = [r for r in records if r["error_kind"] == READ]
+        stop = read or [r for r in records if r["error_kind"] == FATAL]
+        if stop:
+            raise _error(stop[0], source)
+        for record in records:
+            stats.record(_error(record, source))
+    stats.kept = len(mapped) - int(bad.size)
+    kept = mapped.remove_columns(errors)
+    if bad.size:
+        kept = kept.select(np.setdiff1d(np.arange(len(kept)), bad))
+    return stats, kept
+
+
+def _stats(saved: dict[str, Any]) -> SkipStats:
+    stats = SkipStats(
+        saved["skipped"], saved["kept"], examples_of=saved["examples_of"], rows_of=saved["rows_of"]
+    )
+    for reason, n in saved["reasons"]:
+        stats.reasons[reason] = n
+    return stats
+
+
+def load_set(
+    spec: Any,
+    layout: Layout[T],
+    tokenizer: Any,
+    *,
+    images: ImageInputs | None = None,
+    cache_dir: str | Path | None = None,
+    num_proc: int | None = None,
+    split: str = "train",
+) -> tuple[ExampleSet[T], SkipStats]:
+    """The tokenized set of ``spec`` (a data setting: a file, ``tiny:`` name or ``datasets`` object, with an
+    optional ``[start:stop]``) and what ``skip_bad_rows`` dropped from it.
+
+    Built once per fingerprint into ``cache_dir`` (default: ``padless/`` in the ``datasets`` cache) by
+    ``num_proc`` processes (default: one per core, at most 8, and at most one per 2,000 rows), then
+    memory-mapped. With ``images`` (a vision-language model), and for the embedded image sets, rows are
+    tokenized in memory, row by row, as they always were.
+    """
+    source_spec, selected = sliced(spec)
+    source = open_source(source_spec, split)
+    if images is not None or source.kind == "python":
+        rows = source.rows()[selected]
+        if not rows:
+            raise no_rows(spec)
+        items, stats = layout.in_memory(rows, tokenizer, images)
+        return InMemory(items), stats
+    settings = layout.settings()
+    key = cache.digest(
+        {
+            "layout": layout.name,
+            "settings": settings,
+            "spec": str(spec),
+            "split": split,
+            "data": source.identity(),
+            "tokenizer": cache.tokenizer_identity(tokenizer),
+            "code": cache.code_identity(),
+            "versions": cache.versions(),
+        }
+    )
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache.default_root()
+    path = root / f"{layout.name}-{key}"
+
+    def build(out: Path) -> None:
+        workdir = out / "work"
+        workdir.mkdir()
+        try:
+            raw = raw_rows(source, selected, spec, workdir)
+            layout.prepare(raw, tokenizer)
+            log.info("data %s: not in the cache; tokenizing %d rows into %s", spec, len(raw.dataset), path)
+            done = _build(raw, layout, out, workdir, num_proc)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        meta = {
+            "layout": layout.name,
+            "source": str(spec),
+            "settings": settings,
+            "versions": cache.versions(),
+        }
+        (out / cache.META_FILE).write_text(json.dumps(meta | done, indent=1, ensure_ascii=False))
+
+    hit = cache.load_or_build(path, build, f"data {spec}")
+    return _open(path, layout, source.name, spec, hit)
+
+
+def _open(path: Path, layout: Layout[T], source: str, spec: Any, hit: bool) -> tuple[ArrowSet[T], SkipStats]:
+    import datasets
+
+    meta = json.loads((path / cache.META_FILE).read_text())
+    dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    how = "cache hit" if hit else f"built in {meta['build_s']:.1f} s by {meta['processes']} process(es)"
+    log.info(
+        "data %s: tokenized set %s (%s; %s rows, %s tokens, %.1f MB)",
+        spec,
+        path,
+        how,
+        f"{meta['rows']:,}",
+        f"{meta['tokens']:,}",
+        size / 1e6,
+    )
+    return ArrowSet(dataset, layout, source, path, hit), _stats(meta["stats"])

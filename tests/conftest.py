@@ -3,7 +3,11 @@ computation of per-token log-probs that runs each sequence alone through a plain
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,24 +20,19 @@ PROBE_LENGTHS = (3, 20, 90)
 LogpsFn = Callable[[torch.nn.Module, list[list[int]]], list[torch.Tensor]]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _datasets_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Tokenized sets (and anything else ``datasets`` caches) go to a folder of this session, also in the
-    processes tests launch, never into the user's cache."""
-    import os
+# Tokenized sets (and anything else ``datasets`` caches) go to a folder of this test session, never into the
+# user's cache: set here, before test modules copy ``os.environ`` for the processes they launch.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="padless-tests-datasets-")
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _datasets_cache() -> Iterator[None]:
     import datasets.config
 
-    folder = tmp_path_factory.mktemp("hf_datasets_cache")
-    saved = datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_DATASETS_CACHE")
-    datasets.config.HF_DATASETS_CACHE = folder
-    os.environ["HF_DATASETS_CACHE"] = str(folder)
+    datasets.config.HF_DATASETS_CACHE = Path(_DATASETS_CACHE)  # in case datasets was imported before
     yield
-    datasets.config.HF_DATASETS_CACHE = saved[0]
-    if saved[1] is None:
-        os.environ.pop("HF_DATASETS_CACHE", None)
-    else:
-        os.environ["HF_DATASETS_CACHE"] = saved[1]
+    shutil.rmtree(_DATASETS_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

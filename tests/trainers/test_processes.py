@@ -158,3 +158,24 @@ def test_two_processes_refuse_a_used_folder_together(tmp_path):
     assert result.returncode != 0
     assert err.count(f"padless sft: error: train.output_dir {tmp_path} is not empty") == 2, err[-3000:]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_on_a_bad_row(tmp_path):
+    """The main process tokenizes the data while the other waits for the set; a bad row stops both with its
+    message (the waiting one reads it beside the cache) instead of leaving one waiting forever."""
+    rows = [json.loads(line) for line in (Path(__file__).parents[2] / "padless/tiny/data/sft.jsonl").open()]
+    rows = rows[:30]
+    rows[20] = {"messages": "not a list"}
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    launch = launch_two(
+        "sft", *BASE, f"train.output_dir={tmp_path / 'run'}", f"data.train={data}", f"data.cache_dir={cache}"
+    )
+    result = subprocess.run(launch, env=ENV, capture_output=True, timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode != 0
+    message = f"padless sft: error: {data} row 21 (line 21): field 'messages' must be a list"
+    assert err.count(message) == 2, err[-3000:]
+    assert [p.name.endswith(".failed.json") for p in cache.iterdir()] == [True]  # no set, no leftovers

@@ -50,6 +50,16 @@ def full_logits(lm, examples) -> list[torch.Tensor]:
         return [lm(input_ids=torch.tensor(ex.input_ids)[None], use_cache=False).logits[0] for ex in examples]
 
 
+def _packed_logits(model, batch) -> torch.Tensor:
+    """Full logits ``[T, V]`` of the packed row through the model's own forward (the head included)."""
+    return model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **batch.attention_kwargs(),
+    ).logits[0]
+
+
 def _reference(full_logits, batch, temperature=1.0):
     """Per-token log-probs and entropy ``[T]`` of ``batch.labels`` from full log_softmax; 0 where ignored."""
     logp = torch.cat(full_logits).float().div(temperature).log_softmax(-1)
@@ -104,15 +114,7 @@ def test_chunked_gradients_match_unchunked(examples):
 
     def plain_grads():
         model.zero_grad(set_to_none=True)
-        logits = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            **batch.attention_kwargs(),
-        ).logits[0]
-        labels = batch.labels[0]
-        keep = labels != IGNORE_INDEX
-        (logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * keep).sum().backward()
+        _reference([_packed_logits(model, batch)], batch)[0].sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     whole, chunked, plain = grads(None), grads(CHUNK), plain_grads()
@@ -333,12 +335,7 @@ def test_lora_on_the_head_runs_through_autograd_with_the_same_numbers(examples):
         assert out.logps.grad_fn is not None  # not the fused path: its log-probs carry the graph
         return out.logps.detach(), torch.autograd.grad(out.weighted, adapters)
 
-    logits = model(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        **batch.attention_kwargs(),
-    ).logits[0]
+    logits = _packed_logits(model, batch)
     labels = batch.labels[0]
     want = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0] * keep
     want_grads = torch.autograd.grad((want * weights).sum(), adapters)

@@ -95,10 +95,15 @@ FAMILIES = {"qwen2-vl": (_qwen2_vl, 14), "qwen2.5-vl": (tiny_qwen2_5_vl, 14), "q
 
 def _build(family: str, backend: str) -> torch.nn.Module:
     make_config, _ = FAMILIES[family]
+    return _seeded(make_config(), backend)
+
+
+def _seeded(config: Any, backend: str) -> torch.nn.Module:
+    """The model of ``config`` from seed 0, its matrices scaled to realistic logit sizes, on ``backend``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(
-            make_config(), attn_implementation=attention.hf_name(backend), dtype=torch.float32
+            config, attn_implementation=attention.hf_name(backend), dtype=torch.float32
         )
     with torch.no_grad():
         for p in model.parameters():
@@ -372,17 +377,7 @@ def _internvl(backend: str) -> torch.nn.Module:
     config = InternVLConfig(
         text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID, image_seq_length=4
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForImageTextToText.from_config(
-            config, attn_implementation=attention.hf_name(backend), dtype=torch.float32
-        )
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(WEIGHT_SCALE)
-    model.padless_attention = backend
-    return model.eval()
+    return _seeded(config, backend)
 
 
 @pytest.fixture(scope="module")

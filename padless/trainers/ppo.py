@@ -41,14 +41,15 @@ class PPORecipe(RolloutRecipe):
                 torch.tensor([x for e, _ in live for x in e.meta[key]])
                 for key in ("old_logps", "ref_logps", "old_values")
             )
-            token_rewards = -p.kl_coef * (old - ref)
+            kl = old - ref
+            token_rewards = -p.kl_coef * kl
             token_rewards[torch.tensor(lengths).cumsum(0) - 1] += torch.tensor([score for _, score in live])
             advantages, returns = gae(token_rewards, old_values, p.gamma, p.lam, lengths)
             if p.whiten_advantages:
                 advantages = whiten(advantages)
             for (e, _), adv, ret in zip(live, advantages.split(lengths), returns.split(lengths), strict=True):
                 e.meta.update(advantages=adv.tolist(), returns=ret.tolist())
-            kls = [k.sum().item() for k in (old - ref).split(lengths)]
+            kls = [k.sum().item() for k in kl.split(lengths)]
         policy_weight = 0.0 if epoch < p.critic_warmup_steps else 1.0  # warm-up: only the critic learns
         for e in examples:
             e.meta["policy_weight"] = policy_weight

@@ -28,6 +28,7 @@ def _check(args: argparse.Namespace) -> int:
     from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
     from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
     from padless.vision import is_vision_config, load_processor
+    from padless.zoo import zoo_names
 
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
@@ -76,7 +77,13 @@ def _check(args: argparse.Namespace) -> int:
             f"sequence lengths {[len(s) for s in seqs]}  backends {','.join(backends)}\n"
         )
     if args.zoo:
-        results = check.run_zoo(seqs, pad_id, backends, dtype=dtype, device=device)
+        names = None if args.zoo == "all" else tuple(n.strip() for n in args.zoo.split(","))
+        unknown = sorted(set(names or ()) - set(zoo_names()))
+        if unknown:  # stops before any work
+            raise ValueError(
+                f"unknown zoo architecture {', '.join(unknown)}; `padless check --zoo` runs them all"
+            )
+        results = check.run_zoo(seqs, pad_id, backends, names, dtype=dtype, device=device)
         print(check.format_zoo(results, markdown=args.markdown))
         failed = check.zoo_failures(results, requested)
     else:
@@ -223,9 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     which.add_argument(
         "--zoo",
-        action="store_true",
-        help="every architecture of padless.zoo (tiny configs built in code); on CPU without --backends, "
-        "flex_attention is left out (it compiles a kernel per shape: minutes per architecture)",
+        nargs="?",
+        const="all",
+        metavar="NAMES",
+        help="the model zoo: padless's hand-built tiny configs and one derived from every causal-LM "
+        "architecture of the installed transformers (or a comma-separated subset of them); on CPU "
+        "without --backends, flex_attention is left out (it compiles a kernel per shape)",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     check.add_argument(

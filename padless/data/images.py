@@ -168,32 +168,6 @@ class ImageInputs:
         config = unwrap(model).config
         return cls(load_processor(name), config) if is_vision_config(config) else None
 
-    def prompts(self, rows: Sequence[Row]) -> tuple[list[list[int]], list[dict[str, torch.Tensor] | None]]:
-        """Generation prompts of chat rows: each conversation up to its last assistant turn, with the images
-        of the turns kept."""
-        from padless.data.rl import tokenize_prompts
-
-        cut = []
-        for row in rows:
-            prepared = self.prepare(row)
-            messages = prepared.row.data["messages"]
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            pictures = iter(prepared.images)  # back inline, in order: the prompt keeps its own images only
-            prompt = [
-                {
-                    **m,
-                    "content": [
-                        {**p, "image": next(pictures)} if p["type"] == "image" else p for p in m["content"]
-                    ],
-                }
-                if isinstance(m["content"], list)
-                else m
-                for m in messages[:last]
-            ]
-            cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
-        examples, _ = tokenize_prompts(cut, self.tokenizer, max_prompt_length=1 << 20, images=self)
-        return [e.prompt_ids for e in examples], [e.vision for e in examples]
-
     # -- rows ------------------------------------------------------------------------------------------------
 
     def prepare(self, row: Row) -> ImageRow:

@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row
-from padless.data.sft import ChatTemplateError, SkipStats, _Encoder, _messages, _nonempty_str, _type_name
+from padless.data.records import DataError, Row, SkipStats, type_name
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 PROMPT = "prompt"
@@ -48,7 +49,7 @@ class PromptExample:
         return len(self.prompt_ids)
 
 
-class _PromptEncoder(_Encoder):
+class _PromptEncoder(ChatEncoder):
     """Renders one prompt to (ids, text) according to ``chat_template``."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> None:
@@ -73,7 +74,7 @@ class _PromptEncoder(_Encoder):
                 "data.skip_bad_rows: true to skip it.",
             )
         if isinstance(value, str):
-            text = _nonempty_str(row, PROMPT, value)
+            text = nonempty_str(row, PROMPT, value)
             if not self.use_template_for_strings:
                 return self.leading_specials + self.encode(text), text
             return self.chat(row, [{"role": "user", "content": text}])
@@ -87,7 +88,7 @@ class _PromptEncoder(_Encoder):
                     fix="Give the prompt as a string, set data.chat_template to null (or true), or set "
                     "data.skip_bad_rows: true to skip it.",
                 )
-            messages = _messages(row, PROMPT, value)
+            messages = chat_messages(row, PROMPT, value)
             if messages[-1]["role"] == "assistant":
                 raise row.error(
                     f"{PROMPT}[{len(messages) - 1}].role",
@@ -100,7 +101,7 @@ class _PromptEncoder(_Encoder):
             return self.chat(row, messages)
         raise row.error(
             PROMPT,
-            f"must be a string or a list of {{role, content}} messages, got {_type_name(value)}",
+            f"must be a string or a list of {{role, content}} messages, got {type_name(value)}",
             reason="wrong type",
         )
 
@@ -192,6 +193,33 @@ def tokenize_prompts(
             continue
         stats.kept += 1
     return out, stats
+
+
+def image_prompts(
+    rows: Sequence[Row], images: ImageInputs
+) -> tuple[list[list[int]], list[dict[str, torch.Tensor] | None]]:
+    """Generation prompts of chat rows: each conversation up to its last assistant turn, with the images
+    of the turns kept."""
+    cut = []
+    for row in rows:
+        prepared = images.prepare(row)
+        messages = prepared.row.data["messages"]
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        pictures = iter(prepared.images)  # back inline, in order: the prompt keeps its own images only
+        prompt = [
+            {
+                **m,
+                "content": [
+                    {**p, "image": next(pictures)} if p["type"] == "image" else p for p in m["content"]
+                ],
+            }
+            if isinstance(m["content"], list)
+            else m
+            for m in messages[:last]
+        ]
+        cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
+    examples, _ = tokenize_prompts(cut, images.tokenizer, max_prompt_length=1 << 20, images=images)
+    return [e.prompt_ids for e in examples], [e.vision for e in examples]
 
 
 def reward_inputs(

@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from padless.errors import AttentionError
 from padless.tolerance import bound
 from padless.vision import uses_mrope
 
@@ -42,10 +43,6 @@ log = logging.getLogger(__name__)
 # kernel name -> number of attention-layer calls; read by the load-time probe and by `padless check`.
 KERNEL_CALLS: Counter[str] = Counter()
 _varlen_kernel_choice = "auto"
-
-
-class AttentionError(RuntimeError):
-    """The requested attention is not available, or would not compute what was asked."""
 
 
 def hf_name(backend: str) -> str:

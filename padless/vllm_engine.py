@@ -18,8 +18,9 @@ import torch
 from accelerate import PartialState
 from safetensors.torch import save_file
 
-from padless.model import pad_token_id, unwrap
+from padless.model import pad_token_id
 from padless.rollout import Completion, cut_at_eos, eos_token_ids
+from padless.strategy import unwrap
 
 
 def require_vllm() -> Any:

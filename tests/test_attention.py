@@ -40,7 +40,8 @@ from padless.attention import (
     varlen_attention_forward,
     varlen_kernel,
 )
-from padless.model import forward_packed, forward_padded, load_model
+from padless.engine import forward_packed, forward_padded
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded, unpad
 from padless.tiny import tiny_config
 from padless.tolerance import bound

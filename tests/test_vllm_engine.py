@@ -11,7 +11,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from padless.config import GRPOConfig, load_config
+from padless.config import GRPOConfig
+from padless.config_loading import load_config
 from padless.model import load_model
 from padless.rollout import HFEngine
 from padless.trainers.grpo import run_grpo

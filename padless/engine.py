@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless.attention import assert_attention, attention_in_use, runtime_context, sequence_bounds
+from padless.attention import assert_attention, attention_in_use, runtime_context
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
 from padless.strategy import unwrap
+from padless.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.

@@ -9,7 +9,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless import sources
-from padless.attention import assert_attention, hf_name, probe_attention, require_backend
+from padless.attention import assert_attention, hf_name, require_backend
+from padless.probe import probe_attention
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

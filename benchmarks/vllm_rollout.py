@@ -32,10 +32,13 @@ from padless.vllm_engine import VLLMEngine
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
     rows = [json.loads(line) for line in data_path("rl").read_text().splitlines()[:count]]
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
         for r in rows
     ]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def timed(engine, batch: list[list[int]], n: int, seed: int) -> tuple[float, int]:

@@ -162,11 +162,35 @@ class ImageInputs:
     @classmethod
     def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
         """The image side of the model ``name`` (its processor), or None for a text-only model."""
-        from padless.model import unwrap
-        from padless.vision import is_vision_config, load_processor
+        from padless.sources import load_processor
+        from padless.strategy import unwrap
+        from padless.vision import is_vision_config
 
         config = unwrap(model).config
         return cls(load_processor(name), config) if is_vision_config(config) else None
+
+    def prompt_rows(self, rows: Sequence[Row]) -> list[Row]:
+        """Generation prompts of chat rows, as prompt rows (:func:`padless.data.rl.tokenize_prompts` reads
+        them): each conversation up to its last assistant turn, with the images of the turns kept."""
+        cut = []
+        for row in rows:
+            prepared = self.prepare(row)
+            messages = prepared.row.data["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            pictures = iter(prepared.images)  # back inline, in order: the prompt keeps its own images only
+            prompt = [
+                {
+                    **m,
+                    "content": [
+                        {**p, "image": next(pictures)} if p["type"] == "image" else p for p in m["content"]
+                    ],
+                }
+                if isinstance(m["content"], list)
+                else m
+                for m in messages[:last]
+            ]
+            cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
+        return cut
 
     # -- rows ------------------------------------------------------------------------------------------------
 

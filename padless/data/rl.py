@@ -25,7 +25,6 @@ from padless.data.images import ImageInputs, reject_images
 from padless.data.records import DataError, Row, SkipStats, type_name
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
 PROMPT = "prompt"
@@ -193,33 +192,6 @@ def tokenize_prompts(
             continue
         stats.kept += 1
     return out, stats
-
-
-def image_prompts(
-    rows: Sequence[Row], images: ImageInputs
-) -> tuple[list[list[int]], list[dict[str, torch.Tensor] | None]]:
-    """Generation prompts of chat rows: each conversation up to its last assistant turn, with the images
-    of the turns kept."""
-    cut = []
-    for row in rows:
-        prepared = images.prepare(row)
-        messages = prepared.row.data["messages"]
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        pictures = iter(prepared.images)  # back inline, in order: the prompt keeps its own images only
-        prompt = [
-            {
-                **m,
-                "content": [
-                    {**p, "image": next(pictures)} if p["type"] == "image" else p for p in m["content"]
-                ],
-            }
-            if isinstance(m["content"], list)
-            else m
-            for m in messages[:last]
-        ]
-        cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
-    examples, _ = tokenize_prompts(cut, images.tokenizer, max_prompt_length=1 << 20, images=images)
-    return [e.prompt_ids for e in examples], [e.vision for e in examples]
 
 
 def reward_inputs(

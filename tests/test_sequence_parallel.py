@@ -1,0 +1,125 @@
+"""Sequence parallelism (Ulysses) on packed rows equals one process on the whole row, per token.
+
+The multi-process checks run ``sp_worker.py`` on 2 CPU processes over gloo: a packed row of 4 sequences
+(137 tokens, padded to 138, chunk boundary inside the second sequence) through the engine split over 2
+ranks against the same engine unsplit. Tolerance: :func:`padless.tolerance.bound` (16 fp32 eps times the
+largest compared magnitude): the split run attends the same tokens with the same kernel but in head
+groups, so only summation order changes; a token attending across a boundary, a lost or duplicated
+token or a label shifted by one moves log-probs by 1e-2 and up. Gradients: the split run's per-rank
+gradients summed over the group (what the data-parallel reduction does), same bound with magnitude the
+largest reference gradient entry (<1, so 16 eps = 1.9e-6; measured 3e-8 to 1.5e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from padless import sequence_parallel
+from padless.model import load_model
+from padless.packing import IGNORE_INDEX, Example, pack
+from padless.tolerance import bound
+
+WORKER = Path(__file__).parent / "sp_worker.py"
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(tmp_path: Path, processes: int, degree: int) -> dict:
+    out = tmp_path / "sp.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(out),
+        str(degree),
+    ]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def exceeded(report: dict, measured: dict) -> list[str]:
+    """The compared quantities whose difference is above the fp32 round-off bound."""
+    over = []
+    for key, delta in measured.items():
+        name = key.removesuffix("_delta")
+        scale = report[f"{name.removesuffix('_grad')}_grad_scale" if name.endswith("_grad") else f"{name}_scale"]
+        if not delta <= bound(torch.float32, scale):
+            over.append(f"{key}={delta:.3g}")
+    return over
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("sp2"), 2, 2)
+
+
+@pytest.mark.slow
+def test_split_row_equals_whole_row_per_token_and_in_losses_and_grads(two_ranks):
+    assert two_ranks["degree"] == 2 and two_ranks["tokens"] == 137
+    exact = two_ranks["exact"]
+    assert set(exact) == {
+        "logps_delta",
+        "entropy_delta",
+        "values_delta",
+        *(f"{n}_{k}" for n in ("sft", "dpo", "grpo") for k in ("loss_delta", "grad_delta")),
+    }
+    assert exceeded(two_ranks, exact) == []
+
+
+@pytest.mark.slow
+def test_an_off_by_one_at_the_split_fails_the_check(two_ranks):
+    """Rank 1's chunk planted one token early: every compared quantity moves past the bound."""
+    planted = two_ranks["planted"]
+    assert len(exceeded(two_ranks, planted)) == len(planted)
+    assert planted["logps_delta"] > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------
+# The split itself, in one process
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_padding_is_its_own_labelless_sequence_and_chunks_keep_the_row_bounds():
+    sp = sequence_parallel.SequenceParallel(degree=4, rank=2, group=None)
+    batch = pack([Example(list(range(3, 10))), Example(list(range(20, 26)))])  # 13 tokens -> 16
+    padded = sp.pad(batch)
+    assert padded.cu_seqlens.tolist() == [0, 7, 13, 16]
+    assert padded.position_ids[0, 13:].tolist() == [0, 1, 2]
+    assert padded.labels[0, 12:].tolist() == [IGNORE_INDEX] * 4  # a sequence's last token predicts nothing
+    chunk = sp.chunk(padded)
+    assert chunk.input_ids[0].tolist() == [21, 22, 23, 24]  # tokens 8..11: the second sequence's middle
+    assert chunk.position_ids[0].tolist() == [1, 2, 3, 4]  # its true positions, not 0..3
+    assert chunk.labels[0].tolist() == [22, 23, 24, 25]  # shifted before the split: 25 is past the chunk
+    assert chunk.cu_seqlens is padded.cu_seqlens
+
+
+def test_models_the_split_cannot_run_are_refused():
+    model = load_model("tiny-llama", probe=False)  # 4 query heads, 2 key/value heads
+    sequence_parallel.check_model(model, 2)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match=r"must divide .* \(4 query, 2 key/value\)"):
+        sequence_parallel.check_model(model, 4)
+    sdpa = load_model("tiny-llama", attn_implementation="sdpa", probe=False)
+    with pytest.raises(sequence_parallel.SequenceParallelError, match="varlen attention backend only"):
+        sequence_parallel.check_model(sdpa, 2)
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(sequence_parallel.SequenceParallelError, match="linear_attention layers"):
+        sequence_parallel.check_model(model, 2)

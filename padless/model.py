@@ -15,12 +15,12 @@ from padless.attention import (
     assert_attention,
     attention_in_use,
     hf_name,
-    probe_attention,
     require_backend,
     runtime_context,
-    sequence_bounds,
 )
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
+from padless.probe import probe_attention
+from padless.varlen import sequence_bounds
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -77,7 +77,7 @@ class ModelEngine(torch.nn.Module):
             return self._forward(batch, logp_weights=logp_weights, **kw)
         if not isinstance(batch, PackedBatch):
             raise sequence_parallel.SequenceParallelError(
-                "train.sequence_parallel > 1 runs packed batches only; set train.batching to tokens or packing"
+                "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens or packing"
             )
         return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
 

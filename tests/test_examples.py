@@ -41,6 +41,8 @@ def test_example_runs(path, tmp_path):
     kind = trainer_of(path)
     if "engine: vllm" in path.read_text() and not VLLM_RUNS:
         pytest.skip("a vLLM example: needs vLLM and a CUDA GPU")
+    if "sequence_parallel:" in path.read_text():
+        pytest.skip("needs several processes: run by tests/test_sequence_parallel.py")
     overrides = [
         f"train.output_dir={tmp_path}",
         "train.max_steps=2",

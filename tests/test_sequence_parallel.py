@@ -122,3 +122,131 @@ def test_models_the_split_cannot_run_are_refused():
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(SequenceParallelError, match="linear_attention layers"):
         sequence_parallel.check_model(model, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Whole trainers: 2 processes with sequence_parallel=2 against 1 process, and resumed across degrees
+# ------------------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "examples" / "sft_long_context_sp2.yaml"
+SCORER = (
+    "def distinct(prompts, completions, **fields):\n    return [float(len(set(c))) for c in completions]\n"
+)
+COMMON = [
+    "train.logging_steps=1",
+    "train.progress_bar=false",
+    "train.report_to=[jsonl]",
+    "train.save_steps=2",
+]
+
+
+def trainer_runs(scorer: Path) -> dict[str, list[str]]:
+    """Each trainer's argv (without output dir and degree): the long-context example on the small eval set
+    (rows of up to 2,048 tokens), DPO with its reference pass shared between ranks, GRPO whose rollouts
+    each sequence-parallel group samples once."""
+    small = ["model.name=tiny-llama", "train.learning_rate=1e-3", "train.max_tokens_per_batch=1024"]
+    sft = [
+        "data.train=tiny:sft_eval",
+        "train.max_tokens_per_batch=2048",
+        "train.max_steps=4",
+        "train.eval_steps=4",
+    ]
+    dpo = ["data.train=tiny:preference_eval", "data.max_length=1024", "dpo.precompute_ref_logps=true"]
+    rollout = ["rollout.prompts_per_step=3", "rollout.num_generations=2", "rollout.max_new_tokens=6"]
+    grpo = [
+        "data.train=tiny:rl",
+        *rollout,
+        "rollout.mask_truncated=false",
+        f"reward.functions=[{scorer}:distinct]",
+        "grpo.beta=0.1",
+        "grpo.mini_batches_per_rollout=2",
+        "train.max_steps=4",
+    ]
+    return {
+        "sft": ["sft", str(EXAMPLE), *COMMON, *sft],
+        "dpo": ["dpo", *COMMON, *small, *dpo, "train.max_steps=3"],
+        "grpo": ["grpo", *COMMON, *small, *grpo],
+    }
+
+
+def metrics(run: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {
+        k: v
+        for f in sorted((run / f"checkpoint-{step}").glob("*.safetensors"))
+        for k, v in load_file(f).items()
+    }
+
+
+@pytest.mark.slow
+def test_trainers_split_over_two_processes_equal_one_process_and_resume_across_degrees(tmp_path):
+    """SFT (the long-context example), DPO and GRPO with ``sequence_parallel=2`` on 2 processes give the
+    same per-step losses, eval loss and weights as 1 process; a checkpoint written at degree 1 resumes at
+    degree 2 and back to the same losses. Tolerances as in ``tests/trainers/test_strategies.py``: losses
+    1e-5 relative (summation order), weights after a few AdamW steps 1e-4 absolute."""
+    from padless import cli
+
+    (tmp_path / "scorer.py").write_text(SCORER)
+    runs = trainer_runs(tmp_path / "scorer.py")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for kind, argv in runs.items():
+        assert cli.main([*argv, f"train.output_dir={one / kind}", "train.sequence_parallel=1"]) == 0, kind
+    spec = [
+        {
+            "argv": [*argv, f"train.output_dir={two / k}", "train.sequence_parallel=2"],
+            "facts": str(tmp_path / f"{k}.json"),
+        }
+        for k, argv in runs.items()
+    ]
+    spec.append(  # degree 1 -> 2
+        {
+            "argv": [
+                *runs["sft"],
+                f"train.output_dir={two / 'sft-resumed'}",
+                "train.sequence_parallel=2",
+                f"train.resume_from_checkpoint={one / 'sft' / 'checkpoint-2'}",
+            ],
+            "facts": str(tmp_path / "resumed.json"),
+        }
+    )
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        str(ROOT / "tests" / "trainers" / "strategy_runs.py"), str(tmp_path / "runs.json"),
+    ]  # fmt: skip
+    done = subprocess.run(launch, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    back = tmp_path / "sft-back"  # degree 2 -> 1
+    resume = f"train.resume_from_checkpoint={two / 'sft' / 'checkpoint-2'}"
+    assert cli.main([*runs["sft"], f"train.output_dir={back}", "train.sequence_parallel=1", resume]) == 0
+
+    for kind in runs:
+        facts = json.loads((tmp_path / f"{kind}.json").read_text())
+        assert facts["strategy"] == "ddp" and facts["world"] == 2, facts
+        want, got = metrics(one / kind, "train/loss"), metrics(two / kind, "train/loss")
+        assert sorted(got) == sorted(want) and len(want) >= 3, kind
+        assert any(abs(v) > 1e-3 for v in want.values()), f"{kind}: a loss of 0 proves nothing"
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (kind, step)
+        last = max(want)
+        a, b = final_weights(one / kind, last), final_weights(two / kind, last)
+        assert a.keys() == b.keys()
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst <= 1e-4, (kind, worst)
+    evals = metrics(one / "sft", "eval/loss"), metrics(two / "sft", "eval/loss")
+    assert evals[1][4] == pytest.approx(evals[0][4], rel=1e-5)
+    straight = metrics(one / "sft", "train/loss")
+    for resumed in (two / "sft-resumed", back):
+        again = metrics(resumed, "train/loss")
+        assert sorted(again) == [3, 4], resumed
+        for step in (3, 4):
+            assert again[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-7), (resumed, step)

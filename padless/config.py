@@ -1019,6 +1019,11 @@ class RewardSettings(ConfigModel):
     model: str | None = None
     """a padless reward model checkpoint (score at each sequence's last token)"""
     model_weight: float = 1.0
+    overlong_buffer: NonNegativeInt = 0
+    """DAPO soft overlong penalty: from rollout.max_new_tokens - overlong_buffer tokens on, a penalty falling
+    linearly to -overlong_penalty at max_new_tokens is added to the reward; 0 = off"""
+    overlong_penalty: float | None = None
+    """the penalty at max_new_tokens (default 1.0)"""
 
     def _check(self) -> None:
         if not self.functions and self.model is None:
@@ -1056,6 +1061,23 @@ class RewardSettings(ConfigModel):
                 "it would be ignored",
                 "set model to a reward model checkpoint, or leave model_weight at 1.0",
             )
+        if self.overlong_penalty is not None and not self.overlong_penalty > 0:
+            raise invalid(
+                "overlong_penalty",
+                f"must be > 0, got {self.overlong_penalty!r} (it is subtracted from the reward)",
+                "set it to e.g. 1.0, or null for 1.0",
+            )
+        if self.overlong_penalty is not None and self.overlong_buffer == 0:
+            raise invalid(
+                ("overlong_penalty", "overlong_buffer"),
+                "overlong_penalty scales the soft overlong penalty, which is off (overlong_buffer: 0)",
+                "set overlong_buffer to the length of the penalised zone (e.g. a quarter of max_new_tokens)",
+            )
+
+    @property
+    def overlong_factor(self) -> float:
+        """The soft overlong penalty at ``rollout.max_new_tokens``."""
+        return 1.0 if self.overlong_penalty is None else self.overlong_penalty
 
 
 class GRPOSettings(ConfigModel):
@@ -1065,9 +1087,21 @@ class GRPOSettings(ConfigModel):
     """clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
     """asymmetric upper clip (DAPO); default = epsilon"""
-    scale_rewards: bool = True
-    """divide group-centred rewards by the group std"""
-    loss_normalisation: Literal["token", "sequence"] = "token"
+    scale_rewards: bool | None = None
+    """advantage grpo: divide group-centred rewards by the group std (default true; false = Dr.GRPO)"""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo"] = "dapo"
+    """dapo: token-mean over the step; grpo: mean of each sequence's token-mean; dr_grpo: sum over
+    sequences x max_new_tokens; cispo: capped, stop-gradient IS weight times log-prob, token-mean"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """sequence: GSPO, one length-normalised ratio per sequence (use small epsilons, e.g. 3e-4 / 4e-4)"""
+    cispo_max_ratio: float | None = None
+    """loss_type cispo: cap on the importance weight (default 5.0, ScaleRL's epsilon_max)"""
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: group mean (and std); rloo: leave-one-out group mean; reinforce_pp: group mean, then one
+    std over the whole rollout (REINFORCE++-baseline)"""
+    dynamic_sampling_rounds: NonNegativeInt = 0
+    """DAPO dynamic sampling: groups whose rewards are all equal are dropped and refilled with fresh
+    prompts, at most this many refill rounds per rollout; 0 = off"""
     updates_per_rollout: PositiveInt = 1
     """policy passes over each rollout batch (ratios from stored old log-probs)"""
     mini_batches_per_rollout: PositiveInt = 1
@@ -1087,6 +1121,40 @@ class GRPOSettings(ConfigModel):
                 "range, meant to be at least as wide as the lower one (DAPO's clip-higher: 0.28 with 0.2)",
                 "set epsilon_high >= epsilon, or null for a symmetric clip",
             )
+        if self.cispo_max_ratio is not None and not self.cispo_max_ratio > 0:
+            raise invalid(
+                "cispo_max_ratio",
+                f"must be > 0, got {self.cispo_max_ratio!r}",
+                "set it to e.g. 5.0, or null for 5.0",
+            )
+        if self.cispo_max_ratio is not None and self.loss_type != "cispo":
+            raise invalid(
+                ("cispo_max_ratio", "loss_type"),
+                f"cispo_max_ratio is the cap of loss_type cispo, but loss_type is {self.loss_type!r}",
+                "set loss_type: cispo, or remove cispo_max_ratio (clipped losses use epsilon / epsilon_high)",
+            )
+        if self.loss_type == "cispo" and self.importance_sampling_level == "sequence":
+            raise invalid(
+                ("importance_sampling_level", "loss_type"),
+                "a sequence-level ratio (GSPO) is implemented for the clipped losses, not for cispo",
+                "set importance_sampling_level: token, or a clipped loss_type (dapo, grpo, dr_grpo)",
+            )
+        if self.scale_rewards is not None and self.advantage != "grpo":
+            raise invalid(
+                ("scale_rewards", "advantage"),
+                f"scale_rewards divides by the group std of advantage grpo; advantage is {self.advantage!r}",
+                "remove scale_rewards, or set advantage: grpo",
+            )
+
+    @property
+    def group_std(self) -> bool:
+        """Whether GRPO advantages divide by the group std (``scale_rewards``, default true)."""
+        return self.scale_rewards is not False
+
+    @property
+    def max_ratio(self) -> float:
+        """CISPO's cap on the importance weight."""
+        return 5.0 if self.cispo_max_ratio is None else self.cispo_max_ratio
 
 
 class PPOSettings(ConfigModel):
@@ -1121,7 +1189,12 @@ class PPOSettings(ConfigModel):
 
 
 def _check_rl_run(
-    data: RLDataSettings, train: TrainSettings, rollout: RolloutSettings, mini_batches: str, n_mini: int
+    data: RLDataSettings,
+    train: TrainSettings,
+    rollout: RolloutSettings,
+    reward: RewardSettings,
+    mini_batches: str,
+    n_mini: int,
 ) -> None:
     """Cross-section checks shared by GRPO and PPO configs."""
     if train.batching == "padded":
@@ -1138,6 +1211,13 @@ def _check_rl_run(
             "set train.eval_generate to false",
         )
     _check_eval_set(data.eval, train, "a prompt data set")
+    if reward.overlong_buffer > rollout.max_new_tokens:
+        raise invalid(
+            ("reward.overlong_buffer", "rollout.max_new_tokens"),
+            f"the soft overlong zone of {reward.overlong_buffer} tokens is longer than the "
+            f"{rollout.max_new_tokens} tokens a completion may have",
+            "set reward.overlong_buffer <= rollout.max_new_tokens",
+        )
     samples = rollout.prompts_per_step * rollout.num_generations
     if samples % n_mini:
         raise invalid(
@@ -1173,8 +1253,8 @@ class GRPOConfig(ConfigModel):
                 "with each other, so every group needs at least 2",
                 "set rollout.num_generations to 2 or more (e.g. 4 or 8)",
             )
-        n_mini = self.grpo.mini_batches_per_rollout
-        _check_rl_run(self.data, self.train, self.rollout, "grpo.mini_batches_per_rollout", n_mini)
+        n = self.grpo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, self.reward, "grpo.mini_batches_per_rollout", n)
 
 
 class PPOConfig(ConfigModel):
@@ -1194,5 +1274,5 @@ class PPOConfig(ConfigModel):
     ppo: PPOSettings = Field(default_factory=PPOSettings)
 
     def _check(self) -> None:
-        n_mini = self.ppo.mini_batches_per_rollout
-        _check_rl_run(self.data, self.train, self.rollout, "ppo.mini_batches_per_rollout", n_mini)
+        n = self.ppo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, self.reward, "ppo.mini_batches_per_rollout", n)

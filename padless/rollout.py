@@ -33,6 +33,8 @@ class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]  # up to and including the first EOS
     finished: bool  # False when max_new_tokens ran out before an EOS
+    # one per completion token: log_softmax(logits / temperature) of the sampled token, before top-k / top-p
+    logprobs: list[float] | None = None
 
 
 def left_pad(

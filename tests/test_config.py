@@ -11,14 +11,10 @@ import yaml
 from pydantic import Field
 
 from padless.cli import TRAINERS, _load, main
-from padless.config import (
+from padless.config import DataSettings, LoraSettings, ModelSettings, SFTConfig, TrainSettings
+from padless.config_loading import (
     ConfigError,
     ConfigModel,
-    DataSettings,
-    LoraSettings,
-    ModelSettings,
-    SFTConfig,
-    TrainSettings,
     from_dict,
     invalid,
     load_config,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from padless.cli import TRAINERS, _load
-from padless.config import load_config
+from padless.config_loading import load_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 

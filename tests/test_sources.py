@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from padless import sources
 from padless.cli import main
-from padless.model import forward_packed, load_model, load_tokenizer
+from padless.engine import forward_packed
+from padless.model import load_model, load_tokenizer
 from padless.packing import Example, pack
 from padless.tiny import build_tiny_model, tiny_tokenizer
 

@@ -13,10 +13,11 @@ from accelerate.utils import set_seed
 
 from padless import sequence_parallel
 from padless.attention import set_varlen_kernel
-from padless.config import ModelSettings, save_config
-from padless.engine import ModelEngine
+from padless.config import ModelSettings
+from padless.config_loading import save_config
+from padless.engine import ModelEngine, set_logits_memory
 from padless.logs import describe_run, log_to_file, setup_logging
-from padless.model import Task, load_model, load_tokenizer, pad_token_id, set_logits_memory
+from padless.model import Task, load_model, load_tokenizer, pad_token_id
 from padless.strategy import prepare_frozen, start_accelerator
 from padless.trainers import rundir
 

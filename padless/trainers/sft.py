@@ -13,6 +13,7 @@ from accelerate import PartialState
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
+from padless.data.rl import tokenize_prompts
 from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import SFTLayout, load_set
 from padless.engine import ModelEngine
@@ -195,7 +196,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         eval_examples = tokenize(data.eval, "eval")
         eval_rows = load_rows(data.eval) if cfg.train.eval_generate else []
         if cfg.train.eval_generate and images is not None:
-            eval_prompts, eval_vision = images.prompts(eval_rows)
+            cut, _ = tokenize_prompts(
+                images.prompt_rows(eval_rows), tokenizer, max_prompt_length=1 << 20, images=images
+            )
+            eval_prompts, eval_vision = [e.prompt_ids for e in cut], [e.vision for e in cut]
         elif cfg.train.eval_generate:
             eval_prompts = eval_prompt_ids(eval_rows, tokenizer)
     recipe = SFTRecipe(

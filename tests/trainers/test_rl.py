@@ -13,11 +13,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig, load_config
+from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig
+from padless.config_loading import load_config
 from padless.data import load_rows
-from padless.engine import ModelEngine
+from padless.engine import ModelEngine, forward_packed, hidden_states
 from padless.losses import gae, whiten
-from padless.model import forward_packed, hidden_states, load_model
+from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
 from padless.tiny import build_tiny_model, tiny_tokenizer

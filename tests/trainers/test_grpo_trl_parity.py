@@ -24,7 +24,8 @@ import pytest
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from padless.config import GRPOConfig, load_config
+from padless.config import GRPOConfig
+from padless.config_loading import load_config
 from padless.packing import Example
 from padless.trainers.grpo import GRPORecipe
 from padless.trainers.loop import MicroBatch

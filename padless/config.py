@@ -115,6 +115,8 @@ class TrainSettings(ConfigModel):
     """batching padded only"""
     logits_memory_mb: PositiveInt = 1024
     """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
+    sequence_parallel: PositiveInt = 1
+    """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
     logging_steps: PositiveInt = 10
     eval_steps: NonNegativeInt = 0
     """0: evaluate only at the end (if data.eval is set)"""
@@ -165,6 +167,12 @@ class TrainSettings(ConfigModel):
                 f"overwrite_output_dir deletes the checkpoints in output_dir that resume_from_checkpoint="
                 f"{self.resume_from_checkpoint} would resume from",
                 "set one of them: overwrite_output_dir=false to resume, or resume_from_checkpoint=null",
+            )
+        if self.sequence_parallel > 1 and self.batching == "padded":
+            raise invalid(
+                ("sequence_parallel", "batching"),
+                f"sequence_parallel={self.sequence_parallel} splits packed rows; batching padded makes none",
+                "set batching to tokens or packing, or sequence_parallel to 1",
             )
 
 

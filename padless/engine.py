@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from padless import sequence_parallel
 from padless.attention import assert_attention, attention_in_use, runtime_context
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
 from padless.strategy import unwrap
@@ -363,6 +364,12 @@ class ModelEngine(torch.nn.Module):
             {name for m in (model, value) if m is not None for name in _no_split(m)}
         )
         self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
+        # the running session's sequence-parallel group: every packed forward is split over it
+        self.sequence_parallel = sequence_parallel.current()
+        if self.sequence_parallel is not None:
+            for m in (model, value):
+                if m is not None:
+                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
 
     def forward(
         self,
@@ -381,9 +388,31 @@ class ModelEngine(torch.nn.Module):
 
         ``logp_weights`` ``[T]`` (a packed batch's loss weights, known before the forward: SFT) gives
         ``weighted = sum_t w_t logps_t``, whose gradient the head computes in its forward pass; the
-        log-probs are then values only (see :func:`logps_from_hidden`)."""
+        log-probs are then values only (see :func:`logps_from_hidden`).
+
+        Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
+        :mod:`padless.sequence_parallel`) and every rank returns the whole row's results."""
         if generate is not None:
             return self.model.generate(**generate)
+        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        if self.sequence_parallel is None:
+            return self._forward(batch, logp_weights=logp_weights, **kw)
+        if not isinstance(batch, PackedBatch):
+            raise sequence_parallel.SequenceParallelError(
+                "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens or packing"
+            )
+        return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+
+    def _forward(
+        self,
+        batch: PackedBatch | PaddedBatch | None,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
         out = EngineOutput()
         if logps:
             if isinstance(batch, PackedBatch):

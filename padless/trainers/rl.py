@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import PartialState
-from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
@@ -29,9 +27,10 @@ from padless.engine import inner_engine
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, lockstep
+from padless.ranks import equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
 from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
@@ -106,7 +105,7 @@ class RolloutRecipe:
         are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
-        first = PartialState().process_index * len(mine)  # this rank's first prompt in the rollout
+        first = data_parallel()[0] * len(mine)  # this rank's first prompt in the rollout
         seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
@@ -129,7 +128,7 @@ class RolloutRecipe:
         self.score(mine[:real], examples, completions[: real * group], group, filler)
         if not greedy:
             self.store(examples, self.passes(), filler)
-        return gather_object(examples)
+        return gather_shares(examples)
 
     def score(
         self,

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
@@ -28,7 +27,7 @@ from padless.packing import (
     pack,
     to_padded,
 )
-from padless.ranks import equal_share
+from padless.ranks import equal_share, gather_shares
 from padless.rollout import generate
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.reporting import report_data
@@ -135,7 +134,7 @@ class SFTRecipe:
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_object(completions[:real])
+        completions = gather_shares(completions[:real])
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from padless.attention import VARLEN_NAME, AttentionError, assert_attention, runtime_context, text_config
+from padless.attention import VARLEN_NAME, assert_attention, runtime_context, text_config
+from padless.engine import logps_from_hidden
+from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
@@ -170,7 +172,7 @@ def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: floa
 
 def head_paths(total: int, device: torch.device) -> dict[str, dict[str, Any]]:
     """The ways training turns hidden states into log-probs, as keyword arguments of
-    :func:`padless.model.logps_from_hidden`: logits whole, in chunks, with the loss's weights (fused for
+    :func:`padless.engine.logps_from_hidden`: logits whole, in chunks, with the loss's weights (fused for
     a plain linear head, through autograd for others, as training runs them), and at a temperature."""
     third = max(1, -(-total // 3))
     return {
@@ -197,8 +199,6 @@ def probe_attention(
     head differs. Bounds scale with the size of what is compared (:mod:`padless.tolerance`);
     ``tolerance`` overrides them.
     """
-    from padless.model import logps_from_hidden
-
     assert_attention(model, backend)
     reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
     device = next(model.parameters()).device

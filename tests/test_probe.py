@@ -21,8 +21,9 @@ from padless.attention import (
 )
 from padless.check import layout_logps, max_delta, run_matrix
 from padless.cli import main
+from padless.engine import LogitsHead, forward_packed
 from padless.errors import describe, exit_code
-from padless.model import LogitsHead, forward_packed, load_model
+from padless.model import load_model
 from padless.packing import Example, pack
 from padless.probe import (
     count_attention_calls,

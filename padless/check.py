@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
     BACKENDS,
+    attention_in_use,
     backend_problem,
     hf_name,
     runtime_context,
@@ -210,6 +211,12 @@ def _one_line(error: Exception) -> str:
 def _switch(model: PreTrainedModel, backend: str) -> None:
     model.set_attn_implementation(hf_name(backend))
     model.padless_attention = backend
+    running = attention_in_use(model)
+    if running != backend:
+        raise AttentionError(
+            f"{model_name(model)} runs {running!r} attention whatever is asked: transformers does not "
+            f"dispatch this architecture to {backend!r} (its attention is written into the model)"
+        )
 
 
 def failures(rows: list[BackendRow], requested: tuple[str, ...] | None = None) -> list[str]:
@@ -286,19 +293,31 @@ class ZooResult:
     @property
     def verdict(self) -> str:
         """On varlen, the backend padless trains on: ``exact`` (every cell within its bound), ``refused``
-        (loading it stops, with the reason), ``no tiny config`` or ``FAILED`` (a cell over its bound
-        although loading passed: what padless must never let happen)."""
+        (loading it stops, with the reason; or a layout stops with an error, said loudly),
+        ``no tiny config``, or ``FAILED``: a cell over its bound although loading passed, numbers
+        silently wrong, what padless must never let happen."""
         if self.no_config:
             return "no tiny config"
-        varlen = next((r for r in self.rows if r.backend == "varlen"), None)
-        if varlen is None:
-            return _status(self.rows[0]) if self.rows else "no tiny config"
-        return "FAILED" if _status(varlen) == "FAILED" else _status(varlen)
+        row = self._varlen()
+        if row is None or not row.ran:
+            return "refused" if row is not None and row.refused else "no tiny config"
+        if any(c.error is None and not c.ok for c in row.cells):
+            return "FAILED"
+        return "refused" if any(c.error for c in row.cells) else "exact"
 
     @property
     def reason(self) -> str | None:
-        varlen = next((r for r in self.rows if r.backend == "varlen"), None)
-        return self.no_config or (varlen.refused or varlen.unavailable if varlen else None)
+        """Why it is not exact: the refusal, the first layout that stopped, or why no tiny config."""
+        if self.no_config:
+            return self.no_config
+        row = self._varlen()
+        if row is None:
+            return "varlen was not run"
+        errored = [f"varlen/{c.layout}: {c.error}" for c in row.cells if c.error]
+        return row.refused or row.unavailable or (errored[0] if errored else None)
+
+    def _varlen(self) -> BackendRow | None:
+        return next((r for r in self.rows if r.backend == "varlen"), None)
 
 
 def zoo_model(
@@ -350,7 +369,9 @@ def _status(row: BackendRow) -> str:
         return "not on this machine"
     if row.refused:
         return "refused"
-    return "exact" if all(c.ok for c in row.cells) else "FAILED"
+    if any(c.error is None and not c.ok for c in row.cells):
+        return "FAILED"
+    return "error" if any(c.error for c in row.cells) else "exact"
 
 
 def zoo_failures(results: list[ZooResult], requested: tuple[str, ...] | None = None) -> list[str]:
@@ -396,7 +417,8 @@ def format_zoo(results: list[ZooResult], markdown: bool = False) -> str:
             cells = ["-"] * len(backends)
             table.append([z.name, f"no tiny config {numbered(z.no_config)}", z.exercises, "-", *cells])
             continue
-        table.append([z.name, z.verdict, z.exercises, f"{z.bound:.1e}", *(cell(r) for r in z.rows)])
+        verdict = z.verdict + (f" {numbered(z.reason)}" if z.verdict == "refused" and z.reason else "")
+        table.append([z.name, verdict, z.exercises, f"{z.bound:.1e}", *(cell(r) for r in z.rows)])
     head = ["architecture", "verdict", "what its tiny config exercises", "bound", *backends]
     notes = [f"[{n}] {reason}" for reason, n in reasons.items()]
     if markdown:

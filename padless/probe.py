@@ -217,7 +217,7 @@ def probe_attention(
         with torch.no_grad(), runtime_context(backend, device):
             kernels_before = Counter(KERNEL_CALLS)
             with count_attention_calls() as counts:
-                hidden = decoder(**packed_kwargs, use_cache=False).last_hidden_state[0]
+                hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
             kernels = sorted((KERNEL_CALLS - kernels_before).keys())
             paths = head_paths(len(labels), device)
             ours = {
@@ -260,6 +260,22 @@ def probe_attention(
         "bound": limit,
         "max_delta_hidden": delta_hidden,
     }
+
+
+def _packed_hidden(
+    model: torch.nn.Module, decoder: torch.nn.Module, packed_kwargs: dict[str, Any], backend: str
+) -> torch.Tensor:
+    """The decoder's last hidden states ``[T, H]`` on the packed row; a failure is a refusal, said so."""
+    try:
+        return decoder(**packed_kwargs, use_cache=False).last_hidden_state[0]
+    except AttentionError:
+        raise
+    except Exception as e:
+        raise AttentionError(
+            f"{model_name(model)}: padless's packed forward on {backend!r} failed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); padless runs every forward packed through the model's "
+            "decoder, so it does not support this architecture"
+        ) from e
 
 
 def _mismatch(

@@ -53,6 +53,8 @@ class GRPORecipe(RolloutRecipe):
         )
         old = per_target(examples, "old_logps", self.device) if self.store_old else logps.detach()
         per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
+        if (weight := self.is_weights(examples)) is not None:  # rollout-trainer correction, before the KL
+            per_token = per_token * weight
         kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
         if kl is not None:
             per_token = per_token + self.cfg.grpo.beta * kl

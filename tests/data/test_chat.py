@@ -8,13 +8,17 @@ that shows earlier turns differently.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import pytest
 
-from padless.data import ChatTemplateError, Row, tokenize_sft
+from padless.cli import main
+from padless.data import ChatTemplateError, Row, load_rows, tokenize_sft
 from padless.data.sft import SftEncoder
-from padless.tiny import tiny_tokenizer
+from padless.data.tokenized import SFTLayout, load_set
+from padless.tiny import build_tiny_model, tiny_tokenizer
 
 
 def _chatml(assistant: str, *, end: str = "", markers: bool = False) -> str:
@@ -146,3 +150,53 @@ def test_end_of_conversation_token_belongs_to_the_last_turn(monkeypatch):
     assert ids == [*want_ids, tok.convert_tokens_to_ids("<|endoftext|>")]
     assert _trained(tok, ids, mask) == ["Paris.<|im_end|>", "Rome.<|im_end|>\n<|endoftext|>"]
     assert _trained(tok, want_ids, want_mask) == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+
+
+def _qwen3_rows(n: int) -> list[dict[str, Any]]:
+    """``n`` two-turn chats with reasoning in both answers."""
+    rows = []
+    for k in range(n):
+        messages = [dict(m) for m in REASONING]
+        messages[1]["content"] = f"<think>\nStep {k}: France.\n</think>\n\nParis {k}."
+        messages[3]["content"] = f"<think>\nStep {k}: Italy.\n</think>\n\nRome {k}."
+        rows.append({"messages": messages})
+    return rows
+
+
+def test_per_turn_through_the_tokenized_set(tmp_path):
+    """The datasets path (what `padless sft` runs) gives the in-memory examples, and counts rows, not
+    examples, as kept."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _qwen3_rows(5)))
+    tok = _tok(QWEN3_STYLE)
+    stored, stats = load_set(
+        str(path), SFTLayout(max_length=512, per_turn=True), tok, cache_dir=tmp_path / "c"
+    )
+    want, want_stats = tokenize_sft(load_rows(str(path)), tok, max_length=512, per_turn=True)
+    assert [(e.input_ids, e.loss_mask) for e in stored] == [(e.input_ids, e.loss_mask) for e in want]
+    assert len(want) == 10 and stats.kept == want_stats.kept == 5
+
+
+@pytest.mark.slow
+def test_padless_sft_trains_a_qwen3_style_template_per_turn(tmp_path, capsys):
+    """A model folder whose template strips earlier reasoning: refused as is (exit 2, the fix named), trained
+    with data.per_turn: true."""
+    folder = tmp_path / "model"
+    build_tiny_model("tiny-qwen2").save_pretrained(folder)
+    _tok(QWEN3_STYLE).save_pretrained(folder)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _qwen3_rows(8)))
+    args = [
+        "sft",
+        f"model.name={folder}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        "train.progress_bar=false",
+    ]
+    args += ["train.report_to=[jsonl]"]
+    assert main([*args, f"train.output_dir={tmp_path / 'refused'}"]) == 2
+    assert "data.per_turn: true" in capsys.readouterr().err
+    assert main([*args, "data.per_turn=true", f"train.output_dir={tmp_path / 'run'}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["data/train/rows"] == 8 and records[0]["data/train/skipped"] == 0
+    assert math.isfinite(next(r["train/loss"] for r in records if "train/loss" in r))

@@ -161,11 +161,11 @@ def trainer_runs(scorer: Path) -> dict[str, list[str]]:
         f"reward.functions=[{scorer}:distinct]",
         "grpo.beta=0.1",
         "grpo.mini_batches_per_rollout=2",
-        "train.max_steps=4",
+        "train.max_steps=2",
     ]
     return {
         "sft": ["sft", str(EXAMPLE), *COMMON, *sft],
-        "dpo": ["dpo", *COMMON, *small, *dpo, "train.max_steps=3"],
+        "dpo": ["dpo", *COMMON, *small, *dpo, "train.max_steps=2"],
         "grpo": ["grpo", *COMMON, *small, *grpo],
     }
 
@@ -233,7 +233,7 @@ def test_trainers_split_over_two_processes_equal_one_process_and_resume_across_d
         facts = json.loads((tmp_path / f"{kind}.json").read_text())
         assert facts["strategy"] == "ddp" and facts["world"] == 2, facts
         want, got = metrics(one / kind, "train/loss"), metrics(two / kind, "train/loss")
-        assert sorted(got) == sorted(want) and len(want) >= 3, kind
+        assert sorted(got) == sorted(want) and len(want) >= 2, kind
         assert any(abs(v) > 1e-3 for v in want.values()), f"{kind}: a loss of 0 proves nothing"
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (kind, step)

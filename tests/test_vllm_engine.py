@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import random
 import shutil
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -342,3 +346,69 @@ def test_rl_with_vllm_trains_and_resumes_mid_rollout(tmp_path, run, config, extr
     for key in ("train/loss", "train/kl", "train/clip_fraction"):
         if key in straight:
             assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
+
+
+LAUNCH_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+LAUNCH_TWO += ["--dynamo_backend", "no", "--main_process_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_each_with_an_engine_equal_one_process(tmp_path):
+    """Each rank's engine samples its half of every rollout under the prompts' own seeds: the rewards and
+    losses of 2 processes (gloo, vLLM's external launcher) equal 1 process's."""
+    need_vllm()
+    overrides = [
+        *rl_overrides(tmp_path, "unused", "rollout.num_generations=2", "train.max_steps=2"),
+        "rollout.prompts_per_step=4",
+        "train.save_steps=10",
+    ]
+    overrides = [o for o in overrides if not o.startswith("train.output_dir")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    records = {}
+    for name, launch in (
+        ("one", [sys.executable, "-m", "padless.cli", "grpo"]),
+        (
+            "two",
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                *LAUNCH_TWO,
+                str(free_port()),
+                "-m",
+                "padless.cli",
+                "grpo",
+            ],
+        ),
+    ):
+        run = tmp_path / name
+        result = subprocess.run(
+            [*launch, *overrides, f"train.output_dir={run}"], env=env, capture_output=True, timeout=900
+        )
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records[name] = [r for r in map(json.loads, lines) if "train/loss" in r or "rollout/reward" in r]
+    assert len(records["one"]) == len(records["two"]) >= 2
+    for one, two in zip(records["one"], records["two"], strict=True):
+        for key in ("rollout/reward", "train/loss"):
+            if key in one:
+                assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_vllm_rollout_benchmark_quick_runs():
+    need_vllm()
+    script = Path(__file__).parents[1] / "benchmarks" / "vllm_rollout.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick"], env=env, capture_output=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.decode().splitlines()[-2:]}
+    assert set(rows) == {"hf", "vllm"} and float(rows["vllm"][3]) > 0  # tokens/s of each, side by side

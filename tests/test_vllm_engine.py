@@ -280,11 +280,10 @@ def test_vllm_eos_stop_ids_and_truncation_as_with_generate(vllm_run, tokenizer, 
     assert all(len(c.completion_ids) == 16 for c in got if not c.finished)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
-def test_vllm_with_sharded_weights_is_refused_at_start(strategy):
+def test_vllm_with_zero3_is_refused_at_start():
     cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm"])
-    with pytest.raises(ValueError, match=rf"vllm with {strategy}: .*rollout.engine: hf"):
-        make_engine(cfg, torch.nn.Linear(1, 1), None, strategy)
+    with pytest.raises(ValueError, match=r"vllm with zero3: .*FSDP2 only.*rollout.engine: hf"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, "zero3")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -348,8 +347,17 @@ def test_rl_with_vllm_trains_and_resumes_mid_rollout(tmp_path, run, config, extr
             assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
 
 
-LAUNCH_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-LAUNCH_TWO += ["--dynamo_backend", "no", "--main_process_port"]
+LAUNCH_TWO = [
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
+LAUNCH_TWO += ["--main_process_port"]
 
 
 def free_port() -> int:
@@ -359,9 +367,11 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_each_with_an_engine_equal_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_each_with_an_engine_equal_one_process(tmp_path, strategy):
     """Each rank's engine samples its half of every rollout under the prompts' own seeds: the rewards and
-    losses of 2 processes (gloo, vLLM's external launcher) equal 1 process's."""
+    losses of 2 processes (gloo, vLLM's external launcher) equal 1 process's. Under FSDP2 each rank's
+    engine is fed the full weights, gathered one parameter at a time."""
     need_vllm()
     overrides = [
         *rl_overrides(tmp_path, "unused", "rollout.num_generations=2", "train.max_steps=2"),
@@ -369,23 +379,13 @@ def test_two_ddp_processes_each_with_an_engine_equal_one_process(tmp_path):
         "train.save_steps=10",
     ]
     overrides = [o for o in overrides if not o.startswith("train.output_dir")]
+    config = Path(__file__).parents[1] / "examples" / "accelerate" / f"{strategy}.yaml"
+    two = ["--config_file", str(config), *LAUNCH_TWO, str(free_port()), "-m", "padless.cli", "grpo"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     records = {}
     for name, launch in (
         ("one", [sys.executable, "-m", "padless.cli", "grpo"]),
-        (
-            "two",
-            [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                *LAUNCH_TWO,
-                str(free_port()),
-                "-m",
-                "padless.cli",
-                "grpo",
-            ],
-        ),
+        ("two", [sys.executable, "-m", "accelerate.commands.launch", *two]),
     ):
         run = tmp_path / name
         result = subprocess.run(
@@ -395,10 +395,10 @@ def test_two_ddp_processes_each_with_an_engine_equal_one_process(tmp_path):
         lines = (run / "metrics.jsonl").read_text().splitlines()
         records[name] = [r for r in map(json.loads, lines) if "train/loss" in r or "rollout/reward" in r]
     assert len(records["one"]) == len(records["two"]) >= 2
-    for one, two in zip(records["one"], records["two"], strict=True):
+    for one, two_ in zip(records["one"], records["two"], strict=True):
         for key in ("rollout/reward", "train/loss"):
             if key in one:
-                assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+                assert two_[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ def vllm_run(tokenizer):
     policy = load_model("tiny-qwen2")
     torch.set_num_threads(2)
     before = trainer_state()
-    engine = VLLMEngine(policy, tokenizer, cfg.rollout, 64, 0)
+    engine = VLLMEngine(policy, tokenizer, cfg.rollout, 256, 0)
     after = trainer_state()
     yield SimpleNamespace(engine=engine, policy=policy, cfg=cfg, start_state=(before, after))
     engine.close()
@@ -131,13 +131,14 @@ def vllm_run(tokenizer):
 
 @pytest.fixture(scope="module")
 def long_prompts(tokenizer) -> list[list[int]]:
-    """Prompts of 3-50 tokens: the long ones span whole KV blocks (16 tokens), which the prefix cache
-    keeps, and share a 20-token prefix."""
+    """Prompts of 3-230 tokens: the long ones span whole KV blocks (128 tokens on vLLM's CPU backend), which
+    the prefix cache keeps, and two of them share their first 140 tokens."""
     from padless.tiny import TINY_DIR
 
     words = (TINY_DIR / "corpus.txt").read_text().split()
-    ids = tokenizer(" ".join(words[:400]))["input_ids"]
-    return [ids[:3], ids[:20], ids[:20] + ids[100:130], ids[200:250], ids[:7], ids[300:341]]
+    ids = tokenizer(" ".join(words[:2000]))["input_ids"]
+    assert len(ids) > 1000
+    return [ids[:3], ids[:140], ids[:140] + ids[600:630], ids[200:250], ids[:7], ids[700:930]]
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:

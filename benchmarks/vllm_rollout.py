@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from padless.config import GRPOConfig, load_config
+from padless.config import GRPOConfig
+from padless.config_loading import load_config
 from padless.model import load_model
 from padless.rollout import HFEngine
 from padless.tiny import data_path, tiny_tokenizer

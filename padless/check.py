@@ -23,12 +23,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
     BACKENDS,
-    AttentionError,
     backend_problem,
     hf_name,
     runtime_context,
 )
-from padless.model import forward_packed, forward_padded
+from padless.engine import forward_packed, forward_padded
+from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
 from padless.probe import probe_attention
 from padless.tolerance import FORMULA, bound

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from padless.attention import VARLEN_NAME, AttentionError, assert_attention, runtime_context, text_config
+from padless.attention import VARLEN_NAME, assert_attention, runtime_context, text_config
+from padless.errors import AttentionError
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
 from padless.vision import uses_mrope

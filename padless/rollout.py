@@ -20,8 +20,8 @@ import torch
 
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
-from padless.model import pad_token_id, unwrap
-from padless.strategy import strategy_in_use
+from padless.model import pad_token_id
+from padless.strategy import strategy_in_use, unwrap
 from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)

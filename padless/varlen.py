@@ -23,7 +23,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from padless import attention
-from padless.attention import VARLEN_NAME, AttentionError
+from padless.attention import VARLEN_NAME
+from padless.errors import AttentionError
 
 FUSED_MAX_HEAD_DIM = 256  # both fused kernels' documented limit
 

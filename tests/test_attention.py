@@ -21,7 +21,8 @@ from padless.attention import (
     validate_backend_name,
     varlen_kernel,
 )
-from padless.model import forward_packed, load_model
+from padless.engine import forward_packed
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded, unpad
 
 FP32_TOL = 1e-5

@@ -16,7 +16,8 @@ from padless.attention import (
     assert_attention,
     attention_in_use,
 )
-from padless.model import forward_packed, load_model
+from padless.engine import forward_packed
+from padless.model import load_model
 from padless.packing import Example, pack
 from padless.probe import (
     count_attention_calls,

@@ -23,7 +23,8 @@ from padless.attention import (
     AttentionError,
     set_varlen_kernel,
 )
-from padless.model import forward_packed, forward_padded, load_model
+from padless.engine import forward_packed, forward_padded
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded
 from padless.probe import (
     probe_attention,

@@ -21,8 +21,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import padless.attention as attention
 import padless.varlen as varlen
-from padless.model import forward_packed, forward_padded, forward_scores, load_model, score_head
+from padless.engine import forward_packed, forward_padded, forward_scores, score_head
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded, unpad
+from padless.sources import load_processor
 from padless.tiny import PAD_TOKEN_ID
 from padless.tiny.vlm import (
     IMAGE_TOKEN_ID,
@@ -37,7 +39,6 @@ from padless.vision import (
     add_score_head,
     concat_vision,
     is_vision_config,
-    load_processor,
     uses_mrope,
 )
 

@@ -22,8 +22,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from padless.config import GRPOConfig, PPOConfig, load_config
-from padless.model import forward_packed, load_model
+from padless.config import GRPOConfig, PPOConfig
+from padless.config_loading import load_config
+from padless.engine import forward_packed
+from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
 from padless.trainers.checkpoint import PLAN_FILE

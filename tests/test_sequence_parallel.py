@@ -85,6 +85,14 @@ def test_split_row_equals_whole_row_per_token_and_in_losses_and_grads(two_ranks)
 
 
 @pytest.mark.slow
+def test_activations_recomputed_in_backward_split_as_in_forward(two_ranks):
+    """Gradient checkpointing recomputes each layer in backward, outside the engine's forward: its
+    attention must split again (the split is decided from the call itself)."""
+    assert set(two_ranks["checkpointed"]) == set(two_ranks["exact"])
+    assert exceeded(two_ranks, two_ranks["checkpointed"]) == []
+
+
+@pytest.mark.slow
 def test_an_off_by_one_at_the_split_fails_the_check(two_ranks):
     """Rank 1's chunk planted one token early: every compared quantity moves past the bound."""
     planted = two_ranks["planted"]

@@ -77,6 +77,9 @@ class DataSettings(ConfigModel):
     truncation: Literal["error", "truncate"] = "error"
     """what to do with a sequence longer than max_length"""
     completion_only_loss: bool = True
+    per_turn: bool = False
+    """each assistant turn of a chat its own example (context as rendered for generation, loss on that turn):
+    for templates that show earlier turns differently from the last one (e.g. Qwen3 strips their reasoning)"""
     skip_bad_rows: bool = False
     cache_dir: str | None = None
     """tokenized sets are cached here; null: padless/ in the datasets cache"""

@@ -356,11 +356,11 @@ def make_engine(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
                 "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
             )
-        if strategy in ("fsdp2", "zero3"):
+        if strategy == "zero3":
             raise ValueError(
-                f"rollout.engine: vllm with {strategy}: each rank holds only a shard of the policy, and the "
-                "colocated vLLM engine is fed the whole policy every rollout; use DDP or ZeRO-2 with vLLM, "
-                "or rollout.engine: hf (which samples through the sharded engine)"
+                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
+                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
+                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
             )
         from padless.vllm_engine import VLLMEngine
 

@@ -362,7 +362,11 @@ class ChatEncoder:
         self, row: Row, offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]
     ) -> list[bool]:
         """Tokens overlapping a marked span (as transformers' ``return_assistant_tokens_mask``)."""
-        mask = [any(s < b and a < e for s, e in spans) for a, b in offsets]
+        starts, ends = [a for a, _ in offsets], [b for _, b in offsets]
+        mask = [False] * len(offsets)
+        for s, e in spans:  # the tokens that end after s and start before e
+            first, stop = bisect_right(ends, s), bisect_left(starts, e)
+            mask[first:stop] = [True] * max(0, stop - first)
         if not any(mask):
             raise ChatTemplateError(
                 f"{row.where}: the chat template has {{% generation %}} markers, but they marked no token of "

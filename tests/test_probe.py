@@ -45,7 +45,8 @@ def test_probe_passes_and_reports_kernel(models, backend, kernel):
     info = probe_attention(models[backend], backend)
     assert info["backend"] == backend
     assert info["kernel"] == kernel
-    assert 0.0 <= info["max_delta_hidden"] <= info["bound"] < 1e-4  # fp32 round-off, far from a leak
+    assert 0.0 <= info["max_delta_logps"] <= info["bound"] < 1e-4  # fp32 round-off, far from a leak
+    assert info["max_delta_hidden"] < 1e-4 and info["lengths"] == [4, 19, 77, 160]
 
 
 @pytest.mark.parametrize("backend", ["varlen", "sdpa"])

@@ -1,7 +1,8 @@
 """Command line: ``padless check | doctor | generate | schema`` and the trainers.
 
 Every failure ends in one message naming the file, row, key or path and the fix (exit 2 for input
-errors, 1 for runtime faults, 130 when interrupted); ``--debug`` or ``PADLESS_DEBUG=1`` adds the traceback.
+errors, 1 for runtime faults, 130 / 143 when interrupted / terminated); ``--debug`` or ``PADLESS_DEBUG=1``
+adds the traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import importlib
 import json
 import os
 import re
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from padless.attention import BACKENDS, backend_problem, set_varlen_kernel, validate_backend_name
-from padless.errors import InputError, Terminated, describe, exit_code
+from padless.errors import InputError, describe, exit_code
+from padless.interrupts import handled, interruption
 from padless.logs import log_failure, setup_logging
 
 
@@ -311,35 +312,21 @@ def debug_from_env() -> bool:
     )
 
 
-def _on_sigterm() -> Any:
-    """SIGTERM unwinds this process like Ctrl-C (locks released, temporary files removed, worker pools
-    closed) and exits with 143. Worker processes forked from it keep the default (they just end).
-    Returns the handler it replaced (None when not on the main thread, where signals cannot be set)."""
-    owner = os.getpid()
-
-    def handler(signum: int, frame: Any) -> None:
-        if os.getpid() != owner:  # a forked worker: end as SIGTERM always did
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        raise Terminated()
-
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
-    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line. Ctrl-C and
+    SIGTERM end it with 130 / 143 (see :mod:`padless.interrupts`)."""
+    with handled():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     command = "padless"
-    terminate = _on_sigterm()
     try:
         debug = debug_from_env() or debug
         args = build_parser().parse_args(argv)
@@ -352,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     except BaseException as e:
+        e = interruption(e)  # a library's cleanup may have replaced Ctrl-C / SIGTERM on the way out
         if debug:
             traceback.print_exc()
         message = f"{command}: error: {describe(e)}"
@@ -362,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         from padless.trainers.rundir import end_all_runs
 
         end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
-        if terminate is not None:
-            signal.signal(signal.SIGTERM, terminate)
         if offline is None:
             del os.environ["HF_HUB_OFFLINE"]
         else:

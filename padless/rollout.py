@@ -20,8 +20,10 @@ import torch
 
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
+from padless.errors import DivergenceError
 from padless.model import pad_token_id, unwrap
 from padless.strategy import strategy_in_use
+from padless.trainers.guard import FIX
 from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)
@@ -121,27 +123,43 @@ def generate(
                 images = {}
                 if vision is not None:
                     images = image_inputs(inner, ids, vision[start : start + batch_size])
-                out = engine(
-                    generate=dict(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        **images,
-                        max_new_tokens=max_new_tokens,
-                        do_sample=do_sample,
-                        num_return_sequences=num_return_sequences,
-                        pad_token_id=pad_id,
-                        eos_token_id=sorted(eos_ids),
-                        use_cache=True,
-                        synced_gpus=synced,
-                        **sampling,
+                with sampling_guard():
+                    out = engine(
+                        generate=dict(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            **images,
+                            max_new_tokens=max_new_tokens,
+                            do_sample=do_sample,
+                            num_return_sequences=num_return_sequences,
+                            pad_token_id=pad_id,
+                            eos_token_id=sorted(eos_ids),
+                            use_cache=True,
+                            synced_gpus=synced,
+                            **sampling,
+                        )
                     )
-                )
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
                     results.append(Completion(chunk[j // num_return_sequences], tokens, finished))
     finally:
         inner.train(was_training)
     return results
+
+
+@contextlib.contextmanager
+def sampling_guard() -> Iterator[None]:
+    """A policy whose probabilities are no longer finite (weights blown up by too high a learning rate)
+    stops the run naming what happened, instead of torch's "probability tensor contains inf"."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise DivergenceError(
+            "the policy's next-token probabilities are not finite (inf, NaN or negative) while sampling a "
+            f"rollout: its weights diverged. Fix: {FIX}"
+        ) from None
 
 
 def image_inputs(

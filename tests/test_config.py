@@ -102,7 +102,7 @@ def test_lora_section_from_file_null_override_and_empty_mapping(tmp_path: Path) 
 def test_empty_sections_mean_defaults_and_an_empty_file_is_refused(tmp_path: Path) -> None:
     assert load_config(SFTConfig, write(tmp_path, "model:\ntrain:\n")) == SFTConfig()
     for text in ("", "# only a comment\n\n"):  # a file that says nothing was most likely not saved
-        with pytest.raises(ConfigError, match="is empty.*leave the file out"):
+        with pytest.raises(ConfigError, match=r"is empty.*leave the file out"):
             load_config(SFTConfig, write(tmp_path, text))
 
 

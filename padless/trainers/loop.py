@@ -46,6 +46,7 @@ from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoin
 from padless.trainers.verify import verify_checkpoint
 
 log = logging.getLogger(__name__)
+IDLE_LIMIT = 3  # epochs / rollouts in a row with nothing to train before the run stops
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -180,8 +181,29 @@ class Trainer:
                     f"{type(self.recipe).__name__} stated {self.stated_steps()} steps per epoch but planned "
                     f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
+            self._check_trainable(epoch, micros)
             self.planned = (epoch, steps)
         return self.planned[1]
+
+    def _check_trainable(self, epoch: int, micros: list[MicroBatch]) -> None:
+        """An epoch whose data has no target at all (a rollout whose every completion was truncated and
+        masked) trains nothing: said each time, and after :data:`IDLE_LIMIT` in a row the run stops."""
+        if not micros or any(m.units > 0 for m in micros):
+            self._idle = 0
+            return
+        self._idle = getattr(self, "_idle", 0) + 1
+        why = (
+            "every target token is masked (in RL: every completion hit rollout.max_new_tokens without EOS "
+            "and rollout.mask_truncated is true)"
+        )
+        fix = "raise rollout.max_new_tokens, or set rollout.mask_truncated=false to train on truncated ones"
+        if self._idle >= IDLE_LIMIT:
+            raise InputError(
+                f"{self._idle} epochs / rollouts in a row had nothing to train on: {why}; fix: {fix}"
+            )
+        log.warning(
+            "epoch %d has nothing to train on: %s; its steps change nothing. Fix: %s", epoch, why, fix
+        )
 
     def _count_steps(self) -> int:
         """Total optimizer steps: ``max_steps`` if set, else those of ``num_epochs`` epochs (the last may be

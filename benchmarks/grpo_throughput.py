@@ -12,7 +12,7 @@ dropout. Each contender runs in a fresh subprocess with the same thread count:
 * ``padless``  the real padless path, built the way ``run_grpo`` builds it: ``start_rl`` (session, prompts,
   ``HFEngine``, rewards, frozen reference) and ``GRPORecipe`` on the shared ``Trainer`` loop. Reference
   log-probs and the update run on token-budget packed rows (``varlen`` attention); one rollout is one
-  micro-batch unless it exceeds ``--max-tokens-per-batch``; ``grpo.loss_normalisation: token``.
+  micro-batch unless it exceeds ``--max-tokens-per-batch``; ``grpo.loss_type: dapo`` (token-mean).
 * ``trl``  TRL ``GRPOTrainer`` with the transformers generation path: ``per_device_train_batch_size`` =
   one rollout of completions, ``gradient_accumulation_steps=1``, ``steps_per_generation=1``,
   ``num_iterations=1`` (one rollout = one optimizer step, no stored old log-probs, as padless);
@@ -341,7 +341,7 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
                 mask_truncated=False,
             ),
             reward=RewardSettings(functions=["arithmetic"]),
-            grpo=GRPOSettings(beta=spec["beta"], epsilon=spec["epsilon"], loss_normalisation="token"),
+            grpo=GRPOSettings(beta=spec["beta"], epsilon=spec["epsilon"], loss_type="dapo"),
         )
         session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
         common.require_device(session, spec["device"])

@@ -200,7 +200,7 @@ def run_trl(spec: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
     import datasets
     from PIL import Image
 
-    from padless.vision import load_processor
+    from padless.sources import load_processor
 
     trl = common.import_trl()
     model, _, attn = common.trl_model(spec)

@@ -23,14 +23,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
     BACKENDS,
-    AttentionError,
     backend_problem,
     hf_name,
-    probe_attention,
     runtime_context,
 )
-from padless.model import forward_packed, forward_padded
+from padless.engine import forward_packed, forward_padded
+from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
+from padless.probe import probe_attention
 from padless.tolerance import FORMULA, bound
 from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, scale_head
 

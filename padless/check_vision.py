@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from padless.check import Alone, next_token_logps, padded_logps
 from padless.data import Row, tokenize_sft
 from padless.data.images import ImageInputs
-from padless.model import forward_packed
+from padless.engine import forward_packed
 from padless.packing import Example, pack
 from padless.tiny.shapes import QUESTIONS, answer, draw
 from padless.vision import uses_mrope

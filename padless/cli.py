@@ -28,8 +28,9 @@ from padless.logs import log_failure, setup_logging
 def _check(args: argparse.Namespace) -> int:
     from padless import check, check_vision
     from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
+    from padless.sources import load_processor
     from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
-    from padless.vision import is_vision_config, load_processor
+    from padless.vision import is_vision_config
 
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
@@ -115,7 +116,7 @@ def _load(target: str) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from padless.config import load_config
+    from padless.config_loading import load_config
 
     config_target, run_target, _ = TRAINERS[args.command]
     config, overrides = args.config, list(args.overrides)
@@ -132,7 +133,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from padless.config import json_schema
+    from padless.config_loading import json_schema
 
     print(json.dumps(json_schema(_load(TRAINERS[args.trainer][0])), indent=2))
     return 0

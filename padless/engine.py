@@ -6,16 +6,339 @@ That is what makes sharded training work and keeps compared passes comparable: t
 accelerate prepares, so DDP / FSDP2 / DeepSpeed hooks fire on every pass (FSDP2's backward hooks are
 registered on the outputs of the root module's forward: a head applied outside it never gets its
 gradients), and the precision policy that wraps the prepared forward covers every pass alike.
+
+The forward math is here too: the inputs of a packed row (explicit bounds, no mask) or of a padded batch,
+the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`LogitsHead`,
+:func:`logps_from_hidden`) and the scalar head. :mod:`padless.model` only loads models.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
-from padless.model import forward_packed, forward_padded, forward_scores, unwrap
-from padless.packing import PackedBatch, PaddedBatch
+from padless import sequence_parallel
+from padless.attention import assert_attention, attention_in_use, runtime_context
+from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
+from padless.strategy import unwrap
+from padless.varlen import sequence_bounds
+
+# The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
+# (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
+DEFAULT_LOGITS_MEMORY_MB = 1024
+_logits_memory_bytes = DEFAULT_LOGITS_MEMORY_MB * 2**20
+
+
+def set_logits_memory(megabytes: int) -> None:
+    """Set the memory the fp32 logits of one micro-batch may take before the head runs in chunks."""
+    global _logits_memory_bytes
+    if megabytes <= 0:
+        raise ValueError(f"logits memory budget must be positive, got {megabytes} MB")
+    _logits_memory_bytes = megabytes * 2**20
+
+
+@dataclass
+class TokenOutputs:
+    """Per-token results of a packed forward, each ``[T]`` in fp32; zero where the label is ignored."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
+
+
+def checked_backend(model: torch.nn.Module) -> str:
+    """The backend the model was loaded with, after checking its config still dispatches to it."""
+    inner = unwrap(model)
+    backend = getattr(inner, "padless_attention", None) or attention_in_use(inner)
+    assert_attention(inner, backend)
+    return backend
+
+
+def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
+    """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask.
+
+    Image inputs of a vision-language batch (``pixel_values``, ``image_grid_thw``, ...) go along as they are.
+    """
+    vision = batch.vision or {}
+    if isinstance(batch, PackedBatch):
+        sequence_bounds(batch.cu_seqlens)  # read to the host here, once: no attention layer waits for it
+        return {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids,
+            **batch.attention_kwargs(),
+            **vision,
+        }
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        **vision,
+    }
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The part of an HF model (or a PEFT wrapper's) that returns hidden states: embeddings, layers, norm."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return inner.base_model
+
+
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+
+    Never a KV cache: with one, transformers drops its per-sequence mask.
+    """
+    backend = checked_backend(model)
+    with runtime_context(backend, batch.input_ids.device):
+        return backbone(model)(**model_inputs(batch), use_cache=False).last_hidden_state
+
+
+@dataclass(frozen=True)
+class LogitsHead:
+    """How a causal LM turns hidden states into the logits its log-probs are taken from:
+    ``cap(head(h) / scaling) / temperature``, as transformers' models compute them (Granite divides by
+    ``logits_scaling``, Gemma 2 soft-caps with ``final_logit_softcapping``), in fp32."""
+
+    module: torch.nn.Module
+    scaling: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, temperature: float = 1.0) -> LogitsHead:
+        text = model.config.get_text_config()
+        return cls(
+            model.get_output_embeddings(),
+            getattr(text, "logits_scaling", None) or 1.0,
+            getattr(text, "final_logit_softcapping", None) or None,
+            temperature,
+        )
+
+    @property
+    def vocab(self) -> int:
+        return self.module.weight.shape[0]
+
+    def fusable(self) -> bool:
+        """Whether the fused weighted path can read the head's weight directly: a plain bias-free
+        ``nn.Linear`` (not a LoRA-wrapped head) whose weight is whole here (not ZeRO-3-partitioned, which
+        DeepSpeed gathers only inside the module's own forward)."""
+        plain = type(self.module) is torch.nn.Linear and self.module.bias is None
+        return plain and not hasattr(self.module.weight, "ds_id")
+
+    def finish(self, raw: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the head's raw output."""
+        logits = raw.float()
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
+
+    def logits_grad(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The gradient wrt the raw head output from the one wrt :meth:`finish`'s logits (in place)."""
+        if self.temperature != 1.0:
+            grad /= self.temperature
+        if self.softcap:
+            capped = logits * (self.temperature / self.softcap)  # tanh(raw / scaling / softcap)
+            grad *= 1 - capped.square()
+        if self.scaling != 1.0:
+            grad /= self.scaling
+        return grad
+
+
+def _chunk_starts(total: int, step: int) -> range:
+    """Where the chunks of ``total`` rows start; one empty chunk when there are none, so that every path
+    still returns (empty) tensors connected to the graph."""
+    return range(0, max(total, 1), step)
+
+
+def _chunk_logps(
+    head: LogitsHead, hidden: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp = head.finish(head.module(hidden)).log_softmax(-1)
+    picked = logp.gather(-1, labels[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+class _WeightedLogps(torch.autograd.Function):
+    """``sum_t w_t log p(y_t | h_t)`` for weights known before the forward pass (SFT's NLL: the target mask
+    over the step's normaliser), with its gradients wrt the hidden states and the head's weight computed in
+    the forward chunk loop, as fused linear-cross-entropy kernels do: each chunk's logits are computed
+    once, used and freed, and the backward only scales the saved gradients by the upstream scalar.
+
+    The per-token log-probs (and entropy) it also returns are values only. The saved gradients are fp32:
+    ``[n, hidden]`` and ``[vocab, hidden]``, the size of the head's weight in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, labels, weights, head: LogitsHead, rows: int, with_entropy: bool, grads: bool
+    ):
+        # ``grads``: whether autograd is on outside (needs_input_grad ignores torch.no_grad)
+        need_hidden, need_weight = (grads and need for need in ctx.needs_input_grad[:2])
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_weight else None
+        logps, entropies = [], []
+        for start in _chunk_starts(hidden.shape[0], rows):
+            h, y, w = (t[start : start + rows] for t in (hidden, labels, weights))
+            raw = F.linear(h, weight)
+            logits = head.finish(raw)
+            # As log_softmax does: shifted by the row's max, so log-probs and probabilities are
+            # differences of small numbers, not of the |logit|-sized log-sum-exp.
+            shifted = logits - logits.amax(-1, keepdim=True)
+            probs = shifted.exp()
+            total = probs.sum(-1, keepdim=True)
+            log_total = total.log()[:, 0]
+            logps.append(shifted.gather(-1, y[:, None])[:, 0] - log_total)
+            probs /= total
+            if with_entropy:
+                entropies.append(log_total - (probs * shifted).sum(-1))
+            del shifted
+            if not (need_hidden or need_weight):
+                continue
+            # d/dlogits of sum_t w_t log softmax(logits_t)[y_t] = w_t (onehot(y_t) - softmax_t)
+            grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None])
+            grad = head.logits_grad(grad, logits).to(raw.dtype)
+            if need_hidden:
+                grad_hidden[start : start + rows] = grad @ weight
+            if need_weight:
+                grad_weight += grad.T @ h
+        logps = torch.cat(logps)
+        entropy = torch.cat(entropies) if with_entropy else None
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(logps, *([entropy] if with_entropy else []))
+        return (logps * weights).sum(), logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (
+            None if grad_hidden is None else (grad_hidden * grad_total).to(hidden_dtype),
+            None if grad_weight is None else (grad_weight * grad_total).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
+    hidden = hidden_states(model, batch)[0]
+    return logps_from_hidden(
+        unwrap(model),
+        hidden,
+        batch.labels[0],
+        entropy=entropy,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        logp_weights=logp_weights,
+    )
+
+
+def logps_from_hidden(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
+) -> TokenOutputs:
+    """The LM head and log-softmax over hidden states ``[T, H]``, on the positions that have a label only.
+
+    The fp32 logits of those positions are computed whole when they fit the logits memory budget
+    (:func:`set_logits_memory`), else in chunks of rows that do (``chunk_tokens`` forces a chunk size).
+    With ``logp_weights`` ``[T]`` (known before the forward: SFT's NLL), the result's ``weighted`` is
+    ``sum_t w_t logp_t`` and carries the gradient, computed in the forward chunk loop at no extra head
+    pass (:class:`_WeightedLogps`); ``logps`` and ``entropy`` are then values only. Without weights,
+    ``logps`` and ``entropy`` carry the gradient; chunks are then recomputed in backward (the price of
+    never holding all logits at once when the loss is not known in advance).
+    """
+    head = LogitsHead.of(model, temperature)
+    keep = labels != IGNORE_INDEX
+    rows = torch.nonzero(keep)[:, 0]  # one host sync per batch: how many positions carry a label
+    if rows.numel() == labels.numel():
+        rows = None  # every position has a label: no gather
+    h = hidden if rows is None else hidden[rows]
+    y = labels if rows is None else labels[rows]
+    step = chunk_tokens or max(1, _logits_memory_bytes // (4 * head.vocab))
+    weighted = None
+    if logp_weights is not None and head.fusable():
+        w = logp_weights if rows is None else logp_weights[rows]
+        grads = torch.is_grad_enabled()
+        weighted, logps, ents = _WeightedLogps.apply(
+            h, head.module.weight, y, w.float(), head, step, entropy, grads
+        )
+    else:
+        grad = torch.is_grad_enabled() and h.requires_grad
+        pieces = [
+            checkpoint(_chunk_logps, head, h[s : s + step], y[s : s + step], entropy, use_reentrant=False)
+            if grad and step < h.shape[0]
+            else _chunk_logps(head, h[s : s + step], y[s : s + step], entropy)
+            for s in _chunk_starts(h.shape[0], step)
+        ]
+        logps = torch.cat([p for p, _ in pieces])
+        ents = torch.cat([e for _, e in pieces]) if entropy else None
+        if logp_weights is not None:  # a head the fused path cannot read: the same sum through autograd
+            weighted = (logps * (logp_weights if rows is None else logp_weights[rows])).sum()
+
+    def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None or rows is None:
+            return values
+        return values.new_zeros(labels.shape).index_copy(0, rows, values)
+
+    return TokenOutputs(logps=scatter(logps), entropy=scatter(ents), weighted=weighted)
+
+
+def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+    backend = checked_backend(model)
+    with runtime_context(backend, batch.input_ids.device):
+        logits = model(**model_inputs(batch), use_cache=False).logits
+    logps = (
+        (logits.float() / temperature)
+        .log_softmax(-1)
+        .gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    )
+    return logps * (batch.labels != IGNORE_INDEX)
+
+
+def score_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The scalar head of a reward / value model (``AutoModelForSequenceClassification`` with 1 label)."""
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no scalar head (score / classifier / v_head); load it with task='score'"
+    )
+
+
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+    scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
+    return scores[0] if isinstance(batch, PackedBatch) else scores
 
 
 class EngineOutput(NamedTuple):
@@ -41,6 +364,12 @@ class ModelEngine(torch.nn.Module):
             {name for m in (model, value) if m is not None for name in _no_split(m)}
         )
         self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
+        # the running session's sequence-parallel group: every packed forward is split over it
+        self.sequence_parallel = sequence_parallel.current()
+        if self.sequence_parallel is not None:
+            for m in (model, value):
+                if m is not None:
+                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
 
     def forward(
         self,
@@ -59,9 +388,31 @@ class ModelEngine(torch.nn.Module):
 
         ``logp_weights`` ``[T]`` (a packed batch's loss weights, known before the forward: SFT) gives
         ``weighted = sum_t w_t logps_t``, whose gradient the head computes in its forward pass; the
-        log-probs are then values only (see :func:`padless.model.logps_from_hidden`)."""
+        log-probs are then values only (see :func:`logps_from_hidden`).
+
+        Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
+        :mod:`padless.sequence_parallel`) and every rank returns the whole row's results."""
         if generate is not None:
             return self.model.generate(**generate)
+        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        if self.sequence_parallel is None:
+            return self._forward(batch, logp_weights=logp_weights, **kw)
+        if not isinstance(batch, PackedBatch):
+            raise sequence_parallel.SequenceParallelError(
+                "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens or packing"
+            )
+        return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+
+    def _forward(
+        self,
+        batch: PackedBatch | PaddedBatch | None,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
         out = EngineOutput()
         if logps:
             if isinstance(batch, PackedBatch):

@@ -31,6 +31,10 @@ class UserCodeError(RuntimeError):
     something unusable; the message names the function and the step."""
 
 
+class AttentionError(RuntimeError):
+    """The requested attention is not available, or would not compute what was asked."""
+
+
 class DivergenceError(RuntimeError):
     """Training produced a non-finite loss, gradient norm or weight; nothing was saved from that state."""
 
@@ -38,7 +42,6 @@ class DivergenceError(RuntimeError):
 def is_input_error(error: BaseException) -> bool:
     """Config, data, path and backend problems: ``ValueError`` (ConfigError, DataError, InputError, ...),
     the attention backend asked for not running here, and files that are missing or not readable."""
-    from padless.attention import AttentionError
     from padless.faults import FileFault
 
     if isinstance(error, FileFault):

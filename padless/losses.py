@@ -89,7 +89,11 @@ def bradley_terry_loss(
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
 ) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean (optionally over the group's std); groups are consecutive."""
+    """GRPO: each reward minus its group's mean (optionally over the group's std); groups are consecutive.
+
+    Source: Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) §4.1.2, outcome supervision; ``scale=False``
+    is Dr.GRPO's unbiased form (Liu et al. 2025, arXiv:2503.20783), which drops the std that over-weights
+    groups of nearly equal rewards."""
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(1, keepdim=True)
     if scale:
@@ -97,14 +101,158 @@ def group_advantages(
     return centred.flatten()
 
 
-def clipped_policy_loss(
-    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: each reward minus the mean of the *other* ``G - 1`` rewards of its group, a baseline that does
+    not see the sample it judges; equal to ``G / (G - 1) (r - group mean)``.
+
+    Source: Ahmadian et al. 2024, "Back to Basics" (arXiv:2402.14740) §3.2, after Kool et al. 2019; TRL's
+    ``RLOOTrainer`` computes the same baseline (without its optional batch whitening)."""
+    groups = rewards.view(-1, group_size)
+    others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).flatten()
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """REINFORCE++-baseline: the group mean as baseline, then one normalisation over the whole rollout
+    ("global advantage normalisation") instead of each group's std, which is noisy for small groups.
+
+    Source: Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262), the ``-baseline`` variant for reasoning
+    tasks (OpenRLHF ``advantage_estimator: reinforce_baseline``). The rollout's mean and std are taken over
+    sequences (each sample counts once, like the group mean); OpenRLHF weights them by tokens."""
+    groups = rewards.view(-1, group_size)
+    centred = (groups - groups.mean(1, keepdim=True)).flatten()
+    spread = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+    return (centred - centred.mean()) / (spread + eps)
+
+
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which groups (``[n_groups]`` bools) have all rewards equal: every group-relative advantage of such a
+    group is 0, so it carries no gradient. DAPO's dynamic sampling drops and refills them (Yu et al. 2025,
+    arXiv:2503.14476, §3.2, Eq. 11: keep groups with ``0 < #correct < G``)."""
+    groups = rewards.view(-1, group_size)
+    return groups.amax(1) == groups.amin(1)
+
+
+def soft_overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment, a reward term: 0 up to ``max_length - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_length`` (and beyond).
+
+    Source: Yu et al. 2025 (DAPO, arXiv:2503.14476) Eq. 13; TRL's ``get_soft_overlong_punishment`` is
+    the case ``factor = 1``, verl's ``overlong_buffer.penalty_factor`` the factor."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"soft_overlong_penalty: buffer must be in (0, {max_length}], got {buffer}")
+    excess = (lengths.float() - (max_length - buffer)).clamp(0, buffer)
+    return -factor * excess / buffer
+
+
+def _weighted(per_token: torch.Tensor, behaviour_weight: torch.Tensor | None) -> torch.Tensor:
+    return per_token if behaviour_weight is None else per_token * behaviour_weight.detach()
+
+
+def _clip_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO surrogate ``-min(r A, clip(r) A)`` and whether the clip was active."""
-    ratio = torch.exp(logps - old_logps)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def clipped_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    behaviour_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO surrogate ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, ``r = pi / pi_old`` per
+    token, and whether the clip was active.
+
+    Source: Schulman et al. 2017 (PPO, arXiv:1707.06347) Eq. 7; the asymmetric clip is DAPO's clip-higher
+    (arXiv:2503.14476 §3.1). GRPO, Dr.GRPO and DAPO share this per-token term and differ only in how it is
+    summed (:func:`policy_loss_units`). ``behaviour_weight``: an optional per-token factor ``[T]`` (taken
+    without gradient) multiplied into the loss, where a rollout-vs-trainer importance-sampling correction
+    (e.g. truncated ``pi_old / pi_sampler``) enters; None means 1."""
+    per_token, clipped = _clip_surrogate(torch.exp(logps - old_logps), advantages, eps_low, eps_high)
+    return _weighted(per_token, behaviour_weight), clipped
+
+
+def sequence_mean(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean of ``values`` (sequences' targets concatenated, ``lengths`` each), repeated on
+    each of its targets; differentiable."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
+    sums = values.new_zeros(len(lengths)).index_add(0, seq, values)
+    return (sums / lengths.clamp(min=1).to(values.dtype))[seq]
+
+
+def gspo_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    lengths: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    behaviour_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the clipped surrogate on one ratio per sequence, the length-normalised sequence likelihood
+    ratio ``s = exp(mean_t log(pi / pi_old))``, repeated on each of its ``lengths`` targets.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071) Eq. 5-7; TRL's
+    ``importance_sampling_level: sequence``. The gradient flows through ``s`` (every token of a sequence
+    is pushed by the same clipped sequence weight). Its clip ranges are far smaller than per-token ones
+    (the paper: 3e-4 / 4e-4). ``behaviour_weight`` as in :func:`clipped_policy_loss`."""
+    ratio = torch.exp(sequence_mean(logps - old_logps, lengths))
+    per_token, clipped = _clip_surrogate(ratio, advantages, eps_low, eps_high)
+    return _weighted(per_token, behaviour_weight), clipped
+
+
+def cispo_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    max_ratio: float,
+    behaviour_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: REINFORCE on every token weighted by its importance ratio capped at ``max_ratio`` and taken
+    without gradient, ``-sg(min(r, max_ratio)) A log pi``: no token drops out of the gradient, as tokens
+    do when PPO's clip is active. Returns the per-token loss and where the cap was active.
+
+    Source: MiniMax-M1 report (arXiv:2506.13585) §3.1, Eq. 4-5 (no lower bound); ScaleRL (arXiv:2510.13786)
+    calls the cap epsilon_max and recommends 5; TRL ``loss_type: cispo`` (its ``epsilon_high`` is the
+    cap). ``behaviour_weight`` as in :func:`clipped_policy_loss`."""
+    ratio = torch.exp(logps - old_logps)
+    per_token = -ratio.clamp(max=max_ratio).detach() * advantages * logps
+    return _weighted(per_token, behaviour_weight), (ratio > max_ratio).detach()
+
+
+def policy_loss_units(lengths: list[int], loss_type: str, max_new_tokens: int) -> float:
+    """A micro-batch's share of the step's global normaliser for a GRPO-family ``loss_type``; sequences'
+    losses are summed with :func:`policy_token_weights` and divided by the step's total of these units.
+
+    - ``dapo`` / ``cispo``: target tokens, a token-mean over the whole step (DAPO arXiv:2503.14476 Eq. 8,
+      the token-level policy gradient loss; TRL's default);
+    - ``grpo``: sequences with targets, each weighing its own token-mean (DeepSeekMath Eq. 3);
+    - ``dr_grpo``: every sequence times ``max_new_tokens``, a constant per step (Dr.GRPO
+      arXiv:2503.20783 §3.1, as in TRL: ``max_completion_length`` per sequence) that removes the
+      length bias of ``grpo`` and the dependence of ``dapo`` on how many tokens the step holds.
+    """
+    if loss_type in ("dapo", "cispo"):
+        return float(sum(lengths))
+    if loss_type == "grpo":
+        return float(sum(n > 0 for n in lengths))
+    if loss_type == "dr_grpo":
+        return float(len(lengths) * max_new_tokens)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose dapo, grpo, dr_grpo or cispo")
+
+
+def policy_token_weights(lengths: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """Per-target weights ``[T]`` to go with :func:`policy_loss_units`: ``1 / length`` of its sequence
+    for ``grpo`` (each sequence's mean), 1 otherwise."""
+    if loss_type == "grpo":
+        return torch.repeat_interleave(1.0 / lengths.clamp(min=1).double(), lengths)
+    return torch.ones(int(lengths.sum()), device=lengths.device, dtype=torch.float64)
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
 from padless.errors import DivergenceError
-from padless.model import pad_token_id, unwrap
-from padless.strategy import strategy_in_use
+from padless.model import pad_token_id
+from padless.strategy import strategy_in_use, unwrap
 from padless.trainers.guard import FIX
 from padless.vision import concat_vision, uses_mrope
 
@@ -35,6 +35,8 @@ class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]  # up to and including the first EOS
     finished: bool  # False when max_new_tokens ran out before an EOS
+    # one per completion token: log_softmax(logits / temperature) of the sampled token, before top-k / top-p
+    logprobs: list[float] | None = None
 
 
 def left_pad(

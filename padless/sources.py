@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     if (found := embedded(str(name))) and found[0] in tiny.VISION_MODELS:
-        return vision.load_processor(found[0]).tokenizer  # the text tokenizer plus the vision tokens
+        return load_processor(found[0]).tokenizer  # the text tokenizer plus the vision tokens
     if embedded(str(name)) or str(name) in tiny.SHIPPED_MODELS:
         return tiny.tiny_tokenizer()
     folder = local_folder(name)
@@ -354,3 +355,52 @@ def require_scoring_model(name: str | Path) -> None:
             "initialised; fix: pass a reward model checkpoint (trained with `padless rm`, or any "
             "AutoModelForSequenceClassification with one label)"
         )
+
+
+# Where a folder names its processor class, in the order transformers' own loaders read them: padless-saved
+# folders write processor_config.json; Hub folders name it in preprocessor_config.json or
+# tokenizer_config.json.
+PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def _processor_class(folder: Path) -> str | None:
+    """The processor class a model folder names, in whichever file its layout puts it."""
+    for name in PROCESSOR_CLASS_FILES:
+        if (file := folder / name).exists() and (cls_name := _read_json(file).get("processor_class")):
+            return str(cls_name)
+    return None
+
+
+def load_processor(name_or_path: str | Path) -> Any:
+    """The model's processor (an embedded name, a folder or a cached id; never downloaded), with PIL image
+    processing (no torchvision needed).
+
+    ``AutoProcessor`` is used as is when it loads; when only the video processor is missing (no
+    torchvision, or none saved), the same processor class is built without it (padless trains on images).
+    """
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    if (found := embedded(str(name_or_path))) and found[0] in tiny.VISION_MODELS:
+        from padless.tiny.vlm import tiny_vlm_processor
+
+        return tiny_vlm_processor()
+    path = str(local_folder(name_or_path))
+    try:
+        return AutoProcessor.from_pretrained(path, backend="pil", local_files_only=True)
+    except (ImportError, OSError) as e:  # no torchvision, or a folder saved without a video processor
+        if not {"torchvision", "video"} & set(re.findall(r"[a-z]+", str(e).lower())):
+            raise
+    import transformers
+
+    cls_name = _processor_class(Path(path))
+    if cls_name is None or not hasattr(transformers, cls_name):
+        raise ValueError(
+            f"{path}: AutoProcessor needs torchvision for this model's video processor and no "
+            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)} to build an image-only one; "
+            "install torchvision or add processor_config.json with the processor_class"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)
+    return vision.image_only(getattr(transformers, cls_name))(
+        image_processor, tokenizer, chat_template=tokenizer.chat_template
+    )

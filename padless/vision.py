@@ -18,7 +18,6 @@ transformers has no sequence-classification class for these models.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from functools import partial
@@ -27,6 +26,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from padless.strategy import unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -94,44 +95,6 @@ def image_only(processor_class: type) -> type:
     return ImageOnly
 
 
-def load_processor(name_or_path: str | Path) -> Any:
-    """The model's processor (an embedded name, a folder or a cached id; never downloaded), with PIL image
-    processing (no torchvision needed).
-
-    ``AutoProcessor`` is used as is when it loads; when only the video processor is missing (no
-    torchvision, or none saved), the same processor class is built without it (padless trains on images).
-    """
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-
-    from padless import sources, tiny
-
-    if (found := sources.embedded(str(name_or_path))) and found[0] in tiny.VISION_MODELS:
-        from padless.tiny.vlm import tiny_vlm_processor
-
-        return tiny_vlm_processor()
-    path = str(sources.local_folder(name_or_path))
-    try:
-        return AutoProcessor.from_pretrained(path, backend="pil", local_files_only=True)
-    except (ImportError, OSError) as e:  # no torchvision, or a folder saved without a video processor
-        if not {"torchvision", "video"} & set(re.findall(r"[a-z]+", str(e).lower())):
-            raise
-    import transformers
-
-    config_file = Path(path) / "processor_config.json"
-    cls_name = json.loads(config_file.read_text()).get("processor_class") if config_file.exists() else None
-    if cls_name is None or not hasattr(transformers, cls_name):
-        raise ValueError(
-            f"{path}: AutoProcessor needs torchvision for this model's video processor and the folder names "
-            "no processor_class in processor_config.json to build an image-only one; install torchvision or "
-            "add processor_config.json"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)
-    return image_only(getattr(transformers, cls_name))(
-        image_processor, tokenizer, chat_template=tokenizer.chat_template
-    )
-
-
 def concat_vision(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
     """Concatenate per-sample vision kwargs (``pixel_values``, ``image_grid_thw``, ...) in sample order."""
     present = [p for p in parts if p]
@@ -174,7 +137,7 @@ SCORE_KEY = "score.weight"
 
 def add_score_head(model: PreTrainedModel, path: str | Path | None = None) -> PreTrainedModel:
     """Give a vision-language model a scalar head: ``model.score``, a ``Linear(hidden, 1)`` that
-    :func:`padless.model.score_head` finds, applied to the language model's last hidden states.
+    :func:`padless.engine.score_head` finds, applied to the language model's last hidden states.
 
     The head is read back from ``path`` when its config says it was saved with one (``save_pretrained`` writes
     ``score.weight`` beside the VLM's weights), else initialised like transformers' sequence classifiers'
@@ -217,7 +180,6 @@ def _saved_score_weight(path: str | Path) -> torch.Tensor:
 def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: str) -> None:
     """A reward or value model reads the policy's samples as they are: images (and M-RoPE positions) for a
     vision-language policy, text for a text one. A mismatch would drop the images or misplace tokens."""
-    from padless.model import unwrap
 
     want, got = is_vision_config(unwrap(policy).config), is_vision_config(unwrap(other).config)
     if want != got:

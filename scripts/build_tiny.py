@@ -1077,7 +1077,8 @@ def build_warm_start(out: Path) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from transformers import AutoModelForCausalLM
 
-    from padless.config import SFTConfig, load_config
+    from padless.config import SFTConfig
+    from padless.config_loading import load_config
     from padless.trainers.sft import run_sft
 
     rows = [json.loads(line) for line in (out / "data" / "rl.jsonl").read_text().splitlines()]

@@ -102,3 +102,17 @@ def _per_token_delta(got: list[torch.Tensor], want: list[torch.Tensor]) -> float
 def per_token_delta() -> Callable[[list[torch.Tensor], list[torch.Tensor]], float]:
     """Largest per-token |difference| over sequences, after checking every sequence has the same shape."""
     return _per_token_delta
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    """tiny-qwen2 on the three cheap CPU backends, eval mode, built and probed once per test module."""
+    from padless.model import load_model
+
+    return {b: load_model("tiny-qwen2", attn_implementation=b) for b in ("varlen", "sdpa", "eager")}
+
+
+@pytest.fixture(scope="module")
+def reference(models, probe_seqs, alone_logps) -> list[torch.Tensor]:
+    """Each probe sequence alone on eager: next-token log-probs ``[L_i - 1]``."""
+    return alone_logps(models["eager"], probe_seqs)

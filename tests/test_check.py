@@ -9,10 +9,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from padless.attention import (
     VARLEN_NAME,
     attention_in_use,
-    count_attention_calls,
     hf_name,
     runtime_context,
-    varlen_attention_forward,
 )
 from padless.check import (
     LAYOUTS,
@@ -30,7 +28,13 @@ from padless.check import (
     zoo_failures,
 )
 from padless.model import load_model
+from padless.probe import (
+    count_attention_calls,
+)
 from padless.tolerance import bound
+from padless.varlen import (
+    varlen_attention_forward,
+)
 
 MODELS = ("tiny-qwen2", "tiny-llama")
 CPU_BACKENDS = ("varlen", "sdpa", "eager", "flex_attention")

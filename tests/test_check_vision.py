@@ -12,8 +12,8 @@ import padless.check_vision as check_vision
 from padless.check import failures, run_matrix
 from padless.cli import main
 from padless.model import load_model
+from padless.sources import load_processor
 from padless.tiny.vlm import IMAGE_TOKEN_ID
-from padless.vision import load_processor
 
 BACKENDS = ("varlen", "sdpa", "eager")
 

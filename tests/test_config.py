@@ -11,14 +11,10 @@ import yaml
 from pydantic import Field
 
 from padless.cli import TRAINERS, _load, main
-from padless.config import (
+from padless.config import DataSettings, LoraSettings, ModelSettings, SFTConfig, TrainSettings
+from padless.config_loading import (
     ConfigError,
     ConfigModel,
-    DataSettings,
-    LoraSettings,
-    ModelSettings,
-    SFTConfig,
-    TrainSettings,
     from_dict,
     invalid,
     load_config,
@@ -630,13 +626,11 @@ def test_rl_config_defaults(tmp_path: Path, cls: type, output_dir: str, generati
 
 def test_grpo_and_ppo_settings_defaults() -> None:
     g = GRPOSettings()
-    assert (g.beta, g.epsilon, g.epsilon_high, g.scale_rewards, g.loss_normalisation) == (
-        0.04,
-        0.2,
-        None,
-        True,
-        "token",
-    )
+    assert (g.beta, g.epsilon, g.epsilon_high, g.scale_rewards, g.group_std) == (0.04, 0.2, None, None, True)
+    assert (g.loss_type, g.importance_sampling_level, g.advantage) == ("dapo", "token", "grpo")
+    assert (g.cispo_max_ratio, g.max_ratio, g.dynamic_sampling_rounds) == (None, 5.0, 0)
+    r = RewardSettings()
+    assert (r.overlong_buffer, r.overlong_penalty, r.overlong_factor) == (0, None, 1.0)
     assert (g.updates_per_rollout, g.mini_batches_per_rollout) == (1, 1)
     p = PPOSettings()
     assert (p.value_model, p.gamma, p.lam, p.kl_coef, p.cliprange, p.cliprange_value, p.vf_coef) == (
@@ -722,13 +716,35 @@ def test_rl_allowed_combinations(tmp_path: Path) -> None:
         (["grpo.epsilon=1"], "grpo.epsilon", "(0, 1)"),
         (["grpo.epsilon_high=0.1"], "grpo.epsilon_high, grpo.epsilon", "below epsilon=0.2"),
         (["grpo.updates_per_rollout=0"], "grpo.updates_per_rollout", "must be > 0"),
-        (["grpo.loss_normalisation=batch"], "grpo.loss_normalisation", "one of 'token', 'sequence'"),
+        (["grpo.loss_type=bnpo"], "grpo.loss_type", "one of 'dapo', 'grpo', 'dr_grpo', 'cispo'"),
+        (["grpo.importance_sampling_level=group"], "grpo.importance_sampling_level", "'token', 'sequence'"),
+        (["grpo.advantage=gae"], "grpo.advantage", "one of 'grpo', 'rloo', 'reinforce_pp'"),
+        (["grpo.cispo_max_ratio=4"], "grpo.cispo_max_ratio, grpo.loss_type", "cap of loss_type cispo"),
+        (["grpo.cispo_max_ratio=0", "grpo.loss_type=cispo"], "grpo.cispo_max_ratio", "must be > 0"),
+        (
+            ["grpo.loss_type=cispo", "grpo.importance_sampling_level=sequence"],
+            "grpo.importance_sampling_level, grpo.loss_type",
+            "not for cispo",
+        ),
+        (["grpo.advantage=rloo", "grpo.scale_rewards=true"], "grpo.scale_rewards, grpo.advantage", "std"),
+        (["grpo.dynamic_sampling_rounds=-1"], "grpo.dynamic_sampling_rounds", ">= 0"),
+        (["reward.overlong_penalty=2"], "reward.overlong_penalty, reward.overlong_buffer", "is off"),
+        (
+            ["reward.overlong_buffer=65"],
+            "reward.overlong_buffer, rollout.max_new_tokens",
+            "longer than the 64 tokens",
+        ),
     ],
 )
 def test_grpo_errors_name_their_keys(overrides: list[str], keys: str, fragment: str) -> None:
     msg = error(GRPOConfig, None, *overrides)
     assert msg.startswith(keys + " on the command line"), msg
     assert fragment in msg and "fix:" in msg, msg
+
+
+def test_the_old_grpo_normalisation_key_points_to_loss_type() -> None:
+    msg = error(GRPOConfig, None, "grpo.loss_normalisation=token")
+    assert msg.startswith("unknown key 'grpo.loss_normalisation'") and "loss_type" in msg, msg
 
 
 @pytest.mark.parametrize(

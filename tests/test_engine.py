@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from padless.engine import ModelEngine, score_positions, sequence_scores
-from padless.model import forward_packed, forward_scores, load_model
+from padless.engine import ModelEngine, forward_packed, forward_scores, score_positions, sequence_scores
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded
 from padless.tiny import build_tiny_model, tiny_tokenizer
 

@@ -9,7 +9,8 @@ import pytest
 
 from padless import attention
 from padless.cli import main
-from padless.config import SFTConfig, load_config
+from padless.config import SFTConfig
+from padless.config_loading import load_config
 from padless.logs import LOG_FILE, setup_logging
 from padless.trainers.sft import run_sft
 

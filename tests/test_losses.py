@@ -9,14 +9,22 @@ import torch
 
 from padless.losses import (
     bradley_terry_loss,
+    cispo_policy_loss,
     clipped_policy_loss,
     clipped_value_loss,
+    constant_groups,
     dpo_loss,
     gae,
     group_advantages,
+    gspo_policy_loss,
     kl_k3,
+    policy_loss_units,
+    policy_token_weights,
+    reinforce_pp_advantages,
+    rloo_advantages,
     sft_loss,
     sft_token_weights,
+    soft_overlong_penalty,
     whiten,
 )
 
@@ -117,6 +125,99 @@ def test_clipped_policy_loss_by_hand():
     # A<0: 1.1 -> -min(-2.2, -2.2) = 2.2; 0.7 -> clip 0.8 -> -min(-1.4, -1.6) = 1.6
     assert loss.tolist() == pytest.approx([-1.3, -0.5, 2.2, 1.6], rel=1e-5)
     assert clipped.tolist() == [True, False, False, True]
+
+
+def test_rloo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])  # two groups of three
+    # each minus the mean of the other two: 1 - 0, 0 - 0.5, 0 - 0.5; 2 - 3.5, 2 - 3.5, 5 - 2
+    assert rloo_advantages(rewards, 3).tolist() == pytest.approx([1.0, -0.5, -0.5, -1.5, -1.5, 3.0])
+
+
+def test_reinforce_pp_advantages_use_one_std_over_the_rollout():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0, 0.0, 2.0])  # three groups of two
+    # group-centred: 0.5, -0.5, 0, 0, -1, 1 (mean 0); unbiased std over all six: sqrt(2.5 / 5)
+    std = math.sqrt(0.5)
+    expected = [x / (std + 1e-4) for x in (0.5, -0.5, 0.0, 0.0, -1.0, 1.0)]
+    assert reinforce_pp_advantages(rewards, 2).tolist() == pytest.approx(expected, rel=1e-6)
+    # unlike GRPO's per-group std, which makes the first and last groups' advantages equal (+-0.707)
+    grouped = group_advantages(rewards, 2)
+    assert grouped[0].item() == pytest.approx(grouped[5].item(), rel=1e-3)
+
+
+def test_constant_groups_are_the_ones_with_all_rewards_equal():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 0.5, 0.5])
+    assert constant_groups(rewards, 2).tolist() == [True, False, True, True]
+
+
+def test_soft_overlong_penalty_by_hand():
+    lengths = torch.tensor([5, 6, 7, 9, 10])
+    # 10 tokens at most, a zone of 4: free up to 6, then -(n - 6) / 4
+    assert soft_overlong_penalty(lengths, 10, 4).tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0])
+    assert soft_overlong_penalty(lengths, 10, 4, factor=2.0).tolist() == pytest.approx([0, 0, -0.5, -1.5, -2])
+    with pytest.raises(ValueError, match=r"buffer must be in \(0, 10\]"):
+        soft_overlong_penalty(lengths, 10, 11)
+
+
+def test_behaviour_weight_multiplies_the_loss_without_gradient():
+    logps = torch.log(torch.tensor([1.5, 0.9])).requires_grad_(True)
+    weight = torch.tensor([0.5, 2.0], requires_grad=True)
+    loss, _ = clipped_policy_loss(logps, torch.zeros(2), torch.tensor([1.0, 1.0]), 0.2, 0.2, weight)
+    assert loss.tolist() == pytest.approx([-1.2 * 0.5, -0.9 * 2.0], rel=1e-6)
+    loss.sum().backward()
+    # the clipped token has no gradient; the other: d(-r A w)/d logp = -r w = -1.8
+    assert logps.grad.tolist() == pytest.approx([0.0, -1.8], rel=1e-6) and weight.grad is None
+
+
+def test_gspo_clips_one_length_normalised_ratio_per_sequence():
+    lengths = torch.tensor([2, 1, 2])
+    ratios = [1.2, 1.5, 0.5, 1.1, 0.9]
+    logps = torch.log(torch.tensor(ratios)).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0, 2.0])
+    loss, clipped = gspo_policy_loss(logps, torch.zeros(5), adv, lengths, eps_low=0.2, eps_high=0.2)
+    # s = geometric mean of each sequence's ratios: sqrt(1.8) = 1.342 (clipped to 1.2), 0.5 (A < 0: the
+    # clipped 0.8 gives the larger loss), sqrt(0.99) = 0.995 (inside the range)
+    s3 = math.sqrt(0.99)
+    assert loss.tolist() == pytest.approx([-1.2, -1.2, 0.8, -2 * s3, -2 * s3], rel=1e-6)
+    assert clipped.tolist() == [True, True, True, False, False]
+    loss.sum().backward()
+    # sequence 3's two tokens each carry -A s; d/d logp_t of 2 (-A s) with s = exp(mean log r) is -A s
+    assert logps.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, -2 * s3, -2 * s3], rel=1e-6)
+
+
+def test_cispo_weights_tokens_by_the_capped_ratio_without_gradient_through_it():
+    logps = torch.log(torch.tensor([1.5, 0.5, 7.0])).requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0, 1.0])
+    loss, capped = cispo_policy_loss(logps, torch.zeros(3), adv, max_ratio=5.0)
+    # -min(r, 5) A log pi: -1.5 ln 1.5, -0.5 (-2) ln 0.5, -5 ln 7
+    expected = [-1.5 * math.log(1.5), 1.0 * math.log(0.5), -5.0 * math.log(7.0)]
+    assert loss.tolist() == pytest.approx(expected, rel=1e-6)
+    assert capped.tolist() == [False, False, True]
+    loss.sum().backward()
+    assert logps.grad.tolist() == pytest.approx([-1.5, 1.0, -5.0], rel=1e-6)  # every token keeps a gradient
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo"])
+def test_policy_loss_reduction_is_the_same_for_any_split(loss_type):
+    """Three sequences' per-token losses (one sequence without targets), summed with the loss type's weights
+    over a global normaliser: one micro-batch or two give the loss worked out by hand."""
+    lengths = [3, 0, 2]
+    per_token = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0])
+    max_new = 4
+    by_hand = {
+        "dapo": 16.0 / 5,  # token-mean over the step
+        "cispo": 16.0 / 5,
+        "grpo": (6.0 / 3 + 10.0 / 2) / 2,  # mean of each sequence's mean, over sequences with targets
+        "dr_grpo": 16.0 / (3 * 4),  # every sequence times max_new_tokens
+    }[loss_type]
+    normaliser = policy_loss_units(lengths, loss_type, max_new)
+    whole = (per_token * policy_token_weights(torch.tensor(lengths), loss_type)).sum() / normaliser
+    assert whole.item() == pytest.approx(by_hand, rel=1e-6)
+    split = sum(
+        (part * policy_token_weights(torch.tensor(ls), loss_type)).sum() / normaliser
+        for part, ls in ((per_token[:3], [3, 0]), (per_token[3:], [2]))
+    )
+    assert normaliser == policy_loss_units([3, 0], loss_type, max_new) + policy_loss_units([2], loss_type, 4)
+    assert split.item() == pytest.approx(by_hand, rel=1e-6)
 
 
 def test_kl_k3_by_hand():

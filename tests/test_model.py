@@ -7,23 +7,20 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-import padless.model as model_module
+import padless.engine as engine_module
 from padless.attention import attention_in_use
-from padless.engine import ModelEngine, sequence_scores
-from padless.model import (
-    DTYPES,
-    disable_dropout,
+from padless.engine import (
+    ModelEngine,
     forward_packed,
     forward_padded,
     forward_scores,
     hidden_states,
-    load_model,
-    load_tokenizer,
     logps_from_hidden,
-    resolve_dtype,
     score_head,
+    sequence_scores,
     set_logits_memory,
 )
+from padless.model import DTYPES, disable_dropout, load_model, load_tokenizer, resolve_dtype
 from padless.packing import IGNORE_INDEX, Example, pack, to_padded, unpad
 from padless.tolerance import bound
 
@@ -260,7 +257,7 @@ def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monke
     assert matmuls() == ((3, 0) if fused else (1, 0))
     assert eval_matmuls() == 1
     budget_mb = 1  # 64 rows of the 4,096-token vocabulary's fp32 logits
-    monkeypatch.setattr(model_module, "_logits_memory_bytes", budget_mb * 2**20)
+    monkeypatch.setattr(engine_module, "_logits_memory_bytes", budget_mb * 2**20)
     chunks = -(-kept // 64)
     assert chunks > 1
     assert matmuls() == ((3 * chunks, 0) if fused else (chunks, chunks))

@@ -87,8 +87,8 @@ def vlm_prompts():
     """Image prompts of different lengths (image sizes differ) from the embedded shapes data."""
     from padless.data import load_rows, tokenize_prompts
     from padless.data.images import ImageInputs
+    from padless.sources import load_processor
     from padless.tiny import tiny_config
-    from padless.vision import load_processor
 
     processor = load_processor("tiny-qwen2.5-vl")
     inputs = ImageInputs(processor, tiny_config("tiny-qwen2.5-vl"))

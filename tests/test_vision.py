@@ -20,8 +20,11 @@ from transformers import AutoModelForImageTextToText, Qwen2VLConfig, Qwen3VLConf
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import padless.attention as attention
-from padless.model import forward_packed, forward_padded, forward_scores, load_model, score_head
+import padless.varlen as varlen
+from padless.engine import forward_packed, forward_padded, forward_scores, score_head
+from padless.model import load_model
 from padless.packing import Example, pack, to_padded, unpad
+from padless.sources import load_processor
 from padless.tiny import PAD_TOKEN_ID
 from padless.tiny.vlm import (
     IMAGE_TOKEN_ID,
@@ -36,7 +39,6 @@ from padless.vision import (
     add_score_head,
     concat_vision,
     is_vision_config,
-    load_processor,
     uses_mrope,
 )
 
@@ -251,12 +253,12 @@ def test_varlen_vision_is_not_causal(family, examples, monkeypatch):
     eager = _image_features(_build(family, "eager"), vision)
     model = _build(family, "varlen")
     assert _delta(_image_features(model, vision), eager) < FP32_TOL
-    per_sequence = attention._exact_per_sequence
+    per_sequence = varlen._exact_per_sequence
 
     def causal(q, k, v, spans, args):
         return per_sequence(q, k, v, spans, dataclasses.replace(args, causal=True))
 
-    monkeypatch.setattr(attention, "_exact_per_sequence", causal)
+    monkeypatch.setattr(varlen, "_exact_per_sequence", causal)
     assert _delta(_image_features(model, vision), eager) > LEAK_MIN
 
 

@@ -1,12 +1,14 @@
 """Loading raw data with provenance and turning it into tokenized :class:`~padless.packing.Example` s."""
 
+from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.preference import PairExample, tokenize_preference, tokenize_scoring
-from padless.data.records import ACCEPTED_FORMATS, DataError, Row, load_rows
+from padless.data.records import ACCEPTED_FORMATS, DataError, Row, SkipStats, load_rows
 from padless.data.rl import PromptExample, reward_inputs, tokenize_prompts
-from padless.data.sft import ChatTemplateError, SkipStats, detect_format, tokenize_sft
+from padless.data.sft import detect_format, tokenize_sft
 
 __all__ = [
     "ACCEPTED_FORMATS",
+    "ChatEncoder",
     "ChatTemplateError",
     "DataError",
     "PairExample",

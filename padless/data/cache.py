@@ -35,8 +35,8 @@ from typing import Any
 
 import xxhash
 
+from padless.data.chat import ChatTemplateError
 from padless.data.records import DataError
-from padless.data.sft import ChatTemplateError
 
 log = logging.getLogger(__name__)
 

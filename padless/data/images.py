@@ -199,17 +199,16 @@ class ImageInputs:
     @classmethod
     def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
         """The image side of the model ``name`` (its processor), or None for a text-only model."""
-        from padless.model import unwrap
-        from padless.vision import is_vision_config, load_processor
+        from padless.sources import load_processor
+        from padless.strategy import unwrap
+        from padless.vision import is_vision_config
 
         config = unwrap(model).config
         return cls(load_processor(name), config) if is_vision_config(config) else None
 
-    def prompts(self, rows: Sequence[Row]) -> tuple[list[list[int]], list[dict[str, torch.Tensor] | None]]:
-        """Generation prompts of chat rows: each conversation up to its last assistant turn, with the images
-        of the turns kept."""
-        from padless.data.rl import tokenize_prompts
-
+    def prompt_rows(self, rows: Sequence[Row]) -> list[Row]:
+        """Generation prompts of chat rows, as prompt rows (:func:`padless.data.rl.tokenize_prompts` reads
+        them): each conversation up to its last assistant turn, with the images of the turns kept."""
         cut = []
         for row in rows:
             prepared = self.prepare(row)
@@ -228,8 +227,7 @@ class ImageInputs:
                 for m in messages[:last]
             ]
             cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
-        examples, _ = tokenize_prompts(cut, self.tokenizer, max_prompt_length=1 << 20, images=self)
-        return [e.prompt_ids for e in examples], [e.vision for e in examples]
+        return cut
 
     # -- rows ------------------------------------------------------------------------------------------------
 

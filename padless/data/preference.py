@@ -30,18 +30,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row
-from padless.data.sft import (
-    ChatTemplateError,
-    SkipStats,
-    Truncation,
-    _Encoder,
-    _messages,
-    _nonempty_str,
-    _present,
-    _type_name,
-)
+from padless.data.records import DataError, Row, SkipStats, Truncation, present_fields, type_name
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -81,18 +72,18 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-class _PairEncoder(_Encoder):
+class _PairEncoder(ChatEncoder):
     """Prompt and completion rendering shared by preference pairs and scoring rows."""
 
     def prompt(self, row: Row, value: Any) -> tuple[list[int], list[dict[str, Any]] | None]:
         """Prompt ids, and the validated messages when the prompt is conversational."""
         if isinstance(value, list):
-            messages = _messages(row, "prompt", value)
+            messages = chat_messages(row, "prompt", value)
             return self.chat_prompt(row, messages), messages
         if isinstance(value, str):
-            return self.leading_specials + self.encode(_nonempty_str(row, "prompt", value)), None
+            return self.leading_specials + self.encode(nonempty_str(row, "prompt", value)), None
         raise row.error(
-            "prompt", f"must be a string or a list of messages, got {_type_name(value)}", reason="wrong type"
+            "prompt", f"must be a string or a list of messages, got {type_name(value)}", reason="wrong type"
         )
 
     def chat_prompt(self, row: Row, messages: list[dict[str, Any]]) -> list[int]:
@@ -100,7 +91,7 @@ class _PairEncoder(_Encoder):
         return self.render(row, messages, generation_prompt=True)
 
     def text_completion(self, row: Row, name: str, value: str) -> list[int]:
-        ids = self.encode(_nonempty_str(row, name, value))
+        ids = self.encode(nonempty_str(row, name, value))
         return ids if ids[-1:] == [self.eos] else [*ids, self.eos]
 
     def completion(
@@ -119,17 +110,17 @@ class _PairEncoder(_Encoder):
                 "is a list of messages but the prompt is a string; a conversational completion continues a "
                 "conversational prompt (a list of messages)"
                 if isinstance(value, list)
-                else f"must be a string, got {_type_name(value)}"
+                else f"must be a string, got {type_name(value)}"
             )
             raise row.error(name, problem, reason="wrong type")
         if not isinstance(value, list):
             raise row.error(
                 name,
                 f"must be a list with one assistant message ({_ASSISTANT_LIST}) because the prompt is a list "
-                f"of messages, got {_type_name(value)}",
+                f"of messages, got {type_name(value)}",
                 reason="wrong type",
             )
-        done = _messages(row, name, value)
+        done = chat_messages(row, name, value)
         if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
             raise row.error(
                 name,
@@ -161,14 +152,14 @@ class _PairEncoder(_Encoder):
         if not isinstance(chosen, (str, list)):
             raise row.error(
                 "chosen",
-                f"must be a string or a list of messages, got {_type_name(chosen)}",
+                f"must be a string or a list of messages, got {type_name(chosen)}",
                 reason="wrong type",
             )
         if isinstance(chosen, str) != isinstance(rejected, str) or not isinstance(rejected, (str, list)):
             kind = "a string" if isinstance(chosen, str) else "a list of messages"
             raise row.error(
                 "rejected",
-                f"must be {kind} like 'chosen', got {_type_name(rejected)}",
+                f"must be {kind} like 'chosen', got {type_name(rejected)}",
                 reason="wrong type",
             )
         where = "the prompt (the prefix 'chosen' and 'rejected' share)"
@@ -178,7 +169,7 @@ class _PairEncoder(_Encoder):
 
     def _implicit_text(self, row: Row, chosen: str, rejected: str) -> tuple[list[int], list[list[int]]]:
         full = [
-            self.leading_specials + self.encode(_nonempty_str(row, s, v))
+            self.leading_specials + self.encode(nonempty_str(row, s, v))
             for s, v in zip(SIDES, (chosen, rejected), strict=True)
         ]
         if chosen == rejected:
@@ -200,7 +191,7 @@ class _PairEncoder(_Encoder):
     def _implicit_chat(
         self, row: Row, chosen: list[Any], rejected: list[Any]
     ) -> tuple[list[int], list[list[int]]]:
-        convs = [_messages(row, s, v) for s, v in zip(SIDES, (chosen, rejected), strict=True)]
+        convs = [chat_messages(row, s, v) for s, v in zip(SIDES, (chosen, rejected), strict=True)]
         if convs[0] == convs[1]:
             raise _equal(row)
         k = _common_prefix(*convs)
@@ -291,7 +282,7 @@ def _margin(row: Row, required: bool) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise row.error(
-            "margin", f"must be a finite number, got {_type_name(value)} {value!r}", reason="wrong type"
+            "margin", f"must be a finite number, got {type_name(value)} {value!r}", reason="wrong type"
         )
     return float(value)
 
@@ -323,7 +314,7 @@ def check_args(max_length: int, truncation: str) -> None:
 
 
 def _require(row: Row, names: Sequence[str], how: str) -> None:
-    present = _present(row)
+    present = present_fields(row)
     for name in names:
         if name not in present:
             found = sorted(present) or "no non-null fields"
@@ -340,9 +331,9 @@ def pair_fields(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[tuple[str, ..
     with 'chosen' and 'rejected' when skipping bad rows) has one. Reads rows only as far as it needs to."""
     rows = iter(rows)
     first = next(rows)
-    if skip_bad_rows and not set(SIDES) <= _present(first):
-        first = next((r for r in rows if set(SIDES) <= _present(r)), first)
-    if "prompt" in _present(first):
+    if skip_bad_rows and not set(SIDES) <= present_fields(first):
+        first = next((r for r in rows if set(SIDES) <= present_fields(r)), first)
+    if "prompt" in present_fields(first):
         return ("prompt", *SIDES), f"rows with explicit prompts (as {first.where} has)"
     return SIDES, "preference rows"
 
@@ -361,7 +352,7 @@ def pair_example(
     """One row as a pair; a bad row raises :class:`DataError` (see :func:`tokenize_preference`)."""
     _require(row, needed, how)
     row, pictures = _prepare(row, images)
-    if "prompt" in _present(row):
+    if "prompt" in present_fields(row):
         prompt_ids, completions, prompt_field = enc.explicit(row)
     else:
         prompt_ids, completions, prompt_field = enc.implicit(row)

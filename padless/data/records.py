@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pyarrow as pa
 
@@ -25,6 +26,8 @@ ACCEPTED_FORMATS = (
     "in-memory datasets.Dataset / DatasetDict"
 )
 SKIP_FIX = "Fix the row or set data.skip_bad_rows: true to skip it."
+# What to do with a row longer than the length limit: refuse it, or keep its first tokens.
+Truncation = Literal["error", "truncate"]
 
 
 class DataError(ValueError):
@@ -90,7 +93,48 @@ class Row:
         )
 
 
-def _type_name(value: Any) -> str:
+@dataclass
+class SkipStats:
+    """What ``skip_bad_rows`` dropped, so a run can report it instead of silently shrinking the data."""
+
+    skipped: int = 0
+    kept: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    examples_of: list[str] = field(default_factory=list)
+    rows_of: dict[str, list[int]] = field(default_factory=dict)  # reason -> its first row numbers
+
+    MAX_EXAMPLES: ClassVar[int] = 5
+    MAX_ROWS: ClassVar[int] = 3
+
+    def record(self, error: DataError) -> None:
+        self.skipped += 1
+        self.reasons[error.reason] += 1
+        if len(self.examples_of) < self.MAX_EXAMPLES:
+            self.examples_of.append(str(error))
+        rows = self.rows_of.setdefault(error.reason, [])
+        if error.index is not None and len(rows) < self.MAX_ROWS:
+            rows.append(error.index)
+
+    def summary(self) -> str:
+        """``skipped 3 of 40 rows: too long (2) at rows 5, 17; not an object (1) at row 9``."""
+        if not self.skipped:
+            return f"kept all {self.kept} rows"
+        causes = []
+        for reason, n in self.reasons.most_common():
+            rows = self.rows_of.get(reason, [])
+            where = f" at row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}" if rows else ""
+            causes.append(f"{reason} ({n}){where}{', ...' if n > len(rows) and rows else ''}")
+        return f"skipped {self.skipped} of {self.skipped + self.kept} rows: {'; '.join(causes)}"
+
+
+def present_fields(row: Row) -> set[str]:
+    """The row's fields that hold a value."""
+    # datasets/parquet fill a column missing from a row with None, so None counts as absent.
+    return {k for k, v in row.data.items() if v is not None}
+
+
+def type_name(value: Any) -> str:
+    """A value's JSON-ish type name for error messages (``null`` for None)."""
     return "null" if value is None else type(value).__name__
 
 
@@ -102,7 +146,7 @@ def _checked_rows(
         row = Row(item, source, i + start, numbering)
         if not isinstance(item, dict):
             raise DataError(
-                f"{row.where}: expected a JSON object (a dict of fields), got {_type_name(item)}. "
+                f"{row.where}: expected a JSON object (a dict of fields), got {type_name(item)}. "
                 'Each row must be an object such as {"messages": [...]} or {"prompt": ..., '
                 '"completion": ...}; fix the row.',
                 source=source,
@@ -164,7 +208,7 @@ def _read_json(path: Path, source: str) -> list[Row]:
         obj = obj["data"]
     if not isinstance(obj, list):
         raise DataError(
-            f'{source}: expected a JSON list of objects or {{"data": [...]}}, got {_type_name(obj)}'
+            f'{source}: expected a JSON list of objects or {{"data": [...]}}, got {type_name(obj)}'
             + (f" with keys {sorted(obj)}" if isinstance(obj, dict) else "")
             + ". Wrap the rows in a list.",
             source=source,

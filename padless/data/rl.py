@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row
-from padless.data.sft import ChatTemplateError, SkipStats, _Encoder, _messages, _nonempty_str, _type_name
+from padless.data.records import DataError, Row, SkipStats, type_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,7 +48,7 @@ class PromptExample:
         return len(self.prompt_ids)
 
 
-class _PromptEncoder(_Encoder):
+class _PromptEncoder(ChatEncoder):
     """Renders one prompt to (ids, text) according to ``chat_template``."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> None:
@@ -73,7 +73,7 @@ class _PromptEncoder(_Encoder):
                 "data.skip_bad_rows: true to skip it.",
             )
         if isinstance(value, str):
-            text = _nonempty_str(row, PROMPT, value)
+            text = nonempty_str(row, PROMPT, value)
             if not self.use_template_for_strings:
                 return self.leading_specials + self.encode(text), text
             return self.chat(row, [{"role": "user", "content": text}])
@@ -87,7 +87,7 @@ class _PromptEncoder(_Encoder):
                     fix="Give the prompt as a string, set data.chat_template to null (or true), or set "
                     "data.skip_bad_rows: true to skip it.",
                 )
-            messages = _messages(row, PROMPT, value)
+            messages = chat_messages(row, PROMPT, value)
             if messages[-1]["role"] == "assistant":
                 raise row.error(
                     f"{PROMPT}[{len(messages) - 1}].role",
@@ -100,7 +100,7 @@ class _PromptEncoder(_Encoder):
             return self.chat(row, messages)
         raise row.error(
             PROMPT,
-            f"must be a string or a list of {{role, content}} messages, got {_type_name(value)}",
+            f"must be a string or a list of {{role, content}} messages, got {type_name(value)}",
             reason="wrong type",
         )
 

@@ -11,16 +11,24 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import numpy as np
 
 if TYPE_CHECKING:
     import datasets
 
-    from padless.data.tokenized import Layout
-
 T = TypeVar("T")
+Item = TypeVar("Item", covariant=True)
+
+
+class ColumnReader(Protocol[Item]):
+    """What an :class:`ArrowSet` needs of its task's layout (:class:`padless.data.tokenized.Layout`):
+    which stored columns to read, and how items are rebuilt from them."""
+
+    def read_columns(self, stored: list[str]) -> list[str]: ...
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[Item]: ...
 
 
 class ExampleSet(Sequence[T]):
@@ -109,7 +117,7 @@ class ArrowSet(ExampleSet[T]):
     """A tokenized set on disk, memory-mapped; items are rebuilt from their columns when read."""
 
     def __init__(
-        self, dataset: datasets.Dataset, layout: Layout[T], source: str, path: Path, cached: bool
+        self, dataset: datasets.Dataset, layout: ColumnReader[T], source: str, path: Path, cached: bool
     ) -> None:
         """``path``: the set's folder; ``cached``: whether it was there already (not built by this call)."""
         self.dataset, self.layout, self.source, self.path, self.cached = dataset, layout, source, path, cached

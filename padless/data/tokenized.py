@@ -45,14 +45,22 @@ from padless.data.preference import (
     pair_fields,
     tokenize_preference,
 )
-from padless.data.records import DataError, RawRows, Row, no_rows, open_source, raw_rows, sliced
+from padless.data.records import (
+    DataError,
+    RawRows,
+    Row,
+    SkipStats,
+    Truncation,
+    no_rows,
+    open_source,
+    raw_rows,
+    sliced,
+)
 from padless.data.rl import PromptExample, prompt_encoder, prompt_example, tokenize_prompts
 from padless.data.rl import check_args as check_prompt_args
 from padless.data.sets import ArrowSet, ExampleSet, InMemory
 from padless.data.sft import (
-    SkipStats,
-    Truncation,
-    _Encoder,
+    SftEncoder,
     check_sft_args,
     sft_example,
     sft_format,
@@ -141,14 +149,14 @@ class SFTLayout(Layout[Example]):
     truncation: Truncation = "error"
     completion_only_loss: bool = True
     skip_bad_rows: bool = False
-    _state: tuple[_Encoder, str, str] | None = field(default=None, repr=False)
+    _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_sft_args(self.format, self.max_length, self.truncation)
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
-        self._state = (_Encoder(tokenizer), fmt, how)
+        self._state = (SftEncoder(tokenizer), fmt, how)
 
     def example(self, row: Row) -> Example:
         assert self._state is not None, "prepare() first"

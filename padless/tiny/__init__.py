@@ -82,7 +82,7 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
 }
-VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.vision.load_processor
+VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.sources.load_processor
 
 # Trained models shipped as Hugging Face folders (built by ``scripts/build_tiny.py --warm-start``):
 # ``tiny-llama-arith`` is tiny-llama fine-tuned on the answers of the ``tiny:rl`` prompts, a policy that

@@ -1,13 +1,27 @@
 """GRPO: sample a group of completions per prompt, score them, and push up the ones better than their
-group, with a clipped policy loss and a k3 KL to a frozen reference."""
+group, with a policy loss of the GRPO family (``grpo.loss_type``, ``grpo.importance_sampling_level``),
+group-relative advantages (``grpo.advantage``) and a k3 KL to a frozen reference."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from padless.config import GRPOConfig
 from padless.engine import ModelEngine
-from padless.losses import clipped_policy_loss, group_advantages, kl_k3
+from padless.losses import (
+    cispo_policy_loss,
+    clipped_policy_loss,
+    constant_groups,
+    group_advantages,
+    gspo_policy_loss,
+    kl_k3,
+    policy_loss_units,
+    policy_token_weights,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
 from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
@@ -19,7 +33,6 @@ class GRPORecipe(RolloutRecipe):
         g = self.cfg.grpo
         self.kl = g.beta > 0
         self.updates, self.mini_batches = g.updates_per_rollout, g.mini_batches_per_rollout
-        self.per_sequence_units = g.loss_normalisation == "sequence"
         self.eps_low, self.eps_high = g.epsilon, g.epsilon if g.epsilon_high is None else g.epsilon_high
         # with one update on one mini-batch the policy has not moved: old log-probs = current, detached
         self.store_old = self.updates > 1 or self.mini_batches > 1
@@ -32,15 +45,59 @@ class GRPORecipe(RolloutRecipe):
             passes["old_logps"] = self.logps_pass(self.policy)
         return passes
 
+    def sample(self, epoch: int) -> tuple[list[Example], dict[str, float]]:
+        """With ``grpo.dynamic_sampling_rounds`` (DAPO): groups whose rewards are all equal are dropped and
+        replaced by groups of fresh prompts (a seeded draw per round), for at most that many rounds; if the
+        rollout is still short, the first dropped groups fill it (their advantages are 0) and the log says
+        how many. Logs the share of sampled groups that were dropped."""
+        examples, metrics = super().sample(epoch)
+        rounds = self.cfg.grpo.dynamic_sampling_rounds
+        if not rounds:
+            return examples, metrics
+        group, wanted = self.cfg.rollout.num_generations, self.cfg.rollout.prompts_per_step
+        kept: list[list[Example]] = []
+        dropped: list[list[Example]] = []
+        sampled, done = 0, 0
+        while True:
+            groups = [examples[i : i + group] for i in range(0, len(examples), group)]
+            flat = constant_groups(torch.tensor([e.meta["reward"] for e in examples]), group).tolist()
+            for g, constant in zip(groups, flat, strict=True):
+                (dropped if constant else kept).append(g)
+            sampled += len(groups)
+            if len(kept) >= wanted or done == rounds:
+                break
+            done += 1
+            draw = random.Random(self.cfg.train.seed * 1_000_003 + epoch * 1009 + done)
+            prompts = [self.prompts[i] for i in draw.choices(range(len(self.prompts)), k=wanted - len(kept))]
+            seed = self.cfg.train.seed * 1_000_003 + epoch + 7_919_011 * done
+            examples = self.collect(prompts, group, seed)
+        filled = max(wanted - len(kept), 0)
+        chosen = kept[:wanted] + dropped[:filled]
+        metrics["dynamic_sampling/dropped_fraction"] = len(dropped) / sampled
+        metrics["dynamic_sampling/refill_rounds"] = float(done)
+        metrics["dynamic_sampling/constant_groups_kept"] = float(filled)
+        return [e for g in chosen for e in g], metrics
+
     def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
-        advantages = group_advantages(rewards, self.cfg.rollout.num_generations, self.cfg.grpo.scale_rewards)
+        g, group = self.cfg.grpo, self.cfg.rollout.num_generations
+        if g.advantage == "rloo":
+            advantages = rloo_advantages(rewards, group)
+        elif g.advantage == "reinforce_pp":
+            advantages = reinforce_pp_advantages(rewards, group)
+        else:
+            advantages = group_advantages(rewards, group, g.group_std)
         for e, a in zip(examples, advantages.tolist(), strict=True):
             e.meta["advantage"] = a
         return {}
 
+    def units(self, chunk: list[Example]) -> float:
+        lengths = [e.num_targets for e in chunk]
+        return policy_loss_units(lengths, self.cfg.grpo.loss_type, self.cfg.rollout.max_new_tokens)
+
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        g = self.cfg.grpo
         examples: list[Example] = micro.data
         batch = pack(examples, device=self.device)
         out = model(batch, logps=True, entropy=True, temperature=self.cfg.rollout.temperature)
@@ -52,22 +109,29 @@ class GRPORecipe(RolloutRecipe):
             counts,
         )
         old = per_target(examples, "old_logps", self.device) if self.store_old else logps.detach()
-        per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
+        if g.loss_type == "cispo":
+            per_token, clipped = cispo_policy_loss(logps, old, advantages, g.max_ratio)
+        elif g.importance_sampling_level == "sequence":
+            per_token, clipped = gspo_policy_loss(logps, old, advantages, counts, self.eps_low, self.eps_high)
+        else:
+            per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
         kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
         if kl is not None:
-            per_token = per_token + self.cfg.grpo.beta * kl
-        if self.per_sequence_units:  # each sequence's mean, then over sequences
-            weights = torch.repeat_interleave(1.0 / counts.clamp(min=1).float(), counts)
-        else:
-            weights = torch.ones_like(per_token)
+            per_token = per_token + g.beta * kl
+        weights = policy_token_weights(counts, g.loss_type).to(per_token.dtype)
         loss = (per_token * weights).sum() / normaliser
+        # metrics are means over the step: per token (dapo, cispo) or of each sequence's mean (grpo; dr_grpo,
+        # whose normaliser counts max_new_tokens per sequence)
+        shown = weights
+        if g.loss_type == "dr_grpo":
+            shown = policy_token_weights(counts, "grpo") * self.cfg.rollout.max_new_tokens
         metrics = {
             "loss": loss.item(),
-            "entropy": (out.entropy[mask] * weights).sum().item() / normaliser,
-            "clip_fraction": (clipped.float() * weights).sum().item() / normaliser,
+            "entropy": (out.entropy[mask] * shown).sum().item() / normaliser,
+            "clip_fraction": (clipped.float() * shown).sum().item() / normaliser,
         }
         if kl is not None:
-            metrics["kl"] = (kl.detach() * weights).sum().item() / normaliser
+            metrics["kl"] = (kl.detach() * shown).sum().item() / normaliser
         return loss, metrics
 
 

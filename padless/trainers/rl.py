@@ -18,19 +18,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import PartialState
-from accelerate.utils import gather_object
 
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet
 from padless.data.tokenized import PromptLayout, load_set
 from padless.engine import inner_engine
+from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, lockstep
+from padless.ranks import equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
 from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch
@@ -53,7 +53,6 @@ class RolloutRecipe:
 
     updates: int = 1
     mini_batches: int = 1
-    per_sequence_units: bool = False
 
     def __init__(
         self,
@@ -106,7 +105,7 @@ class RolloutRecipe:
         are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
-        first = PartialState().process_index * len(mine)  # this rank's first prompt in the rollout
+        first = data_parallel()[0] * len(mine)  # this rank's first prompt in the rollout
         seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
@@ -129,7 +128,7 @@ class RolloutRecipe:
         self.score(mine[:real], examples, completions[: real * group], group, filler)
         if not greedy:
             self.store(examples, self.passes(), filler)
-        return gather_object(examples)
+        return gather_shares(examples)
 
     def score(
         self,
@@ -151,6 +150,16 @@ class RolloutRecipe:
             scores = score_examples(self.reward_model, examples, filler=filler)
             totals += self.cfg.reward.model_weight * torch.tensor(scores)
             sources["reward_model"] = scores
+        if self.cfg.reward.overlong_buffer:
+            lengths = torch.tensor([len(c.completion_ids) for c in completions])
+            penalty = soft_overlong_penalty(
+                lengths,
+                self.cfg.rollout.max_new_tokens,
+                self.cfg.reward.overlong_buffer,
+                self.cfg.reward.overlong_factor,
+            )
+            totals += penalty
+            sources["overlong"] = penalty.tolist()
         for i, e in enumerate(examples):
             e.meta["reward"] = totals[i].item()
             e.meta.update({f"reward/{name}": values[i] for name, values in sources.items()})
@@ -206,12 +215,20 @@ class RolloutRecipe:
 
     def plan(self, epoch: int) -> list[MicroBatch]:
         if self.rollout is None or self.rollout[0] != epoch:
-            seed = self.cfg.train.seed * 1_000_003 + epoch
-            examples = self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed)
+            examples, sampling = self.sample(epoch)
             rewards = torch.tensor([e.meta["reward"] for e in examples])
-            self.metrics[epoch] = {**summary(examples, "rollout/"), **self.process(examples, rewards, epoch)}
+            self.metrics[epoch] = {
+                **summary(examples, "rollout/"),
+                **sampling,
+                **self.process(examples, rewards, epoch),
+            }
             self.rollout = (epoch, examples)
         return self.micro_batches(self.rollout[1], epoch)
+
+    def sample(self, epoch: int) -> tuple[list[Example], dict[str, float]]:
+        """The rollout's scored examples (every rank's, in prompt order) and any sampling metrics."""
+        seed = self.cfg.train.seed * 1_000_003 + epoch
+        return self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed), {}
 
     def plan_state(self, epoch: int) -> list[dict[str, Any]]:
         """The sampled rollout with everything ``process`` stored, for a checkpoint taken mid-rollout."""
@@ -247,13 +264,13 @@ class RolloutRecipe:
                 mini = [examples[i] for i in order[m * size : (m + 1) * size]]
                 for b in budget_batches([len(e) for e in mini], budget, seed=epoch + update + m):
                     chunk = [mini[i] for i in b]
-                    if self.per_sequence_units:
-                        units = sum(e.num_targets > 0 for e in chunk)
-                    else:
-                        units = sum(e.num_targets for e in chunk)
-                    micros.append(MicroBatch(chunk, units, sum(len(e) for e in chunk), step=step))
+                    micros.append(MicroBatch(chunk, self.units(chunk), sum(len(e) for e in chunk), step=step))
                 step += 1
         return micros
+
+    def units(self, chunk: list[Example]) -> float:
+        """A micro-batch's share of its step's loss normaliser: target tokens unless overridden."""
+        return float(sum(e.num_targets for e in chunk))
 
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         return self.metrics.pop(epoch, {})

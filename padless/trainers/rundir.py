@@ -270,7 +270,7 @@ def _branch(root: Path, resume: Path) -> None:
 def save_run_config(config: Any, root: Path) -> Path:
     """The resolved config as ``config.yaml``; if the user's own file has that name (the one the run was
     started from), it is kept and the resolved config goes to ``padless-config.yaml`` instead."""
-    from padless.config import save_config
+    from padless.config_loading import save_config
 
     name = "config.yaml"
     if (root / name).exists() and name not in owned(root):

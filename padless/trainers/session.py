@@ -11,11 +11,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from padless import sequence_parallel
 from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings
-from padless.engine import ModelEngine
+from padless.engine import ModelEngine, set_logits_memory
 from padless.logs import describe_run, log_to_file, setup_logging
-from padless.model import Task, load_model, load_tokenizer, pad_token_id, set_logits_memory
+from padless.model import Task, load_model, load_tokenizer, pad_token_id
 from padless.strategy import prepare_frozen, start_accelerator
 from padless.trainers import rundir
 
@@ -69,6 +70,7 @@ def start_session(
     set_seed(seed)
     set_varlen_kernel(model_cfg.varlen_kernel)
     set_logits_memory(config.train.logits_memory_mb)
+    sequence_parallel.start(config.train.sequence_parallel)  # engines built from here on split their rows
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer))

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
+from padless.data.rl import tokenize_prompts
 from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import SFTLayout, load_set
 from padless.engine import ModelEngine
@@ -28,7 +28,7 @@ from padless.packing import (
     pack,
     to_padded,
 )
-from padless.ranks import equal_share
+from padless.ranks import equal_share, gather_shares
 from padless.rollout import generate
 from padless.runfiles import own
 from padless.trainers.loop import MicroBatch, Trainer
@@ -136,7 +136,7 @@ class SFTRecipe:
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_object(completions[:real])
+        completions = gather_shares(completions[:real])
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
@@ -199,7 +199,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         eval_examples = tokenize(data.eval, "eval")
         eval_rows = load_rows(data.eval) if cfg.train.eval_generate else []
         if cfg.train.eval_generate and images is not None:
-            eval_prompts, eval_vision = images.prompts(eval_rows)
+            cut, _ = tokenize_prompts(
+                images.prompt_rows(eval_rows), tokenizer, max_prompt_length=1 << 20, images=images
+            )
+            eval_prompts, eval_vision = [e.prompt_ids for e in cut], [e.vision for e in cut]
         elif cfg.train.eval_generate:
             eval_prompts = eval_prompt_ids(eval_rows, tokenizer)
     recipe = SFTRecipe(

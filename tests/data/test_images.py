@@ -20,9 +20,9 @@ from padless.data import (
     tokenize_sft,
 )
 from padless.data.images import ImageInputs
+from padless.sources import load_processor
 from padless.tiny import tiny_config, tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID
-from padless.vision import load_processor
 
 QUESTION = "What colour is it?"
 

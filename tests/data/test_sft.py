@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_sft
-from padless.data.sft import _Encoder
+from padless.data.sft import SftEncoder
 from padless.tiny import EOS_TOKEN_ID, tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -461,16 +461,16 @@ def test_one_render_gives_what_prefix_rendering_gives(template: str, monkeypatch
     )
     settings: list[dict[str, Any]] = [{}, {"max_length": 40, "truncation": "truncate"}]
     served = [0]
-    layout = _Encoder._chat_by_layout
+    layout = SftEncoder._chat_by_layout
 
     def spy(self, row, messages):
         got = layout(self, row, messages)
         served[0] += got is not None
         return got
 
-    monkeypatch.setattr(_Encoder, "_chat_by_layout", spy)
+    monkeypatch.setattr(SftEncoder, "_chat_by_layout", spy)
     fast = [_outcome(rows, tok, **kw) for kw in settings]
-    monkeypatch.setattr(_Encoder, "_chat_by_layout", lambda self, row, messages: None)
+    monkeypatch.setattr(SftEncoder, "_chat_by_layout", lambda self, row, messages: None)
     assert [_outcome(rows, tok, **kw) for kw in settings] == fast
     assert served[0] == ROWS_ONE_RENDER_SERVES[template]
 
@@ -506,7 +506,7 @@ def test_renders_per_row_do_not_grow_with_turns(template: str, monkeypatch) -> N
 
 def test_encoder_pickles_without_its_caches() -> None:
     """Worker processes and dataset fingerprints pickle the encoder: its per-process caches stay behind."""
-    enc = _Encoder(_marker_free(CHATML_TEMPLATE))
+    enc = SftEncoder(_marker_free(CHATML_TEMPLATE))
     rows = _rows(*({"messages": c} for c in CHATS.values() if c[0]["role"] != "assistant"))
     before = [enc.messages_row(row) for row in rows]
     assert enc._layout.cache_info().currsize > 0

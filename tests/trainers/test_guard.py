@@ -12,7 +12,8 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-from padless.config import SFTConfig, load_config
+from padless.config import SFTConfig
+from padless.config_loading import load_config
 from padless.errors import DivergenceError, InputError
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter

@@ -13,11 +13,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig, load_config
+from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig
+from padless.config_loading import load_config
 from padless.data import load_rows
-from padless.engine import ModelEngine
+from padless.engine import ModelEngine, forward_packed, hidden_states
 from padless.losses import gae, whiten
-from padless.model import forward_packed, hidden_states, load_model
+from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import HFEngine
 from padless.tiny import build_tiny_model, tiny_tokenizer
@@ -361,3 +362,108 @@ def test_ppo_process_equals_per_sequence_gae(whiten_advantages):
     assert torch.allclose(got_ret, torch.cat(want_ret), rtol=1e-6, atol=1e-6)
     assert out["rollout/kl"] == pytest.approx(sum(kls) / 3, rel=1e-6)
     assert all(ex.meta["policy_weight"] == 1.0 for ex in examples)
+
+
+def test_dynamic_sampling_drops_constant_groups_and_refills_them(monkeypatch):
+    """Rewards chosen per call (3 prompts x 2 samples a rollout): constant groups are replaced by groups of
+    freshly drawn prompts until the rollout is full or the rounds run out; then the first dropped groups
+    fill it. The logged shares are worked out by hand."""
+
+    def run(rounds: int) -> tuple[list[list[float]], dict[str, float], list[int]]:
+        cfg = load_config(
+            GRPOConfig,
+            None,
+            [
+                "rollout.prompts_per_step=3",
+                "rollout.num_generations=2",
+                f"grpo.dynamic_sampling_rounds={rounds}",
+            ],
+        )
+        prompts = [SimpleNamespace(meta={"row": i}) for i in range(10)]
+        recipe = GRPORecipe(prompts, cfg, None, None, None, torch.device("cpu"))
+        calls = iter([[(1, 1), (0, 1), (2, 2)], [(0, 0), (1, 0)], [(3, 4)]])  # groups' rewards per call
+        asked, seeds = [], []
+
+        def collect(prompts, group, seed, greedy=False):
+            asked.append(len(prompts))
+            seeds.append(seed)
+            return [Example([1, 2], meta={"reward": float(r)}) for g in next(calls) for r in g]
+
+        monkeypatch.setattr(recipe, "collect", collect)
+        examples, metrics = recipe.sample(epoch=0)
+        assert len(set(seeds)) == len(seeds)  # every round samples with its own seeds
+        rewards = [e.meta["reward"] for e in examples]
+        return [rewards[i : i + 2] for i in range(0, len(rewards), 2)], metrics, asked
+
+    groups, metrics, asked = run(rounds=3)
+    assert groups == [[0, 1], [1, 0], [3, 4]] and asked == [3, 2, 1]
+    assert metrics == {
+        "dynamic_sampling/dropped_fraction": 3 / 6,  # (1,1), (2,2), (0,0) of six groups sampled
+        "dynamic_sampling/refill_rounds": 2.0,
+        "dynamic_sampling/constant_groups_kept": 0.0,
+    }
+    groups, metrics, asked = run(rounds=1)
+    assert groups == [[0, 1], [1, 0], [1, 1]] and asked == [3, 2]  # short by one: the first dropped group
+    assert metrics == {
+        "dynamic_sampling/dropped_fraction": 3 / 5,
+        "dynamic_sampling/refill_rounds": 1.0,
+        "dynamic_sampling/constant_groups_kept": 1.0,
+    }
+
+
+def test_grpo_soft_overlong_penalty_and_dynamic_sampling_in_a_run(tmp_path):
+    """A random model never says EOS in 4 tokens and never answers right: every completion is 4 tokens long,
+    so with a 2-token overlong zone each gets -1, every group is constant, one refill round finds none
+    better, and the rollout is filled with constant groups (advantages 0, loss 0)."""
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=4",
+        "rollout.mask_truncated=false",
+        "reward.overlong_buffer=2",
+        "grpo.dynamic_sampling_rounds=1",
+        *FAST,
+    ]
+    metrics = run_grpo(load_config(GRPOConfig, None, overrides))
+    record = rollout_records(tmp_path)[0]
+    assert record["rollout/reward/overlong"] == -1.0 and record["rollout/reward"] == -1.0
+    assert record["dynamic_sampling/dropped_fraction"] == 1.0
+    assert record["dynamic_sampling/refill_rounds"] == 1.0
+    assert record["dynamic_sampling/constant_groups_kept"] == 2.0
+    assert metrics["train/loss"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        ["grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.advantage=rloo"],
+        ["grpo.loss_type=cispo", "grpo.advantage=reinforce_pp"],
+    ],
+)
+def test_grpo_objectives_train(tmp_path, objective):
+    """GSPO's and CISPO's paths run through the loop (two updates per rollout, so the second sees moved
+    weights) and give a finite, non-zero loss; the clip / cap fraction is a share in [0, 1]."""
+    variety = tmp_path / "variety.py"
+    variety.write_text(
+        "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
+    )
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=2",
+        "train.learning_rate=1e-2",
+        f"reward.functions=[{variety}:variety]",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=3",
+        "rollout.max_new_tokens=5",
+        "rollout.mask_truncated=false",
+        "grpo.updates_per_rollout=2",
+        *objective,
+        *FAST,
+    ]
+    metrics = run_grpo(load_config(GRPOConfig, None, overrides))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/loss"] != 0
+    assert 0 <= metrics["train/clip_fraction"] <= 1 and metrics["train/entropy"] > 0

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from padless.config import SFTConfig, TrainSettings, load_config
+from padless.config import SFTConfig, TrainSettings
+from padless.config_loading import load_config
 from padless.errors import InputError
 from padless.runfiles import own, owned
 from padless.trainers import rundir

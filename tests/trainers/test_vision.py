@@ -13,13 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
-from padless.config import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainSettings, load_config
+from padless.config import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainSettings
+from padless.config_loading import load_config
 from padless.data import load_rows, tokenize_preference
 from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, sequence_scores
 from padless.errors import InputError
 from padless.model import load_model
 from padless.packing import pack
+from padless.sources import load_processor
 from padless.tiny import PAD_TOKEN_ID, build_tiny_model, shapes
 from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.dpo import DPORecipe
@@ -28,7 +30,6 @@ from padless.trainers.loop import MicroBatch
 from padless.trainers.ppo import run_ppo
 from padless.trainers.rm import RMRecipe, score_file
 from padless.trainers.sft import run_sft
-from padless.vision import load_processor
 
 CPU = torch.device("cpu")
 VLM = "tiny-qwen2.5-vl"

@@ -384,7 +384,8 @@ class Trainer:
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last = {f"train/{k}": v / counts[k] for k, v in window.items()}
+                last.clear()  # the caller's dict: train() returns it
+                last.update({f"train/{k}": v / counts[k] for k, v in window.items()})
                 last.update(
                     {
                         "train/lr": lr,

@@ -215,9 +215,11 @@ def claim(accelerator: Any, train: Any) -> Path | None:
 
 
 def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
-    if root.exists() and not root.is_dir():
-        raise InputError(f"train.output_dir {root} is a file; fix: choose a folder path for train.output_dir")
     with doing("creating the run folder", root, setting="train.output_dir"):
+        if root.exists() and not root.is_dir():
+            raise InputError(
+                f"train.output_dir {root} is a file; fix: choose a folder path for train.output_dir"
+            )
         root.mkdir(parents=True, exist_ok=True)
         root = root.resolve()
         _acquire(root)

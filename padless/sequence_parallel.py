@@ -8,7 +8,8 @@ that form a sequence of their own and carry no label, then cut into N equal cont
 embeds and runs the MLPs of its chunk with the chunk's own position ids. At every attention call an
 all-to-all trades the chunk's heads for the whole row's tokens (``[chunk, H]`` -> ``[T, H / N]``), the
 varlen backend attends within each sequence of the FULL row's ``cu_seqlens`` (a sequence straddling a
-chunk boundary is attended exactly), and a second all-to-all trades back.
+chunk boundary is attended exactly), and a second all-to-all trades back (:func:`_ulysses`, registered in
+place of ``varlen`` once a group starts; it passes whole rows through untouched).
 
 Outputs are gathered so every rank of a group returns the whole row's per-token results, and computes
 the same loss. The gather's backward hands each rank the gradient of its own chunk only (every rank
@@ -20,18 +21,19 @@ Parameters stay whole or data-parallel-sharded as without SP: nothing saved depe
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+from transformers import AttentionInterface
 
 from padless.attention import VARLEN_NAME, attention_in_use, packing_problem
 from padless.packing import IGNORE_INDEX, PackedBatch
+from padless.varlen import sequence_bounds  # registers the varlen backend this module wraps
 
 
 class SequenceParallelError(ValueError):
@@ -112,29 +114,6 @@ class SequenceParallel:
     # The forward
     # ------------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def attention(self) -> Iterator[None]:
-        """Inside the block, the ``varlen`` backend runs Ulysses: all-to-all, exact per-sequence attention
-        over the whole row, all-to-all back."""
-        from transformers import AttentionInterface
-
-        original = AttentionInterface._global_mapping[VARLEN_NAME]
-
-        def ulysses(module: torch.nn.Module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
-            if attention_mask is not None:
-                raise SequenceParallelError("sequence parallelism runs packed rows only, got a padding mask")
-            if kwargs.get("s_aux") is not None:  # per-head sinks: this rank's head group
-                kwargs["s_aux"] = kwargs["s_aux"].chunk(self.degree)[self.rank]
-            q, k, v = (self.heads_to_tokens(t) for t in (query, key, value))
-            out, weights = original(module, q, k, v, None, *args, **kwargs)
-            return self.tokens_to_heads(out), weights
-
-        AttentionInterface.register(VARLEN_NAME, ulysses)
-        try:
-            yield
-        finally:
-            AttentionInterface.register(VARLEN_NAME, original)
-
     def run(self, forward: Callable[..., Any], batch: PackedBatch, logp_weights: torch.Tensor | None, **kw):
         """``forward(chunk_batch, logp_weights=..., **kw)`` (the engine's own packed forward, returning an
         ``EngineOutput`` of per-token ``[chunk]`` tensors) on this rank's chunk, its outputs gathered to
@@ -144,14 +123,15 @@ class SequenceParallel:
                 "train.sequence_parallel > 1 runs text rows only: image tokens are merged into the "
                 "embeddings of whichever chunk holds them; set train.sequence_parallel: 1 for vision models"
             )
+        if AttentionInterface._global_mapping.get(VARLEN_NAME) is _varlen:  # registered again since start
+            AttentionInterface.register(VARLEN_NAME, _ulysses)
         padded = self.pad(batch)
         local = self.chunk(padded)
         if logp_weights is not None:
             extra = padded.num_tokens - batch.num_tokens
             start, end = chunk_bounds(padded.num_tokens, self.degree, self.rank)
             logp_weights = torch.cat([logp_weights, logp_weights.new_zeros(extra)])[start:end]
-        with self.attention():
-            out = forward(local, logp_weights=logp_weights, **kw)
+        out = forward(local, logp_weights=logp_weights, **kw)
         whole = {
             name: None if value is None else self.gather(value)[: batch.num_tokens]
             for name, value in out._asdict().items()
@@ -159,6 +139,30 @@ class SequenceParallel:
         }
         weighted = None if out.weighted is None else self.sum(out.weighted)
         return out._replace(weighted=weighted, **whole)
+
+
+def _ulysses(module: torch.nn.Module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
+    """The ``varlen`` backend under sequence parallelism: on a chunk of a row (queries fewer than the row's
+    ``cu_seq_lens_q`` span), all-to-all, exact per-sequence attention over the whole row, all-to-all back;
+    on anything else, ``varlen`` as it is. Decided from the call alone, so activations recomputed in
+    backward (gradient checkpointing, outside any forward context) split exactly as the forward did."""
+    sp, cu = _current, kwargs.get("cu_seq_lens_q")
+    row = sequence_bounds(cu)[-1] if cu is not None else query.shape[2]
+    if sp is None or row == query.shape[2]:
+        return _varlen(module, query, key, value, attention_mask, *args, **kwargs)
+    if attention_mask is not None or row != query.shape[2] * sp.degree:
+        raise SequenceParallelError(
+            f"attention got {query.shape[2]} queries of a {row}-token row under sequence_parallel="
+            f"{sp.degree}: only packed rows split by the engine run split; report this with `padless doctor`"
+        )
+    if kwargs.get("s_aux") is not None:  # per-head sinks: this rank's head group
+        kwargs["s_aux"] = kwargs["s_aux"].chunk(sp.degree)[sp.rank]
+    q, k, v = (sp.heads_to_tokens(t) for t in (query, key, value))
+    out, weights = _varlen(module, q, k, v, None, *args, **kwargs)
+    return sp.tokens_to_heads(out), weights
+
+
+_varlen = AttentionInterface._global_mapping[VARLEN_NAME]  # the backend as padless.varlen registered it
 
 
 def chunk_bounds(tokens: int, degree: int, rank: int) -> tuple[int, int]:
@@ -235,6 +239,7 @@ def start(degree: int) -> SequenceParallel | None:
     _degree, _current = degree, None
     if degree == 1:
         return None
+    AttentionInterface.register(VARLEN_NAME, _ulysses)  # passes whole rows through untouched
     key = (world, degree)
     if key not in _GROUPS:
         for first in range(0, world, degree):  # every process creates every group, in the same order

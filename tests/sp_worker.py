@@ -114,6 +114,10 @@ def main(path: str, degree: int) -> None:
         "values_scale": ref_values.abs().max().item(),
         "exact": compare(),
     }
+    # activations recomputed in backward (gradient checkpointing) run their attention split again
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    report["checkpointed"] = compare()
+    model.gradient_checkpointing_disable()
     real = sequence_parallel.chunk_bounds
 
     def off_by_one(tokens: int, degree: int, rank: int) -> tuple[int, int]:  # rank 1 starts a token early

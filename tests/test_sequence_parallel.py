@@ -85,6 +85,14 @@ def test_split_row_equals_whole_row_per_token_and_in_losses_and_grads(two_ranks)
 
 
 @pytest.mark.slow
+def test_activations_recomputed_in_backward_split_as_in_forward(two_ranks):
+    """Gradient checkpointing recomputes each layer in backward, outside the engine's forward: its
+    attention must split again (the split is decided from the call itself)."""
+    assert set(two_ranks["checkpointed"]) == set(two_ranks["exact"])
+    assert exceeded(two_ranks, two_ranks["checkpointed"]) == []
+
+
+@pytest.mark.slow
 def test_an_off_by_one_at_the_split_fails_the_check(two_ranks):
     """Rank 1's chunk planted one token early: every compared quantity moves past the bound."""
     planted = two_ranks["planted"]
@@ -161,11 +169,11 @@ def trainer_runs(scorer: Path) -> dict[str, list[str]]:
         f"reward.functions=[{scorer}:distinct]",
         "grpo.beta=0.1",
         "grpo.mini_batches_per_rollout=2",
-        "train.max_steps=4",
+        "train.max_steps=2",
     ]
     return {
         "sft": ["sft", str(EXAMPLE), *COMMON, *sft],
-        "dpo": ["dpo", *COMMON, *small, *dpo, "train.max_steps=3"],
+        "dpo": ["dpo", *COMMON, *small, *dpo, "train.max_steps=2"],
         "grpo": ["grpo", *COMMON, *small, *grpo],
     }
 
@@ -233,7 +241,7 @@ def test_trainers_split_over_two_processes_equal_one_process_and_resume_across_d
         facts = json.loads((tmp_path / f"{kind}.json").read_text())
         assert facts["strategy"] == "ddp" and facts["world"] == 2, facts
         want, got = metrics(one / kind, "train/loss"), metrics(two / kind, "train/loss")
-        assert sorted(got) == sorted(want) and len(want) >= 3, kind
+        assert sorted(got) == sorted(want) and len(want) >= 2, kind
         assert any(abs(v) > 1e-3 for v in want.values()), f"{kind}: a loss of 0 proves nothing"
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (kind, step)
@@ -250,3 +258,48 @@ def test_trainers_split_over_two_processes_equal_one_process_and_resume_across_d
         assert sorted(again) == [3, 4], resumed
         for step in (3, 4):
             assert again[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-7), (resumed, step)
+
+
+@pytest.mark.slow
+def test_four_processes_split_two_ways_under_fsdp2_equal_one_process(tmp_path):
+    """SP=2 x DP=2 under FSDP2 (DTensor parameters, really in use) on 4 CPU processes: the long-context
+    SFT example gives the per-step and eval losses and the weights of 1 process with twice the
+    accumulation (the same global batch)."""
+    from padless import cli
+
+    argv = ["sft", str(EXAMPLE), *COMMON, "data.train=tiny:sft_eval", "train.max_tokens_per_batch=1024"]
+    argv += ["train.max_steps=2", "train.eval_steps=2"]
+    one = tmp_path / "one"
+    assert (
+        cli.main(
+            [
+                *argv,
+                f"train.output_dir={one}",
+                "train.sequence_parallel=1",
+                "train.gradient_accumulation_steps=2",
+            ]
+        )
+        == 0
+    )
+    four = tmp_path / "four"
+    spec = [{"argv": [*argv, f"train.output_dir={four}"], "facts": str(tmp_path / "facts.json")}]
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ROOT / "examples" / "accelerate" / "fsdp2.yaml"),
+        "--num_processes", "4", "--num_machines", "1", "--mixed_precision", "no",
+        "--main_process_port", str(free_port()),
+        str(ROOT / "tests" / "trainers" / "strategy_runs.py"), str(tmp_path / "runs.json"),
+    ]  # fmt: skip
+    done = subprocess.run(launch, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    assert (facts["strategy"], facts["param_type"], facts["world"]) == ("fsdp2", "DTensor", 4), facts
+    for key in ("train/loss", "eval/loss"):
+        want, got = metrics(one, key), metrics(four, key)
+        assert sorted(got) == sorted(want) and want, key
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (key, step)
+    a, b = final_weights(one, 2), final_weights(four, 2)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4

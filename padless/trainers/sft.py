@@ -185,6 +185,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             format=data.format,
             truncation=data.truncation,
             completion_only_loss=data.completion_only_loss,
+            per_turn=data.per_turn,
             skip_bad_rows=data.skip_bad_rows,
         )
         examples, stats = load_set(

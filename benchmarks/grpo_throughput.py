@@ -350,10 +350,9 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
         engine = parts["engine"]
         engine.complete = timed(engine.complete, recorder.generation)
         recipe = GRPORecipe(**parts)
-        from padless.engine import ModelEngine
 
         trainer = loop.Trainer(
-            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
+            recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator
         )
 
         def count(micro: loop.MicroBatch) -> None:

@@ -167,10 +167,9 @@ def run_padless(spec: dict[str, Any], examples: list[Tokenized], batching: str) 
         session = common.start_padless(cfg, out, spec["device"])
         data = [Example(ids, mask) for ids, mask in examples]
         recipe = SFTRecipe(data, cfg.train, session.tokenizer, session.accelerator.device)
-        from padless.engine import ModelEngine
 
         trainer = loop.Trainer(
-            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
+            recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator
         )
 
         def count(micro: loop.MicroBatch) -> None:

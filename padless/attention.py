@@ -118,8 +118,6 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return choice
 
 
-
-
 def varlen_kernel_choice() -> str:
     """The kernel ``varlen`` is pinned to (``auto``: chosen per call by :func:`varlen_kernel`)."""
     return _varlen_kernel_choice

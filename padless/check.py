@@ -24,10 +24,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from padless.attention import (
     BACKENDS,
     backend_problem,
-    hf_name,
     runtime_context,
 )
-from padless.engine import forward_packed, forward_padded
+from padless.engine import forward_packed, forward_padded, loaded_backend, use_backend
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
 from padless.probe import probe_attention
@@ -159,13 +158,13 @@ def run_matrix(
     logps, alone = logps or layout_logps, alone or alone_logps
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    original = getattr(model, "padless_attention", "varlen")
+    original = loaded_backend(model)
     was_training = model.training
     model.eval()
     rows = []
     try:
         with torch.no_grad():
-            _switch(model, "eager")
+            use_backend(model, "eager")
             single = alone(model, seqs)
             reference, limit = single.logps, bound(dtype, single.magnitude)
             for backend in backends:
@@ -174,7 +173,7 @@ def run_matrix(
                     rows.append(BackendRow(backend, unavailable=problem))
                     continue
                 try:
-                    _switch(model, backend)
+                    use_backend(model, backend)
                     kernel = probe_attention(model, backend)["kernel"]
                 except (AttentionError, ValueError) as e:  # transformers refuses with ValueError
                     rows.append(BackendRow(backend, refused=_one_line(e)))
@@ -189,18 +188,13 @@ def run_matrix(
                             row.cells.append(Cell(backend, layout, bound=limit, error=_one_line(e)))
                 rows.append(row)
     finally:
-        _switch(model, original)
+        use_backend(model, original)
         model.train(was_training)
     return rows, limit
 
 
 def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
-
-
-def _switch(model: PreTrainedModel, backend: str) -> None:
-    model.set_attn_implementation(hf_name(backend))
-    model.padless_attention = backend
 
 
 def failures(rows: list[BackendRow], requested: tuple[str, ...] | None = None) -> list[str]:
@@ -274,7 +268,7 @@ def zoo_model(
 ) -> PreTrainedModel:
     """The zoo's ``name`` on eager, its head scaled so the largest |logit| on ``seqs`` is ``LOGIT_TARGET``."""
     model = build_zoo_model(name, "eager", dtype).to(device)
-    model.padless_attention = "eager"
+    use_backend(model, "eager")
     with torch.no_grad():
         largest = alone_logps(model, seqs).max_logit
     scale_head(model, LOGIT_TARGET / largest)

@@ -42,7 +42,6 @@ def count_attention_calls() -> Iterator[Counter[str]]:
         mapping.update(originals)
 
 
-
 PROBE_MAX_LENGTH = 64  # the probe's longer sequence outgrows sliding windows up to this size
 
 

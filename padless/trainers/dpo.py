@@ -11,7 +11,7 @@ import torch
 from padless.config import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.engine import ModelEngine, inner_engine
+from padless.engine import inner_engine
 from padless.losses import dpo_loss
 from padless.model import pad_token_id
 from padless.packing import budget_batches
@@ -49,7 +49,7 @@ class DPORecipe(PairRecipe):
         reference = model if adapters_off else self.ref_model
         off = inner_engine(model).model.disable_adapter() if adapters_off else contextlib.nullcontext()
         with torch.no_grad(), off:
-            return sequence_logps(reference, batch)[0]
+            return sequence_logps(reference, batch, self.layout)[0]
 
     def bind(self, model: torch.nn.Module) -> None:
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
@@ -75,7 +75,7 @@ class DPORecipe(PairRecipe):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         pairs = micro.data
         batch = self.collate(pairs)
-        logps, lengths = sequence_logps(model, batch)
+        logps, lengths = sequence_logps(model, batch, self.layout)
         ref = self.reference_logps(model, pairs, batch)
         chosen, rejected = split_pairs(logps)
         chosen_len, rejected_len = split_pairs(lengths)
@@ -131,4 +131,4 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
         load_pairs(data.eval, tokenizer, data, cfg.train, "eval", images=images) if data.eval else None,
     )
     saved = images.processor if images else tokenizer  # written beside each checkpoint
-    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
+    return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()

@@ -9,7 +9,6 @@ import random
 import torch
 
 from padless.config import GRPOConfig
-from padless.engine import ModelEngine
 from padless.losses import (
     cispo_policy_loss,
     clipped_policy_loss,
@@ -138,6 +137,6 @@ class GRPORecipe(RolloutRecipe):
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
     session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
     recipe = GRPORecipe(**parts)
-    engine = ModelEngine(session.model)
+    engine = session.engine()
     saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, engine, saved, cfg.train, session.accelerator).train()

@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from padless.engine import EngineSettings, ModelEngine
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers.checkpoint import (
@@ -150,6 +151,8 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too
+        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
@@ -202,7 +205,8 @@ class Trainer:
                 loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
                 self.guard.watch(loss, k, len(step.micros))
                 # Ranks average gradients; the normaliser is already global, so undo the mean.
-                self.acc.backward(loss * (micro.scale * world))
+                with self.engine_settings.pinned():
+                    self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:

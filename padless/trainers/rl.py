@@ -357,7 +357,12 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
         trust = cfg.model.trust_remote_code
         pad_id = pad_token_id(load_tokenizer(cfg.reward.model, trust))  # where its scores are read
         scorer = load_model(
-            cfg.reward.model, task="score", device=device, pad_id=pad_id, trust_remote_code=trust
+            cfg.reward.model,
+            task="score",
+            device=device,
+            pad_id=pad_id,
+            trust_remote_code=trust,
+            varlen_kernel=session.settings.varlen_kernel,
         )
         require_same_inputs(session.model, scorer, f"reward.model {cfg.reward.model}")
         reward_model = session.frozen(scorer)

@@ -347,13 +347,11 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
         common.require_device(session, spec["device"])
         if r["fixed_length"]:  # padless's generate leaves min_new_tokens to the generation config
             session.model.generation_config.min_new_tokens = r["max_new_tokens"]
-        engine = parts["engine"]
+        engine = parts.engine
         engine.complete = timed(engine.complete, recorder.generation)
-        recipe = GRPORecipe(**parts)
+        recipe = parts.recipe(GRPORecipe)
 
-        trainer = loop.Trainer(
-            recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator
-        )
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             examples: list[Example] = micro.data

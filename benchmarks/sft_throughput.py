@@ -168,9 +168,7 @@ def run_padless(spec: dict[str, Any], examples: list[Tokenized], batching: str) 
         data = [Example(ids, mask) for ids, mask in examples]
         recipe = SFTRecipe(data, cfg.train, session.tokenizer, session.accelerator.device)
 
-        trainer = loop.Trainer(
-            recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator
-        )
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             lens = [len(e) for e in micro.data]

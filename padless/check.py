@@ -22,10 +22,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
-    BACKENDS,
     backend_problem,
     runtime_context,
 )
+from padless.choices import BACKENDS
 from padless.engine import forward_packed, forward_padded, loaded_backend, use_backend
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded

@@ -25,7 +25,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from padless.attention import (
-    VARLEN_KERNELS,
     assert_attention,
     attention_in_use,
     hf_name,
@@ -33,6 +32,7 @@ from padless.attention import (
     set_varlen_kernel,
     varlen_kernel_choice,
 )
+from padless.choices import VARLEN_KERNELS
 from padless.config import TrainSettings
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
@@ -537,6 +537,18 @@ def inner_engine(prepared: torch.nn.Module) -> ModelEngine:
     engine = getattr(prepared, "module", prepared)
     assert isinstance(engine, ModelEngine), f"expected a ModelEngine, got {type(engine).__name__}"
     return engine
+
+
+@contextlib.contextmanager
+def reference_engine(policy: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The engine reference passes (DPO, RL) run through inside the block: the frozen copy ``ref_model``,
+    or, without one, the (prepared) LoRA ``policy`` with its adapters off: the starting policy, without a
+    second copy of the weights."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with inner_engine(policy).model.disable_adapter():
+        yield policy
 
 
 def score_positions(batch: PackedBatch, pad_token_id: int | None) -> torch.Tensor:

@@ -10,11 +10,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless import sources
 from padless.attention import assert_attention, hf_name, require_backend
+from padless.choices import DTYPE_NAMES
 from padless.engine import pinned_kernel
 from padless.probe import probe_attention
 
 Task = Literal["causal-lm", "score"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -3,7 +3,6 @@ micro-batch, reference log-probs from a frozen model, the policy without its ada
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from padless.config import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.engine import inner_engine
+from padless.engine import reference_engine
 from padless.losses import dpo_loss
 from padless.model import pad_token_id
 from padless.packing import budget_batches
@@ -45,10 +44,8 @@ class DPORecipe(PairRecipe):
         if "ref_logps" in pairs[0].meta:
             ref = [x for p in pairs for x in p.meta["ref_logps"]]
             return torch.tensor(ref, device=self.device, dtype=torch.float64)  # stored as fp64 sums
-        adapters_off = self.dpo.reference == "adapters"
-        reference = model if adapters_off else self.ref_model
-        off = inner_engine(model).model.disable_adapter() if adapters_off else contextlib.nullcontext()
-        with torch.no_grad(), off:
+        ref_model = None if self.dpo.reference == "adapters" else self.ref_model
+        with torch.no_grad(), reference_engine(model, ref_model) as reference:
             return sequence_logps(reference, batch, self.layout)[0]
 
     def bind(self, model: torch.nn.Module) -> None:

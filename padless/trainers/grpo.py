@@ -135,8 +135,8 @@ class GRPORecipe(RolloutRecipe):
 
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
-    recipe = GRPORecipe(**parts)
+    session, setup = start_rl(cfg, reference=cfg.grpo.beta > 0)
+    recipe = setup.recipe(GRPORecipe)
     engine = session.engine()
-    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    saved = setup.images.processor if setup.images else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, engine, saved, cfg.train, session.accelerator).train()

@@ -5,13 +5,10 @@ and computes a micro-batch's loss as a share of the step's loss. The loop does t
 micro-batches across data-parallel ranks, the global normaliser, gradient accumulation, clipping,
 optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 
-A recipe that runs passes outside ``loss`` (reference precompute, rollouts) has ``bind(model)``: it is
-handed the prepared engine, the only model object every pass may go through.
-
-A recipe whose plan is costly and not reproducible from a seed (a sampled rollout) also has
-``steps_per_epoch()`` (so steps are counted without planning), ``plan_state(epoch)`` (the planned data, saved
-with ``torch.save`` in a checkpoint taken mid-epoch) and ``restore_plan(epoch, state)`` (so a run resumed
-mid-epoch continues on the very same data); it may have ``plan_metrics(epoch)``, logged once per epoch.
+Every hook the loop calls is declared on :class:`Recipe`, with what it does where a recipe does not
+override it: a recipe that runs passes outside ``loss`` (reference precompute, rollouts) overrides ``bind``;
+one whose plan is costly and not reproducible from a seed (a sampled rollout) overrides
+``steps_per_epoch``, ``plan_state``, ``restore_plan`` and ``plan_metrics``.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -61,20 +58,50 @@ class MicroBatch:
         return self if isinstance(self.data, list) else replace(self, data=list(self.data))
 
 
-class Recipe(Protocol):
+class Recipe:
+    """What a trainer gives the loop: every hook the loop calls, each with its behaviour where a recipe
+    does not override it. Every recipe overrides :meth:`plan` and :meth:`loss`."""
+
     def plan(self, epoch: int) -> list[MicroBatch]:
         """The epoch's micro-batches in order: the same global list on every rank, seeded by epoch."""
+        raise NotImplementedError(f"{type(self).__name__} plans no micro-batches")
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of ``micro`` as its share of the step loss, plus metric shares that sum to step metrics."""
+        raise NotImplementedError(f"{type(self).__name__} computes no loss")
 
     def eval_plan(self) -> list[MicroBatch]:
-        """Evaluation micro-batches (the loop sums ``loss`` metrics over them); may be empty."""
+        """Evaluation micro-batches (the loop sums ``loss`` metrics over them); none by default."""
+        return []
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """Evaluation beyond the loss metrics (e.g. generation), run on every rank; may return nothing."""
+        """Evaluation beyond the loss metrics (e.g. generation), run on every rank; none by default."""
+        return {}
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Hand the recipe the prepared engine, once, before training: the only model object every pass
+        outside ``loss`` (reference precompute, rollouts) may go through."""
+
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch, said without planning (a sampled rollout is costly to plan); None:
+        the loop counts them on the plans."""
+        return None
+
+    def plan_state(self, epoch: int) -> Any | None:
+        """The planned data of ``epoch``, saved (``torch.save``) in a checkpoint taken mid-epoch; None:
+        the plan is rebuilt from its seed on resume."""
+        return None
+
+    def restore_plan(self, epoch: int, state: Any) -> None:
+        """Take back what :meth:`plan_state` saved, so a run resumed mid-epoch continues on the same data."""
+        raise NotImplementedError(f"{type(self).__name__} saves no plan to restore")
+
+    def plan_metrics(self, epoch: int) -> dict[str, float]:
+        """Metrics of the epoch's planning (what a rollout measured), logged once per epoch; none by
+        default."""
+        return {}
 
 
 @dataclass
@@ -140,7 +167,6 @@ class Trainer:
             eps=settings.adam_epsilon,
         )
         self.planned: tuple[int, list[Step]] | None = None
-        self.stated_steps = getattr(recipe, "steps_per_epoch", None)  # recipes with costly plans say it
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
@@ -156,9 +182,7 @@ class Trainer:
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
-        bind = getattr(recipe, "bind", None)  # recipes that run passes outside ``loss`` get the engine
-        if bind is not None:
-            bind(self.model)
+        recipe.bind(self.model)
 
     def steps_of(self, epoch: int) -> list[Step]:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
@@ -167,9 +191,10 @@ class Trainer:
             steps = plan_steps(
                 micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
             )
-            if self.stated_steps is not None and self.stated_steps() != len(steps):
+            stated = self.recipe.steps_per_epoch()
+            if stated is not None and stated != len(steps):
                 raise RuntimeError(
-                    f"{type(self.recipe).__name__} stated {self.stated_steps()} steps per epoch but planned "
+                    f"{type(self.recipe).__name__} stated {stated} steps per epoch but planned "
                     f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
             self.planned = (epoch, steps)
@@ -181,7 +206,8 @@ class Trainer:
         cfg = self.cfg
 
         def per_epoch(epoch: int) -> int:
-            return self.stated_steps() if self.stated_steps is not None else len(self.steps_of(epoch))
+            stated = self.recipe.steps_per_epoch()  # recipes with costly plans say it
+            return stated if stated is not None else len(self.steps_of(epoch))
 
         if per_epoch(0) == 0:
             raise ValueError("the training data produced no micro-batch: is the dataset empty?")
@@ -255,9 +281,8 @@ class Trainer:
         self.model.train()
         while state.step < self.total_steps:
             steps = self.steps_of(state.epoch)
-            plan_metrics = getattr(self.recipe, "plan_metrics", None)
-            if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
-                reporter.log(state.step + 1, plan_metrics(state.epoch))
+            if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
+                reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
             started = time.perf_counter()
             self.guard.step = state.step + 1
             metrics = self._train_step(steps[state.step_in_epoch])
@@ -293,8 +318,7 @@ class Trainer:
             if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
                 self._evaluate(state.step, reporter, last)
             if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
-                plan_state = getattr(self.recipe, "plan_state", None)
-                plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
+                plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
                 self.guard.check_weights(self.model)
                 save_checkpoint(
                     acc,

@@ -14,11 +14,11 @@ from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import PairLayout, load_set
 from padless.engine import BatchLayout
 from padless.packing import PackedBatch, budget_batches, fixed_count_batches, pack
-from padless.trainers.loop import MicroBatch
+from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 
 
-class PairRecipe:
+class PairRecipe(Recipe):
     """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs.
     Plans come from the sets' length column; a micro-batch's pairs are read when it runs."""
 
@@ -46,9 +46,6 @@ class PairRecipe:
 
     def eval_plan(self) -> list[MicroBatch]:
         return self._micros(self.eval_pairs, 0, shuffle=False) if self.eval_pairs else []
-
-    def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        return {}
 
     def collate(self, pairs: list[PairExample]) -> PackedBatch:
         """The pairs packed as ``[c1, r1, c2, r2, ...]`` (the engine lays them out as ``self.layout``)."""

@@ -88,14 +88,14 @@ class PPORecipe(RolloutRecipe):
 
 
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg, reference=True)
+    session, setup = start_rl(cfg, reference=True)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
     role = f"ppo.value_model {cfg.ppo.value_model or cfg.model.name}"
     require_same_inputs(session.model, value_model, role)
     without_dropout(value_model, "value model")
-    recipe = PPORecipe(**parts)
+    recipe = setup.recipe(PPORecipe)
     model = session.engine(value=value_model)  # one optimizer, wrapper and checkpoint for both
     value_lr = cfg.ppo.value_learning_rate
     rates = {"value.": value_lr} if value_lr is not None else None
-    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    saved = setup.images.processor if setup.images else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, model, saved, cfg.train, session.accelerator, rates).train()

@@ -15,7 +15,7 @@ from padless.config import ModelSettings
 from padless.config_loading import save_config
 from padless.engine import EngineSettings, ModelEngine
 from padless.logs import describe_run, log_to_file, setup_logging
-from padless.model import Task, load_model, load_tokenizer, pad_token_id
+from padless.model import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.strategy import prepare_frozen, start_accelerator
 from padless.trainers import rundir
 
@@ -61,7 +61,7 @@ def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on CUDA (where kernels are fast in it) and fp32 on CPU (exact)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return resolve_dtype(name)
 
 
 def start_session(

@@ -23,7 +23,7 @@ from padless.model import pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.ranks import equal_share
 from padless.rollout import generate
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.loop import MicroBatch, Recipe, Trainer
 from padless.trainers.reporting import report_data
 from padless.trainers.session import start_session
 
@@ -41,7 +41,7 @@ def group_examples(
     return fixed_count_batches(len(examples), cfg.batch_size, seed=seed)
 
 
-class SFTRecipe:
+class SFTRecipe(Recipe):
     """Micro-batches are planned from the sets' length and target columns; their examples are read from the
     set (memory-mapped Arrow, or a list) only when the micro-batch runs."""
 

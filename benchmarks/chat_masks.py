@@ -18,6 +18,7 @@ shape analysis inside the timing. Tokenizer threads are off (``TOKENIZERS_PARALL
 
     python benchmarks/chat_masks.py                  # k = 1, 4, 16
     python benchmarks/chat_masks.py --turns 1 2 8 --rows 100 --repeats 5
+    python benchmarks/chat_masks.py --quick          # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, nargs="+", default=[1, 4, 16], help="assistant turns per chat")
     p.add_argument("--rows", type=int, default=200, help="rows per turn count")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="smoke run: k = 1, 4 on 10 rows, 1 round")
     args = p.parse_args(argv)
+    if args.quick:
+        args.turns, args.rows, args.repeats = [1, 4], 10, 1
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     from padless.data.sft import SftEncoder
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     class PrefixEncoder(SftEncoder):
         """Every row rendered prefix by prefix, as before issue 13."""
 
-        def _chat_by_layout(self, row: Any, messages: list[dict[str, Any]]) -> None:
+        def _chat_by_layout(self, row: Any, messages: list[dict[str, Any]], last_only: bool) -> None:
             return None
 
     marked = tiny_tokenizer()

@@ -25,7 +25,8 @@ fresh subprocess:
   drops them): RSS B/token and tokens/s.
 
     python benchmarks/data_scale.py                          # 10k, 100k, 1M rows
-    python benchmarks/data_scale.py --rows 2000 20000        # quick
+    python benchmarks/data_scale.py --rows 2000 20000        # small
+    python benchmarks/data_scale.py --quick                  # smoke run: 500 and 2,000 rows
     python benchmarks/data_scale.py --json results.json --workdir /big/disk
 """
 
@@ -369,8 +370,11 @@ def main() -> None:
     parser.add_argument("--workdir", help="where data and caches go (default: a temporary folder, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the data and caches")
     parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 500 and 2,000 rows")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.rows = [500, 2_000]
     if args.child:
         child_main(*args.child)
         return

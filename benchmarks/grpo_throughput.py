@@ -248,14 +248,14 @@ def rollout_order(args: argparse.Namespace, num_prompts: int) -> list[int]:
 
     from padless.trainers.rl import RolloutRecipe
 
-    planner = SimpleNamespace(
-        prompts=list(range(num_prompts)),
-        cfg=SimpleNamespace(
-            rollout=SimpleNamespace(prompts_per_step=args.prompts_per_step),
-            train=SimpleNamespace(seed=args.seed),
-        ),
+    planner = RolloutRecipe.__new__(RolloutRecipe)  # only the ordering state: no model, no engine
+    planner.prompts = list(range(num_prompts))
+    planner.cfg = SimpleNamespace(
+        rollout=SimpleNamespace(prompts_per_step=args.prompts_per_step),
+        train=SimpleNamespace(seed=args.seed),
     )
-    return [i for k in range(args.warmup + args.steps) for i in RolloutRecipe.prompts_for(planner, k)]
+    planner._order = None
+    return [i for k in range(args.warmup + args.steps) for i in planner.prompts_for(k)]
 
 
 def prepare(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:

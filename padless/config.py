@@ -78,6 +78,9 @@ class DataSettings(ConfigModel):
     truncation: Literal["error", "truncate"] = "error"
     """what to do with a sequence longer than max_length"""
     completion_only_loss: bool = True
+    per_turn: bool = False
+    """each assistant turn of a chat its own example (context as rendered for generation, loss on that turn):
+    for templates that show earlier turns differently from the last one (e.g. Qwen3 strips their reasoning)"""
     skip_bad_rows: bool = False
     cache_dir: str | None = None
     """tokenized sets are cached here; null: padless/ in the datasets cache"""
@@ -116,6 +119,8 @@ class TrainSettings(ConfigModel):
     """batching padded only"""
     logits_memory_mb: PositiveInt = 1024
     """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
+    sequence_parallel: PositiveInt = 1
+    """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
     logging_steps: PositiveInt = 10
     eval_steps: NonNegativeInt = 0
     """0: evaluate only at the end (if data.eval is set)"""
@@ -166,6 +171,12 @@ class TrainSettings(ConfigModel):
                 f"overwrite_output_dir deletes the checkpoints in output_dir that resume_from_checkpoint="
                 f"{self.resume_from_checkpoint} would resume from",
                 "set one of them: overwrite_output_dir=false to resume, or resume_from_checkpoint=null",
+            )
+        if self.sequence_parallel > 1 and self.batching == "padded":
+            raise invalid(
+                ("sequence_parallel", "batching"),
+                f"sequence_parallel={self.sequence_parallel} splits packed rows; batching padded makes none",
+                "set batching to tokens or packing, or sequence_parallel to 1",
             )
 
 
@@ -354,6 +365,9 @@ class RLDataSettings(ConfigModel):
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
 
 
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
 class RolloutSettings(ConfigModel):
     engine: Literal["hf", "vllm"] = "hf"
     """vllm: colocated, needs vLLM and CUDA (checked at start)"""
@@ -370,8 +384,40 @@ class RolloutSettings(ConfigModel):
     """completions that hit max_new_tokens without EOS: out of the loss, or kept"""
     vllm_gpu_memory_utilization: float = 0.3
     """engine vllm: share of GPU memory for its weights + KV cache"""
+    importance_sampling_correction: bool | None = None
+    """weight the policy loss by trainer / sampler probability; default: on when the sampler is not the
+    training forward (engine vllm) or samples are stale (max_staleness > 0)"""
+    importance_sampling_mode: ImportanceSamplingMode = "sequence_mask"
+    """per token or per sequence (summed log-ratio); clip to the bounds or zero what falls outside (TRL's)"""
+    importance_sampling_clip_max: PositiveFloat | None = 3.0
+    """upper bound C_max of the ratio (null: none)"""
+    importance_sampling_clip_min: NonNegativeFloat | None = None
+    """lower bound C_min of the ratio (null: none)"""
+    max_staleness: NonNegativeInt = 0
+    """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+
+    def correction(self) -> bool:
+        """Whether the importance-sampling correction runs (its default resolved)."""
+        if self.importance_sampling_correction is not None:
+            return self.importance_sampling_correction
+        return self.engine == "vllm" or self.max_staleness > 0
 
     def _check(self) -> None:
+        if self.max_staleness > 0 and self.importance_sampling_correction is False:
+            raise invalid(
+                ("max_staleness", "importance_sampling_correction"),
+                f"max_staleness={self.max_staleness} samples from weights up to that many updates old, and "
+                "the loss must weight them by trainer / sampler probability, which "
+                "importance_sampling_correction: false switches off",
+                "remove importance_sampling_correction (or set it true), or set max_staleness: 0",
+            )
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if low is not None and high is not None and not low < high:
+            raise invalid(
+                ("importance_sampling_clip_min", "importance_sampling_clip_max"),
+                f"clip_min={low!r} is not below clip_max={high!r}: no ratio would pass",
+                "set e.g. importance_sampling_clip_min: null, importance_sampling_clip_max: 3.0",
+            )
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise invalid(
                 "vllm_gpu_memory_utilization",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from padless import sequence_parallel
 from padless.attention import (
     assert_attention,
     attention_in_use,
@@ -445,6 +446,12 @@ class ModelEngine(torch.nn.Module):
             {name for m in (model, value) if m is not None for name in _no_split(m)}
         )
         self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
+        # the running session's sequence-parallel group: every packed forward is split over it
+        self.sequence_parallel = sequence_parallel.current()
+        if self.sequence_parallel is not None:
+            for m in (model, value):
+                if m is not None:
+                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
 
     def forward(
         self,
@@ -465,7 +472,10 @@ class ModelEngine(torch.nn.Module):
         The model sees ``batch`` in ``layout``; results are per token in packed order ``[T]`` either way.
         ``logp_weights`` ``[T]`` (the loss weights, known before the forward: SFT) gives
         ``weighted = sum_t w_t logps_t``: packed, its gradient is computed in the head's forward pass and
-        the log-probs are values only (see :func:`logps_from_hidden`)."""
+        the log-probs are values only (see :func:`logps_from_hidden`).
+
+        Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
+        :mod:`padless.sequence_parallel`) and every rank returns the whole row's results."""
         with self.settings.pinned():
             if generate is not None:
                 return self.model.generate(**generate)
@@ -474,32 +484,54 @@ class ModelEngine(torch.nn.Module):
                     f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
                     "passes the packed batch with layout=BatchLayout(side, pad_id)"
                 )
+            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
             if layout.side is not None:
-                return self._padded(batch, layout, logps, entropy, temperature, logp_weights, values)
-            out = EngineOutput()
-            if logps:
-                tokens = forward_packed(
-                    self.model,
-                    batch,
-                    entropy=entropy,
-                    temperature=temperature,
-                    logp_weights=logp_weights,
-                    logits_memory_mb=self.settings.logits_memory_mb,
-                )
-                out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
-            if values:
-                out = out._replace(values=forward_scores(self.scorer, batch))
-            return out
+                if self.sequence_parallel is not None:
+                    raise sequence_parallel.SequenceParallelError(
+                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                        "or packing"
+                    )
+                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+            if self.sequence_parallel is None:
+                return self._forward(batch, logp_weights=logp_weights, **kw)
+            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
 
     @property
     def scorer(self) -> torch.nn.Module:
         """The model whose scalar head gives values and scores: the value model, else this model."""
         return self.value if self.value is not None else self.model
 
+    def _forward(
+        self,
+        batch: PackedBatch,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
+        """The packed pass (one chunk of the row under sequence parallelism)."""
+        out = EngineOutput()
+        if logps:
+            tokens = forward_packed(
+                self.model,
+                batch,
+                entropy=entropy,
+                temperature=temperature,
+                logp_weights=logp_weights,
+                logits_memory_mb=self.settings.logits_memory_mb,
+            )
+            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+        if values:
+            out = out._replace(values=forward_scores(self.scorer, batch))
+        return out
+
     def _padded(
         self,
         batch: PackedBatch,
         layout: BatchLayout,
+        *,
         logps: bool,
         entropy: bool,
         temperature: float,

@@ -11,19 +11,22 @@ from typing import TypeVar
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather, reduce
+from accelerate.utils import gather, gather_object, reduce
+
+from padless import sequence_parallel
 
 T = TypeVar("T")
 
 
 def equal_share(items: list[T]) -> tuple[list[T], int]:
     """This rank's contiguous slice of ``items`` padded with fillers (copies of ``items[0]``) to the same
-    length on every rank; returns the slice and how many of its items are real (they come first)."""
+    length on every rank; returns the slice and how many of its items are real (they come first).
+    Ranks are data-parallel ranks: the processes of a sequence-parallel group get the same slice."""
     if not items:
         raise ValueError("nothing to share out between ranks")
-    state = PartialState()
-    size = math.ceil(len(items) / state.num_processes)
-    mine = items[state.process_index * size : (state.process_index + 1) * size]
+    rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares one slice
+    size = math.ceil(len(items) / world)
+    mine = items[rank * size : (rank + 1) * size]
     return mine + [items[0]] * (size - len(mine)), len(mine)
 
 
@@ -47,14 +50,23 @@ def shared_pass(
 ) -> torch.Tensor:
     """A whole-dataset pass split between ranks: ``groups`` (item indices, the same on every rank) dealt
     out round robin, each rank running ``run(group)`` -> ``[len(group), width]`` on its share in lockstep,
-    then one sum over ranks of the ``[total, width]`` fp64 results. Each item is computed by exactly one
+    then one sum over ranks of the ``[total, width]`` fp64 results. Each item is counted by exactly one
     rank and is zero on the others, so the sum is exact."""
     state = PartialState()
     out = torch.zeros(total, width, dtype=torch.float64, device=state.device)
     if not groups:
         return out
-    for group, real in lockstep(groups[state.process_index :: state.num_processes], groups[0]):
+    rank, world = sequence_parallel.data_parallel()
+    for group, real in lockstep(groups[rank::world], groups[0]):
         values = run(group)
-        if real:
+        if real and sequence_parallel.leads_group():  # a sequence-parallel group's first counts it once
             out[group] = values.to(out)
     return reduce(out, reduction="sum") if state.num_processes > 1 else out
+
+
+def gather_shares(items: list[T]) -> list[T]:
+    """Every data-parallel rank's ``items`` in rank order, on every process (the processes of a
+    sequence-parallel group hold the same items: their group's first gives them)."""
+    if PartialState().num_processes == 1:
+        return items
+    return gather_object(items if sequence_parallel.leads_group() else [])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from transformers import LogitsProcessorList
 
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
@@ -30,10 +31,17 @@ DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
 
 @dataclass
 class Completion:
+    """One sampled completion.
+
+    ``logprobs``: one per completion token, the log-prob of the sampled token under the distribution it was
+    sampled from, ``log_softmax(logits / temperature)``, *before* any top-p (or top-k) renormalisation, so
+    it compares with the trainer's ``logps`` at the same temperature; None where the engine gives none
+    (greedy decoding).
+    """
+
     prompt_ids: list[int]
     completion_ids: list[int]  # up to and including the first EOS
     finished: bool  # False when max_new_tokens ran out before an EOS
-    # one per completion token: log_softmax(logits / temperature) of the sampled token, before top-k / top-p
     logprobs: list[float] | None = None
 
 
@@ -81,6 +89,50 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int) -> tuple[list[
     return tokens, False
 
 
+def row_seed(seed: int, sample: int) -> int:
+    """The seed of a prompt's ``sample``-th completion: a function of the prompt's seed alone."""
+    return (seed * 1_000_003 + sample) % 2**63
+
+
+class SeededSampler:
+    """A logits processor that samples each row with its own ``torch.Generator`` and hands ``generate``
+    scores whose only finite entry is the chosen token, so ``generate`` runs greedy and batched while every
+    row's tokens depend only on its seed (never on its batch, rank or neighbours).
+
+    Each row draws one uniform per step and picks by inverse CDF over ``softmax(logits / temperature)``,
+    after top-p filtering; it records the chosen token's ``log_softmax(logits / temperature)`` (before
+    top-p) for :class:`Completion`'s ``logprobs``.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+        self.logprobs: list[torch.Tensor] = []  # per step, [rows]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logps = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        probs = logps.exp()
+        if self.top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+            sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        cdf = probs.cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=g, device=scores.device) for g in self.generators])
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(
+            max=scores.shape[-1] - 1
+        )
+        self.logprobs.append(logps.gather(-1, tokens).squeeze(-1))
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(-1, tokens, 0.0)
+
+    def row_logprobs(self) -> list[list[float]]:
+        """Per row, the recorded log-prob of every step's token."""
+        if not self.logprobs:
+            return [[] for _ in self.generators]
+        return torch.stack(self.logprobs, dim=1).tolist()
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -94,8 +146,13 @@ def generate(
     batch_size: int = 8,
     num_return_sequences: int = 1,
     vision: list[dict[str, torch.Tensor] | None] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Completion]:
     """Complete each prompt (``num_return_sequences`` times, consecutive in the result).
+
+    With ``seeds`` (one per prompt) sampling runs through :class:`SeededSampler`: sample ``k`` of prompt
+    ``i`` is drawn from ``row_seed(seeds[i], k)`` alone, so batching changes nothing, and each completion
+    carries its tokens' log-probs; ``batch_size`` still counts prompts.
 
     ``model`` is a (prepared) engine or a plain model; decoding runs inside the engine's forward, so sharded
     weights are gathered for it, and under FSDP2 / ZeRO-3 every rank keeps stepping until all are done
@@ -110,7 +167,17 @@ def generate(
     eos_ids = eos_token_ids(inner, tokenizer)
     # Exactly the policy's distribution (at this temperature / top_p): a checkpoint's generation_config
     # (Qwen ships top_k 20 and repetition_penalty 1.05) must not reshape what RL samples and scores.
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
+    sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
+    row_seeds = None
+    if seeds is not None:  # SeededSampler draws per row; generate takes its one finite score greedily
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
+        n, num_return_sequences = num_return_sequences, 1  # greedy generate repeats nothing: rows do
+        row_seeds = [row_seed(s, k) for s in seeds for k in range(n)]
+        prompts = [p for p in prompts for _ in range(n)]
+        vision = None if vision is None else [v for v in vision for _ in range(n)]
+        batch_size *= n
+        sampling = {"do_sample": False}
     sampling["repetition_penalty"] = 1.0
     results: list[Completion] = []
     was_training = inner.training
@@ -120,27 +187,32 @@ def generate(
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
                 ids, mask = left_pad(chunk, pad_id, device)
-                images = {}
+                extra: dict[str, Any] = {}
                 if vision is not None:
-                    images = image_inputs(inner, ids, vision[start : start + batch_size])
+                    extra = image_inputs(inner, ids, vision[start : start + batch_size])
+                sampler = None
+                if row_seeds is not None:
+                    sampler = SeededSampler(row_seeds[start : start + batch_size], temperature, top_p, device)
+                    extra["logits_processor"] = LogitsProcessorList([sampler])
                 out = engine(
                     generate=dict(
                         input_ids=ids,
                         attention_mask=mask,
-                        **images,
+                        **extra,
                         max_new_tokens=max_new_tokens,
-                        do_sample=do_sample,
                         num_return_sequences=num_return_sequences,
                         pad_token_id=pad_id,
                         eos_token_id=sorted(eos_ids),
                         use_cache=True,
                         synced_gpus=synced,
-                        **sampling,
+                        **{"do_sample": do_sample, **sampling},
                     )
                 )
+                logprobs = sampler.row_logprobs() if sampler is not None else None
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
-                    results.append(Completion(chunk[j // num_return_sequences], tokens, finished))
+                    lp = None if logprobs is None else logprobs[j][: len(tokens)]
+                    results.append(Completion(chunk[j // num_return_sequences], tokens, finished, lp))
     finally:
         inner.train(was_training)
     return results
@@ -203,25 +275,19 @@ class HFEngine:
         greedy: bool = False,
         vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
-        """Greedy decoding runs batched; sampling runs one prompt (its ``n`` samples) per ``generate``
-        call under that prompt's seed."""
+        """Batched ``generate`` calls of ``generation_batch_size // n`` prompts; sampling through
+        :class:`SeededSampler` (each completion a function of its prompt's seed, with its log-probs)."""
         r = self.rollout
-        kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
-        if greedy:
-            batch = max(1, r.generation_batch_size // n)
-            return generate(self.policy, self.tokenizer, prompts, **kwargs, batch_size=batch, vision=vision)
-        device = _device(self.policy)
-        completions = []
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed)  # the training RNG untouched
-                completions += generate(
-                    self.policy,
-                    self.tokenizer,
-                    [prompt],
-                    **kwargs,
-                    do_sample=True,
-                    num_return_sequences=n,
-                    vision=None if vision is None else [vision[i]],
-                )
-        return completions
+        batch = max(1, r.generation_batch_size // n)
+        return generate(
+            self.policy,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            batch_size=batch,
+            vision=vision,
+            num_return_sequences=1 if greedy else n,
+            seeds=None if greedy else seeds,
+        )

@@ -357,6 +357,20 @@ def require_scoring_model(name: str | Path) -> None:
         )
 
 
+# Where a folder names its processor class, in the order transformers' own loaders read them: padless-saved
+# folders write processor_config.json; Hub folders name it in preprocessor_config.json or
+# tokenizer_config.json.
+PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def _processor_class(folder: Path) -> str | None:
+    """The processor class a model folder names, in whichever file its layout puts it."""
+    for name in PROCESSOR_CLASS_FILES:
+        if (file := folder / name).exists() and (cls_name := _read_json(file).get("processor_class")):
+            return str(cls_name)
+    return None
+
+
 def load_processor(name_or_path: str | Path) -> Any:
     """The model's processor (an embedded name, a folder or a cached id; never downloaded), with PIL image
     processing (no torchvision needed).
@@ -378,13 +392,12 @@ def load_processor(name_or_path: str | Path) -> Any:
             raise
     import transformers
 
-    config_file = Path(path) / "processor_config.json"
-    cls_name = json.loads(config_file.read_text()).get("processor_class") if config_file.exists() else None
+    cls_name = _processor_class(Path(path))
     if cls_name is None or not hasattr(transformers, cls_name):
         raise ValueError(
-            f"{path}: AutoProcessor needs torchvision for this model's video processor and the folder names "
-            "no processor_class in processor_config.json to build an image-only one; install torchvision or "
-            "add processor_config.json"
+            f"{path}: AutoProcessor needs torchvision for this model's video processor and no "
+            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)} to build an image-only one; "
+            "install torchvision or add processor_config.json with the processor_class"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)

@@ -130,19 +130,24 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` as in the base model's own checkpoint, LoRA adapters merged into new tensors:
     PEFT prefixes and LoRA factors dropped, a tied weight given once. Tensors without an adapter are the
-    live parameters (detached): copy them if they must outlive the next optimizer step."""
+    live parameters (detached): copy them if they must outlive the next optimizer step. Under FSDP2 each
+    parameter is gathered as it is reached (every rank must iterate alike), so a consumer that loads as it
+    goes never holds a second full copy."""
+    from torch.distributed.tensor import DTensor
+
+    inner = unwrap(model)
     deltas = _lora_deltas(model)
-    seen: set[int] = set()
-    for full, tensor in unwrap(model).state_dict().items():
-        if "lora_" in full or ".original_module." in full:
+    first: dict[int, str] = {}
+    tied = {n for n, p in inner.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
+    for full, tensor in inner.state_dict().items():
+        if "lora_" in full or ".original_module." in full or full in tied:
             continue
         name = full.removeprefix("base_model.model.").replace(".base_layer.", ".")
         name = name.replace(".modules_to_save.default.", ".")
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
         delta = deltas.get(full)
-        yield name, tensor.detach() if delta is None else tensor.detach() + delta.to(tensor.dtype)
+        if delta is not None:
+            tensor = tensor + delta.to(tensor.dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def to_completions(
@@ -170,12 +175,12 @@ def to_completions(
     return completions
 
 
-def _reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def _reload(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Runs in each vLLM worker: load checkpoint-named weights through vLLM's own reload, which re-runs the
     post-load processing (the CPU backend repacks linear weights, so ``model.load_weights`` alone fails
     there), then re-pack a tied head: it shares the embedding's weight but gets no tensor of its own, so
     the reload leaves its packed copy stale (greedy ids then follow the old weights)."""
-    worker.reload_weights(weights_iterator=iter(weights))
+    worker.reload_weights(weights_iterator=weights)
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     shared = [m for m in model.modules() if m is not head and getattr(m, "weight", None) is head.weight]
@@ -251,9 +256,8 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(path)
 
     def sync_weights(self) -> None:
-        weights = list(inference_weights(self.policy))
-        with trainer_state_kept():
-            self.llm.collective_rpc(_reload, args=(weights,))
+        with trainer_state_kept():  # weights streamed: under FSDP2 gathered one at a time as vLLM loads them
+            self.llm.collective_rpc(_reload, args=(inference_weights(self.policy),))
             self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 
     def complete(

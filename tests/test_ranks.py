@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from padless import ranks
+from padless import ranks, sequence_parallel
 
 
 def _as_rank(monkeypatch, rank: int, world: int, others: list[torch.Tensor], longest: int) -> None:
@@ -14,6 +14,7 @@ def _as_rank(monkeypatch, rank: int, world: int, others: list[torch.Tensor], lon
     the longest share through the count (what gloo would give)."""
     state = SimpleNamespace(process_index=rank, num_processes=world, device=torch.device("cpu"))
     monkeypatch.setattr(ranks, "PartialState", lambda: state)
+    monkeypatch.setattr(sequence_parallel, "PartialState", lambda: state)  # data-parallel rank and world
     monkeypatch.setattr(ranks, "common_count", lambda count: max(count, longest))
     monkeypatch.setattr(ranks, "reduce", lambda t, reduction: t + sum(others))
 

@@ -3,13 +3,17 @@ ids resolved without the network, and trust_remote_code passed explicitly, never
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from peft import PeftModel
+from PIL import Image
 from safetensors.torch import load_file
 
 from padless import sources
@@ -168,3 +172,97 @@ def test_an_adapter_trained_from_an_adapter_checkpoint_names_it_as_its_base(tmp_
     torch.testing.assert_close(
         logps(load_model(str(second / "checkpoint-1")), ids), logps(chain, ids), atol=1e-5, rtol=0
     )
+
+
+def _hub_folder(folder: Path, name: str, tokenizer: Any, template: str, vision: bool) -> Path:
+    """``name``'s weights laid out the way the Hub ships Qwen2.5(-VL) folders, written by hand: the tokenizer
+    class and chat template in tokenizer_config.json (plus chat_template.json for the VL one), the processor
+    class only in preprocessor_config.json (no processor_config.json, no video processor config)."""
+    build_tiny_model(name).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    specials = [
+        t for t in tokenizer.all_special_tokens if t not in (tokenizer.eos_token, tokenizer.pad_token)
+    ]
+    hub_config = {
+        "add_prefix_space": False,
+        "additional_special_tokens": specials,
+        "bos_token": None,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": tokenizer.eos_token,
+        "errors": "replace",
+        "model_max_length": 2048,
+        "pad_token": tokenizer.pad_token,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(hub_config))
+    if vision:
+        from padless.tiny import vlm
+
+        image = vlm.tiny_vlm_processor().image_processor
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+        preprocessor = {
+            "min_pixels": vlm.MIN_PIXELS,
+            "max_pixels": vlm.MAX_PIXELS,
+            "patch_size": image.patch_size,
+            "temporal_patch_size": image.temporal_patch_size,
+            "merge_size": image.merge_size,
+            "image_mean": list(image.image_mean),
+            "image_std": list(image.image_std),
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor",
+        }
+        (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return folder
+
+
+@pytest.fixture
+def hub_vl(tmp_path) -> Path:
+    from padless.tiny.vlm import CHAT_TEMPLATE, tiny_vlm_processor
+
+    return _hub_folder(
+        tmp_path / "vl", "tiny-qwen2.5-vl", tiny_vlm_processor().tokenizer, CHAT_TEMPLATE, True
+    )
+
+
+def test_hub_layout_folders_load_like_the_embedded_ones(tmp_path, hub_vl):
+    """A text folder and a Qwen2.5-VL folder as the Hub lays them out load without torchvision, with the
+    tokenizer, chat template and image processor of the embedded models they were written from."""
+    assert importlib.util.find_spec("torchvision") is None  # the case the image-only fallback exists for
+    embedded = tiny_tokenizer()
+    text = _hub_folder(tmp_path / "text", "tiny-qwen2", embedded, embedded.chat_template, False)
+    chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    assert load_tokenizer(str(text)).apply_chat_template(chat) == embedded.apply_chat_template(chat)
+
+    want, got = sources.load_processor("tiny-qwen2.5-vl"), sources.load_processor(str(hub_vl))
+    assert type(got).__name__ == "Qwen2_5_VLProcessor"
+    picture = Image.new("RGB", (60, 44), "red")
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    prompt = want.apply_chat_template(chat, add_generation_prompt=True)
+    assert got.apply_chat_template(chat, add_generation_prompt=True) == prompt
+    a, b = (p(text=[prompt], images=[picture], return_tensors="pt") for p in (want, got))
+    assert a["input_ids"].tolist() == b["input_ids"].tolist()
+    torch.testing.assert_close(a["pixel_values"], b["pixel_values"], rtol=0, atol=0)
+
+
+def test_no_processor_class_anywhere_is_refused_naming_the_files(hub_vl):
+    (hub_vl / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Qwen2VLImageProcessor"})
+    )
+    with pytest.raises(ValueError, match=r"preprocessor_config\.json, tokenizer_config\.json"):
+        sources.load_processor(str(hub_vl))
+
+
+@pytest.mark.slow
+def test_hub_layout_qwen2_5_vl_trains_with_padless_sft(tmp_path, hub_vl):
+    """`padless sft` on the Hub-layout folder, in a venv without torchvision: two steps on image rows."""
+    assert importlib.util.find_spec("torchvision") is None
+    run = tmp_path / "run"
+    args = ["data.train=tiny:shapes_sft", "data.max_length=256", "train.max_tokens_per_batch=256"]
+    assert main(["sft", f"model.name={hub_vl}", *args, *FAST[1:], f"train.output_dir={run}"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1]
+    assert math.isfinite(next(r["train/loss"] for r in records if "train/loss" in r))

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import random
 import shutil
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -120,7 +124,7 @@ def vllm_run(tokenizer):
     policy = load_model("tiny-qwen2")
     torch.set_num_threads(2)
     before = trainer_state()
-    engine = VLLMEngine(policy, tokenizer, cfg.rollout, 64, 0)
+    engine = VLLMEngine(policy, tokenizer, cfg.rollout, 256, 0)
     after = trainer_state()
     yield SimpleNamespace(engine=engine, policy=policy, cfg=cfg, start_state=(before, after))
     engine.close()
@@ -129,13 +133,14 @@ def vllm_run(tokenizer):
 
 @pytest.fixture(scope="module")
 def long_prompts(tokenizer) -> list[list[int]]:
-    """Prompts of 3-50 tokens: the long ones span whole KV blocks (16 tokens), which the prefix cache
-    keeps, and share a 20-token prefix."""
+    """Prompts of 3-230 tokens: the long ones span whole KV blocks (128 tokens on vLLM's CPU backend), which
+    the prefix cache keeps, and two of them share their first 140 tokens."""
     from padless.tiny import TINY_DIR
 
     words = (TINY_DIR / "corpus.txt").read_text().split()
-    ids = tokenizer(" ".join(words[:400]))["input_ids"]
-    return [ids[:3], ids[:20], ids[:20] + ids[100:130], ids[200:250], ids[:7], ids[300:341]]
+    ids = tokenizer(" ".join(words[:2000]))["input_ids"]
+    assert len(ids) > 1000
+    return [ids[:3], ids[:140], ids[:140] + ids[600:630], ids[200:250], ids[:7], ids[700:930]]
 
 
 def perturb(model: torch.nn.Module, seed: int) -> None:
@@ -278,11 +283,10 @@ def test_vllm_eos_stop_ids_and_truncation_as_with_generate(vllm_run, tokenizer, 
     assert all(len(c.completion_ids) == 16 for c in got if not c.finished)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
-def test_vllm_with_sharded_weights_is_refused_at_start(strategy):
+def test_vllm_with_zero3_is_refused_at_start():
     cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm"])
-    with pytest.raises(ValueError, match=rf"vllm with {strategy}: .*rollout.engine: hf"):
-        make_engine(cfg, torch.nn.Linear(1, 1), None, strategy)
+    with pytest.raises(ValueError, match=r"vllm with zero3: .*FSDP2 only.*rollout.engine: hf"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, "zero3")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -344,3 +348,70 @@ def test_rl_with_vllm_trains_and_resumes_mid_rollout(tmp_path, run, config, extr
     for key in ("train/loss", "train/kl", "train/clip_fraction"):
         if key in straight:
             assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
+
+
+LAUNCH_TWO = [
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
+LAUNCH_TWO += ["--main_process_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_each_with_an_engine_equal_one_process(tmp_path, strategy):
+    """Each rank's engine samples its half of every rollout under the prompts' own seeds: the rewards and
+    losses of 2 processes (gloo, vLLM's external launcher) equal 1 process's. Under FSDP2 each rank's
+    engine is fed the full weights, gathered one parameter at a time."""
+    need_vllm()
+    overrides = [
+        *rl_overrides(tmp_path, "unused", "rollout.num_generations=2", "train.max_steps=2"),
+        "rollout.prompts_per_step=4",
+        "train.save_steps=10",
+    ]
+    overrides = [o for o in overrides if not o.startswith("train.output_dir")]
+    config = Path(__file__).parents[1] / "examples" / "accelerate" / f"{strategy}.yaml"
+    two = ["--config_file", str(config), *LAUNCH_TWO, str(free_port()), "-m", "padless.cli", "grpo"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    records = {}
+    for name, launch in (
+        ("one", [sys.executable, "-m", "padless.cli", "grpo"]),
+        ("two", [sys.executable, "-m", "accelerate.commands.launch", *two]),
+    ):
+        run = tmp_path / name
+        result = subprocess.run(
+            [*launch, *overrides, f"train.output_dir={run}"], env=env, capture_output=True, timeout=900
+        )
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records[name] = [r for r in map(json.loads, lines) if "train/loss" in r or "rollout/reward" in r]
+    assert len(records["one"]) == len(records["two"]) >= 2
+    for one, two_ in zip(records["one"], records["two"], strict=True):
+        for key in ("rollout/reward", "train/loss"):
+            if key in one:
+                assert two_[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_vllm_rollout_benchmark_quick_runs():
+    need_vllm()
+    script = Path(__file__).parents[1] / "benchmarks" / "vllm_rollout.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick"], env=env, capture_output=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.decode().splitlines()[-2:]}
+    assert set(rows) == {"hf", "vllm"} and float(rows["vllm"][3]) > 0  # tokens/s of each, side by side

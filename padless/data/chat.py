@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -46,8 +46,10 @@ _PLACEHOLDER = "\ue000{}\ue001"
 _SHAPES_CACHED = 256  # per tokenizer; a dataset usually has a handful (one per turn count)
 _GLUE_CHARS = 64  # texts around turn boundaries this short are template glue, memoised; longer hold content
 _TEMPLATE_FIX = (
-    "Use a chat template that wraps assistant content in {% generation %}...{% endgeneration %}: padless "
-    "then reads the loss mask from those markers instead of rendering prefixes."
+    "If the template shows earlier turns differently from the last one (e.g. strips their reasoning, as "
+    "Qwen3's does), set data.per_turn: true: each assistant turn becomes its own example, its context "
+    "rendered as the template renders it for generation and the loss on the turn's full content. If it "
+    "changes every turn, use a template that renders assistant messages as they are."
 )
 
 
@@ -102,32 +104,66 @@ class _Layout:
     """Where a chat template puts the turns of one conversation shape.
 
     The shape renders as ``texts[0] + content[order[0]] + texts[1] + ... + texts[-1]``; ``cuts`` holds, for
-    each assistant turn in order, where its generation prompt ends and where its turn ends, each as (index
-    into ``texts``, offset in that text): template text, so the same for every row of the shape.
+    each assistant turn checked (``turns``, message indices), where its generation prompt ends and where its
+    turn ends, each as (index into ``texts``, offset in that text): template text, so the same for every row
+    of the shape.
     """
 
     texts: tuple[str, ...]
     order: tuple[int, ...]
     cuts: tuple[tuple[int, int], ...]
+    turns: tuple[int, ...]
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+def _turn_end(upto: Sequence[Any], full: Sequence[Any], tail: Sequence[Any]) -> int | None:
+    """Where a turn ends in ``full`` given ``upto``, the rendering of the conversation up to it: its length
+    when it is a prefix of ``full``; for a template that closes every conversation with ``tail`` (e.g. an
+    end-of-text token), where ``upto`` ends without it; else None."""
+    if len(upto) <= len(full) and full[: len(upto)] == upto:
+        return len(upto)
+    end = len(upto) - len(tail)
+    if (
+        len(tail)
+        and upto[end:] == tail
+        and full[len(full) - len(tail) :] == tail
+        and full[:end] == upto[:end]
+    ):
+        return end
+    return None
+
+
+def _assistant_turns(messages: list[dict[str, Any]], last_only: bool) -> list[int]:
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return turns[-1:] if last_only else turns
 
 
 def _layout_of(
-    text: Callable[[list[dict[str, Any]], bool], str], shape: list[dict[str, Any]]
+    text: Callable[[list[dict[str, Any]], bool], str], shape: list[dict[str, Any]], tail: str, last_only: bool
 ) -> _Layout | None:
     """The layout of ``shape`` (contents are placeholders), rendered by ``text(messages, generation_prompt)``.
 
-    None when the template refuses the shape or renders a prefix of it differently from the start of the whole
-    (or cuts a content apart): its rows then take the prefix-by-prefix path, which reports the problem.
+    None when the template refuses the shape, renders a prefix of it differently from the start of the whole
+    (or cuts a content apart), or puts an assistant content outside its own turn: its rows then take the
+    prefix-by-prefix path, which reports the problem.
     """
+    turns = _assistant_turns(shape, last_only)
     try:
         full = text(shape, False)
         ends = []
-        for i, msg in enumerate(shape):
-            if msg["role"] == "assistant":
-                head, upto = text(shape[:i], True), text(shape[: i + 1], False)
-                if not (len(head) < len(upto) and full.startswith(head) and full.startswith(upto)):
-                    return None
-                ends += [len(head), len(upto)]
+        for i in turns:
+            head, upto = text(shape[:i], True), text(shape[: i + 1], False)
+            end = _turn_end(upto, full, tail)
+            if not (full.startswith(head) and end is not None and len(head) < end):
+                return None
+            at = full.find(_PLACEHOLDER.format(i))
+            if isinstance(shape[i].get("content"), str) and not len(head) <= at < end:
+                return None  # the content lands outside its turn
+            ends += [len(head), end]
     except Exception:  # user-supplied Jinja; the row-level render reports what it raises
         return None
     # A content the template leaves out has no slot; one it writes twice leaves a placeholder in the texts,
@@ -146,7 +182,28 @@ def _layout_of(
         if end - starts[s] > len(texts[s]):  # inside a placeholder: the template cut a content apart
             return None
         cuts.append((s, end - starts[s]))
-    return _Layout(tuple(texts), tuple(j for _, j in slots), tuple(cuts))
+    return _Layout(tuple(texts), tuple(j for _, j in slots), tuple(cuts), tuple(turns))
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _short(text: str, n: int = 24) -> str:
+    return repr(text if len(text) <= 2 * n + 3 else f"{text[:n]}...{text[-n:]}")
+
+
+def _what_changed(content: str, rendered: str) -> str:
+    """What the template did to ``content`` (both whitespace-normalised), for the refusal message."""
+    if not content.strip():
+        return "left out its content"
+    for p in range(1, len(content)):
+        if content[p:].strip() and content[p:] in rendered:
+            return f"dropped the text before {_short(content[p:])}: {_short(content[:p])}"
+    for p in range(len(content) - 1, 0, -1):
+        if content[:p] in rendered:
+            return f"dropped the text after {_short(content[:p])}: {_short(content[p:])}"
+    return f"rendered it as {_short(rendered)}"
 
 
 class ChatEncoder:
@@ -244,70 +301,146 @@ class ChatEncoder:
 
     # -- chats -----------------------------------------------------------------------------------------------
 
-    def chat(self, row: Row, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
-        """Tokens of a conversation and which of them the assistant wrote (content + end-of-turn token)."""
-        self.require_template(row)
-        if not self.has_generation_markers:
-            return self._chat_by_layout(row, messages) or self._chat_by_prefixes(row, messages)
+    @cached_property
+    def conversation_tail(self) -> str:
+        """Text the template writes only at the very end of a conversation (e.g. an end-of-text token after
+        the last turn), found by rendering a two-exchange probe; it belongs to the last turn."""
+        probe = [{"role": r, "content": f"{r} {k}"} for k in range(2) for r in ("user", "assistant")]
         try:
-            out = self.tok.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            upto = str(self.tok.apply_chat_template(probe[:2], tokenize=False))
+            full = str(self.tok.apply_chat_template(probe, tokenize=False))
+        except Exception:  # user-supplied Jinja: the rows' own renders report what it raises
+            return ""
+        if not self.tok.is_fast or full.startswith(upto):
+            return ""
+        enc = self.tok(upto, add_special_tokens=False, return_offsets_mapping=True)
+        k = _common_prefix(enc["input_ids"], self.encode(full))  # where they part, on a token boundary
+        tail = upto[enc["offset_mapping"][k][0] :] if k < len(enc["input_ids"]) else ""
+        return tail if full.endswith(tail) and "user 1" not in tail else ""
+
+    @cached_property
+    def _tail_ids(self) -> list[int]:
+        return self.encode(self.conversation_tail) if self.conversation_tail.strip() else []
+
+    def chat(
+        self, row: Row, messages: list[dict[str, Any]], *, last_only: bool = False
+    ) -> tuple[list[int], list[bool]]:
+        """Tokens of a conversation and which of them the assistant wrote (content + end-of-turn token).
+
+        Every assistant turn is checked: the rendering up to it must be a token prefix of the whole (so the
+        turn is where the model will see it) and its trained tokens must render its content. ``last_only``
+        trains (and checks) only the last assistant turn: the per-turn mode, whose context is rendered as the
+        template renders it for generation.
+        """
+        self.require_template(row)
+        return self._chat_by_layout(row, messages, last_only) or self._chat_by_prefixes(
+            row, messages, last_only
+        )
+
+    def _render_text(self, row: Row, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation as text and, for a template with generation markers, the spans they mark."""
+        if not self.has_generation_markers:
+            return str(self._apply(row, messages, generation_prompt=False, tokenize=False)), []
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            texts, spans = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.template,
+                return_assistant_tokens_mask=True,
+                **self.tok.special_tokens_map,
             )
-        except Exception as e:
+        except Exception as e:  # the template is user-supplied Jinja; its raise_exception lands here
             raise row.error(
                 None,
                 f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
                 reason="chat template rejected row",
             ) from e
-        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        return texts[0], [tuple(s) for s in spans[0]]
+
+    def _marked(
+        self, row: Row, offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]
+    ) -> list[bool]:
+        """Tokens overlapping a marked span (as transformers' ``return_assistant_tokens_mask``)."""
+        mask = [any(s < b and a < e for s, e in spans) for a, b in offsets]
         if not any(mask):
             raise ChatTemplateError(
                 f"{row.where}: the chat template has {{% generation %}} markers, but they marked no token of "
                 "this conversation although it has assistant content. Put the markers around every "
                 "assistant message's content and end-of-turn token."
             )
-        return ids, mask
+        return mask
 
-    def _chat_by_prefixes(self, row: Row, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
-        full = self.render(row, messages, generation_prompt=False)
+    def _chat_by_prefixes(
+        self, row: Row, messages: list[dict[str, Any]], last_only: bool
+    ) -> tuple[list[int], list[bool]]:
+        if self.has_generation_markers:
+            text, spans = self._render_text(row, messages)
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            full = list(enc["input_ids"])
+            marked = self._marked(row, enc["offset_mapping"], spans)
+        else:
+            full = self.render(row, messages, generation_prompt=False)
         mask = [False] * len(full)
-        for i, msg in enumerate(messages):
-            if msg["role"] != "assistant":
-                continue
+        for i in _assistant_turns(messages, last_only):
             if i == 0:
                 raise row.error(
                     "messages[0].role",
-                    "is 'assistant': without {% generation %} markers in the chat template, the assistant "
-                    "header can only be told apart from the content when a message precedes it",
+                    "is 'assistant': the assistant header can only be told apart from the content when a "
+                    "message precedes it",
                     reason="starts with assistant",
                     fix="Start the conversation with a system or user message, or set data.skip_bad_rows: "
-                    f"true to skip it. {_TEMPLATE_FIX}",
+                    "true to skip it.",
                 )
             head = self.render(row, messages[:i], generation_prompt=True)
             upto = self.render(row, messages[: i + 1], generation_prompt=False)
-            for label, part in (
-                (f"the first {i} message(s) plus the generation prompt", head),
-                (f"the first {i + 1} message(s)", upto),
-            ):
-                if full[: len(part)] != part:
-                    raise self._unstable(row, label, part, full)
-            if len(upto) <= len(head):
+            if full[: len(head)] != head:
+                raise self._unstable(row, f"the first {i} message(s) plus the generation prompt", head, full)
+            end = _turn_end(upto, full, self._tail_ids)
+            if end is None:
+                raise self._unstable(row, f"the first {i + 1} message(s)", upto, full)
+            if end <= len(head):
                 raise ChatTemplateError(
                     f"{row.where}: rendering messages[{i}] (assistant) added no token after the generation "
                     f"prompt, so its targets cannot be located. {_TEMPLATE_FIX}"
                 )
-            self._mark_turn(full, mask, len(head), len(upto))
+            if self.has_generation_markers:
+                mask[len(head) : end] = marked[len(head) : end]
+            else:
+                self._mark_turn(full, mask, len(head), end, last=end == len(full))
+            trained = [t for t, m in zip(full[len(head) : end], mask[len(head) : end], strict=True) if m]
+            self._check_content(row, messages, i, self.tok.decode(trained))
         return full, mask
 
-    def _mark_turn(self, ids: list[int], mask: list[bool], head: int, upto: int) -> None:
+    def _check_content(self, row: Row, messages: list[dict[str, Any]], i: int, trained: str) -> None:
+        """The trained tokens of assistant turn ``i`` must render its content (whitespace aside)."""
+        content = messages[i].get("content")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if not isinstance(content, str) or not content.strip():
+            return  # a tool-call-only turn: its calls are rendered by the template, there is no text to find
+        want, got = _normalised(content), _normalised(trained)
+        if want not in got:
+            raise ChatTemplateError(
+                f"{row.where}: the chat template changed messages[{i}] (assistant): it "
+                f"{_what_changed(want, got)}, so the tokens trained for that turn are not what the message "
+                f"says. {_TEMPLATE_FIX}"
+            )
+
+    def _mark_turn(self, ids: list[int], mask: list[bool], head: int, upto: int, last: bool) -> None:
         # Targets run to the turn's last end-of-turn token; what follows it (e.g. "\n") is template glue that
-        # precedes the next header, not something the assistant generates.
-        ends = [k for k in range(head, upto) if ids[k] in self.end_of_turn_ids]
-        stop = ends[-1] + 1 if ends else upto
+        # precedes the next header, not something the assistant generates. What the template writes only at
+        # the end of a conversation (e.g. an end-of-text token) belongs to the last turn.
+        tail = self._tail_ids
+        if last and tail and ids[len(ids) - len(tail) :] == tail:
+            stop = upto
+        else:
+            ends = [k for k in range(head, upto) if ids[k] in self.end_of_turn_ids]
+            stop = ends[-1] + 1 if ends else upto
         mask[head:stop] = [True] * (stop - head)
 
     def _chat_by_layout(
-        self, row: Row, messages: list[dict[str, Any]]
+        self, row: Row, messages: list[dict[str, Any]], last_only: bool
     ) -> tuple[list[int], list[bool]] | None:
         """What :meth:`_chat_by_prefixes` returns, from one render of the row and its shape's layout.
 
@@ -324,44 +457,59 @@ class ChatEncoder:
             for j, (m, c) in enumerate(zip(messages, contents, strict=True))
         ]
         try:
-            layout = self._layout(json.dumps(shape))
+            layout = self._layout(json.dumps(shape), last_only)
         except (TypeError, ValueError):  # a field JSON cannot hold cannot be part of a shape's key
             return None
         if layout is None:
             return None
-        text = self._apply(row, messages, generation_prompt=False, tokenize=False)
+        text, spans = self._render_text(row, messages)
         parts, starts, pos = [], [], 0
+        where = {}  # message index -> (start, end) of its content in the text
         for s, piece in enumerate(layout.texts):
             filled = contents[layout.order[s]] if s < len(layout.order) else ""
             parts += [piece, filled]
             starts.append(pos)
             pos += len(piece) + len(filled)
+            if s < len(layout.order):
+                where[layout.order[s]] = (pos - len(filled), pos)
         if "".join(parts) != text:
             return None  # the template changed a content (e.g. trimmed it or cut reasoning out)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        counts = self._prefix_lengths(
-            text, ids, enc["offset_mapping"], [starts[s] + k for s, k in layout.cuts]
-        )
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        counts = self._prefix_lengths(text, ids, offsets, [starts[s] + k for s, k in layout.cuts])
         if counts is None:
             return None
-        mask = [False] * len(ids)
-        for head, upto in zip(counts[::2], counts[1::2], strict=True):
+        marked = self._marked(row, offsets, spans) if spans or self.has_generation_markers else None
+        mask, token_starts = [False] * len(ids), [a for a, _ in offsets]
+        for i, head, upto in zip(layout.turns, counts[::2], counts[1::2], strict=True):
             if upto <= head:
                 return None
-            self._mark_turn(ids, mask, head, upto)
+            if marked is None:
+                self._mark_turn(ids, mask, head, upto, last=upto == len(ids))
+            else:
+                mask[head:upto] = marked[head:upto]
+            if i in where and not self._covers(mask, token_starts, head, upto, *where[i]):
+                return None  # the prefix path names the turn and what the template did to it
         return ids, mask
+
+    @staticmethod
+    def _covers(
+        mask: list[bool], token_starts: list[int], head: int, upto: int, start: int, end: int
+    ) -> bool:
+        """Whether the tokens of characters ``start:end`` lie in ``head:upto`` and are all trained."""
+        first, last = bisect_right(token_starts, start) - 1, bisect_left(token_starts, end) - 1
+        return head <= first <= last < upto and all(mask[first : last + 1])
 
     def _window_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.encode(text))
 
-    def _analyse(self, key: str) -> _Layout | None:
+    def _analyse(self, key: str, last_only: bool) -> _Layout | None:
         def text(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
             return self.tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt
             )
 
-        return _layout_of(text, json.loads(key))
+        return _layout_of(text, json.loads(key), self.conversation_tail, last_only)
 
     def _prefix_lengths(
         self, text: str, ids: list[int], offsets: Sequence[tuple[int, int]], cuts: list[int]

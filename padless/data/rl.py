@@ -76,7 +76,7 @@ class _PromptEncoder(ChatEncoder):
             text = nonempty_str(row, PROMPT, value)
             if not self.use_template_for_strings:
                 return self.leading_specials + self.encode(text), text
-            return self.chat(row, [{"role": "user", "content": text}])
+            return self.render_prompt(row, [{"role": "user", "content": text}])
         if isinstance(value, list):
             if self.chat_template is False:
                 raise row.error(
@@ -97,14 +97,14 @@ class _PromptEncoder(ChatEncoder):
                     fix="Drop the final assistant message (or move it into the reward columns), or set "
                     "data.skip_bad_rows: true to skip it.",
                 )
-            return self.chat(row, messages)
+            return self.render_prompt(row, messages)
         raise row.error(
             PROMPT,
             f"must be a string or a list of {{role, content}} messages, got {type_name(value)}",
             reason="wrong type",
         )
 
-    def chat(self, row: Row, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+    def render_prompt(self, row: Row, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
         self.require_template(row)
         ids = self.render(row, messages, generation_prompt=True)
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

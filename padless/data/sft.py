@@ -75,6 +75,17 @@ class SftEncoder(ChatEncoder):
     """The chat encoder plus SFT's three row formats."""
 
     def messages_row(self, row: Row) -> tuple[list[int], list[bool]]:
+        return self.chat(row, self._conversation(row))
+
+    def turn_rows(self, row: Row) -> list[tuple[list[int], list[bool], int]]:
+        """Per-turn mode: for each assistant turn, the conversation up to it with only that turn trained,
+        and how many messages it holds. Its context is rendered as the template renders it for generation
+        (e.g. earlier reasoning stripped), the turn itself as the template renders a last turn."""
+        messages = self._conversation(row)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        return [(*self.chat(row, messages[: i + 1], last_only=True), i + 1) for i in turns]
+
+    def _conversation(self, row: Row) -> list[dict[str, Any]]:
         messages = chat_messages(row, "messages", row.data["messages"])
         if not any(m["role"] == "assistant" and m.get("content") for m in messages):
             raise row.error(
@@ -82,7 +93,7 @@ class SftEncoder(ChatEncoder):
                 "has no assistant message with content, so there is nothing to train on",
                 reason="no assistant message",
             )
-        return self.chat(row, messages)
+        return messages
 
     def prompt_completion_row(self, row: Row, completion_only_loss: bool) -> tuple[list[int], list[bool]]:
         prompt, completion = row.data["prompt"], row.data["completion"]
@@ -195,7 +206,13 @@ def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> t
     return detect_format(chosen), f"detected from {chosen.where}"
 
 
-def sft_example(
+def _images_in(messages: list[dict[str, Any]]) -> int:
+    return sum(
+        p.get("type") == "image" for m in messages if isinstance(m["content"], list) for p in m["content"]
+    )
+
+
+def sft_examples(
     row: Row,
     enc: SftEncoder,
     fmt: str,
@@ -204,28 +221,39 @@ def sft_example(
     max_length: int,
     truncation: Truncation,
     completion_only_loss: bool,
+    per_turn: bool = False,
     images: ImageInputs | None = None,
-) -> Example:
-    """One row as an example; a bad row raises :class:`DataError` (see :func:`tokenize_sft`)."""
+) -> list[Example]:
+    """A row's examples: one, or with ``per_turn`` one per assistant turn of a chat; a bad row raises
+    :class:`DataError` (see :func:`tokenize_sft`)."""
     _check_fields(row, fmt, how)
+    pictures: list[Any] = []
     if images is None:
         reject_images(row)
     else:
         prepared = images.prepare(row)
-        row = prepared.row
-    if fmt == "messages":
-        ids, mask = enc.messages_row(row)
+        row, pictures = prepared.row, prepared.images
+    if fmt == "messages" and per_turn:
+        parts = enc.turn_rows(row)
+        parts = [(ids, mask, _images_in(row.data["messages"][:n])) for ids, mask, n in parts]
+    elif fmt == "messages":
+        parts = [(*enc.messages_row(row), len(pictures))]
     elif fmt == "prompt_completion":
-        ids, mask = enc.prompt_completion_row(row, completion_only_loss)
+        parts = [(*enc.prompt_completion_row(row, completion_only_loss), len(pictures))]
     else:
-        ids, mask = enc.text_row(row)
-    if images is not None:
-        ids, mask, vision = images.expand(row, ids, mask, prepared.images)
+        parts = [(*enc.text_row(row), len(pictures))]
+    out = []
+    for ids, mask, seen in parts:
+        meta = {"row": row.index, "source": row.source}
+        if images is None:
+            out.append(Example(*_fit(row, ids, mask, max_length, truncation), meta))
+            continue
+        ids, mask, vision = images.expand(row, ids, mask, pictures[:seen])
         if truncation == "truncate":
             ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
-    ids, mask = _fit(row, ids, mask, max_length, truncation)
-    meta = {"row": row.index, "source": row.source}
-    return Example(ids, mask, meta) if images is None else images.example(ids, mask, vision, meta)
+        ids, mask = _fit(row, ids, mask, max_length, truncation)
+        out.append(images.example(ids, mask, vision, meta))
+    return out
 
 
 def tokenize_sft(
@@ -236,6 +264,7 @@ def tokenize_sft(
     max_length: int,
     truncation: Truncation = "error",
     completion_only_loss: bool = True,
+    per_turn: bool = False,
     skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
 ) -> tuple[list[Example], SkipStats]:
@@ -245,7 +274,8 @@ def tokenize_sft(
     rows); every row must then have that format's fields. Bad rows raise :class:`DataError` unless
     ``skip_bad_rows``, in which case they are counted in the returned :class:`SkipStats`.
     Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
-    model's processor, see :mod:`padless.data.images`); without it they are bad rows.
+    model's processor, see :mod:`padless.data.images`); without it they are bad rows. ``per_turn`` makes each
+    assistant turn of a chat its own example (see :meth:`SftEncoder.turn_rows`).
     """
     check_sft_args(format, max_length, truncation)
     stats = SkipStats()
@@ -253,9 +283,9 @@ def tokenize_sft(
         return [], stats
     fmt, how = sft_format(rows, format, skip_bad_rows)
     enc = SftEncoder(tokenizer)
-    examples = good_rows(
+    rows_examples = good_rows(
         rows,
-        lambda row: sft_example(
+        lambda row: sft_examples(
             row,
             enc,
             fmt,
@@ -263,9 +293,11 @@ def tokenize_sft(
             max_length=max_length,
             truncation=truncation,
             completion_only_loss=completion_only_loss,
+            per_turn=per_turn,
             images=images,
         ),
         skip_bad_rows,
         stats,
     )
+    examples = [example for got in rows_examples for example in got]
     return examples, stats

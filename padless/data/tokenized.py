@@ -62,7 +62,7 @@ from padless.data.sets import ArrowSet, ExampleSet, InMemory
 from padless.data.sft import (
     SftEncoder,
     check_sft_args,
-    sft_example,
+    sft_examples,
     sft_format,
     tokenize_sft,
 )
@@ -108,6 +108,10 @@ class Layout(ABC, Generic[T]):
     def example(self, row: Row) -> T:
         """One row's item; a bad row raises :class:`DataError` (the task's per-row function)."""
 
+    def examples(self, row: Row) -> list[T]:
+        """One row's items: one, unless the layout makes several of a row (SFT's per-turn mode)."""
+        return [self.example(row)]
+
     @abstractmethod
     def columns(self, item: T) -> dict[str, Any]:
         """The item's own columns."""
@@ -142,11 +146,19 @@ class SFTLayout(Layout[Example]):
     """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
 
     name: ClassVar[str] = "sft"
-    fingerprinted = ("max_length", "format", "truncation", "completion_only_loss", "skip_bad_rows")
+    fingerprinted = (
+        "max_length",
+        "format",
+        "truncation",
+        "completion_only_loss",
+        "per_turn",
+        "skip_bad_rows",
+    )
     max_length: int
     format: str = "auto"
     truncation: Truncation = "error"
     completion_only_loss: bool = True
+    per_turn: bool = False
     skip_bad_rows: bool = False
     _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
 
@@ -158,9 +170,13 @@ class SFTLayout(Layout[Example]):
         self._state = (SftEncoder(tokenizer), fmt, how)
 
     def example(self, row: Row) -> Example:
+        (example,) = self.examples(row)  # per-turn rows go through examples()
+        return example
+
+    def examples(self, row: Row) -> list[Example]:
         assert self._state is not None, "prepare() first"
         enc, fmt, how = self._state
-        return sft_example(
+        return sft_examples(
             row,
             enc,
             fmt,
@@ -168,6 +184,7 @@ class SFTLayout(Layout[Example]):
             max_length=self.max_length,
             truncation=self.truncation,
             completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
         )
 
     def columns(self, item: Example) -> dict[str, Any]:
@@ -201,6 +218,7 @@ class SFTLayout(Layout[Example]):
             max_length=self.max_length,
             truncation=self.truncation,
             completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
             skip_bad_rows=self.skip_bad_rows,
             images=images,
         )
@@ -419,14 +437,15 @@ class _Tokenize:
                 self.stopped = True
             elif not self.failed:
                 try:
-                    example = self.layout.example(item)
+                    examples = self.layout.examples(item)
                 except DataError as e:
                     self._error(out, item.index, SKIPPED if self.layout.skip_bad_rows else FATAL, e)
                 except ValueError as e:  # the template or the tokenizer: no row can fix it
                     self._error(out, item.index, FATAL, e)
                 else:
-                    record = {"row": item.index, "length": len(example), **self.layout.columns(example)}
-                    self._append(out, record)
+                    for example in examples:
+                        record = {"row": item.index, "length": len(example), **self.layout.columns(example)}
+                        self._append(out, record)
         return out
 
     def _error(self, out: dict[str, list[Any]], index: int | None, kind: int, error: ValueError) -> None:
@@ -540,10 +559,11 @@ def _kept(mapped: datasets.Dataset, source: str) -> tuple[SkipStats, datasets.Da
             raise _error(stop[0], source)
         for record in records:
             stats.record(_error(record, source))
-    stats.kept = len(mapped) - int(bad.size)
     kept = mapped.remove_columns(errors)
     if bad.size:
         kept = kept.select(np.setdiff1d(np.arange(len(kept)), bad))
+    good = pc.filter(mapped.data.column("row"), mapped.data.column("error_kind").is_null())
+    stats.kept = pc.count_distinct(good).as_py()  # rows, not examples (a row makes several per turn)
     return stats, kept
 
 

@@ -114,6 +114,8 @@ class GRPORecipe(RolloutRecipe):
             per_token, clipped = gspo_policy_loss(logps, old, advantages, counts, self.eps_low, self.eps_high)
         else:
             per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
+        if (weight := self.is_weights(examples)) is not None:  # rollout-trainer correction, before the KL
+            per_token = per_token * weight
         kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
         if kl is not None:
             per_token = per_token + g.beta * kl

@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from padless import sequence_parallel
 from padless.engine import EngineSettings, ModelEngine
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
@@ -188,9 +189,8 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            steps = plan_steps(
-                micros, self.cfg.gradient_accumulation_steps, self.acc.num_processes, self.acc.process_index
-            )
+            rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares its data
+            steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
                 raise RuntimeError(
@@ -230,7 +230,9 @@ class Trainer:
             with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
                 loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
                 self.guard.watch(loss, k, len(step.micros))
-                # Ranks average gradients; the normaliser is already global, so undo the mean.
+                # Ranks average gradients; the normaliser is already global, so undo the mean. Under
+                # sequence parallelism each rank's gradient is its chunk's share: the sum over all
+                # processes is then the sum over data-parallel groups of whole-row gradients.
                 with self.engine_settings.pinned():
                     self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
@@ -245,11 +247,9 @@ class Trainer:
             sums.clear()  # a skipped step adds nothing to the metrics
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)
-        totals = self.acc.reduce(torch.tensor([sums[k] for k in keys], device=self.acc.device), "sum")
-        metrics = dict(zip(keys, totals.tolist(), strict=True))
+        metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= world
+            metrics["grad_norm"] /= sequence_parallel.data_parallel()[1]
         return metrics
 
     def train(self) -> dict[str, float]:
@@ -343,15 +343,21 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        world = self.acc.num_processes
-        step = plan_steps(micros, math.ceil(len(micros) / world), world, self.acc.process_index)[0]
+        rank, world = sequence_parallel.data_parallel()
+        step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
             _, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
+        return self._sum_over_ranks(sums)
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
+        the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        totals = self.acc.reduce(torch.tensor([sums[k] for k in keys], device=self.acc.device), "sum")
+        mine = [sums[k] if sequence_parallel.leads_group() else 0.0 for k in keys]
+        totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 
     def _evaluate(self, step: int, reporter: Reporter, last: dict[str, float]) -> None:

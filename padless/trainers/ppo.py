@@ -70,6 +70,8 @@ class PPORecipe(RolloutRecipe):
             p.cliprange,
             p.cliprange,
         )
+        if (is_weight := self.is_weights(examples)) is not None:  # rollout-trainer correction
+            policy_loss = policy_loss * is_weight
         value_loss = clipped_value_loss(
             values,
             per_target(examples, "old_values", self.device),

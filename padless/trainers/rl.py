@@ -19,20 +19,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from accelerate import PartialState
-from accelerate.utils import gather_object
 
+from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet
 from padless.data.tokenized import PromptLayout, load_set
 from padless.engine import reference_engine
+from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, lockstep
+from padless.ranks import equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
+from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
 from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch, Recipe
@@ -103,17 +104,24 @@ class RolloutRecipe(Recipe):
         """Sample ``group`` completions per prompt, score them and run the no-grad passes, each rank on its
         own contiguous slice of ``prompts``; returns every rank's examples in prompt order.
 
-        Each example's meta holds ``reward``, ``reward/<source>``, ``length`` and ``finished``; targets
-        are the completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
+        Each example's meta holds ``reward``, ``reward/<source>``, ``length``, ``finished`` and (when
+        the engine gives them) the sampler's per-target log-probs ``sampler_logps``; targets are the
+        completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
-        first = PartialState().process_index * len(mine)  # this rank's first prompt in the rollout
+        first = data_parallel()[0] * len(mine)  # this rank's first prompt in the rollout
         seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
         started = time.perf_counter()
         self.engine.sync_weights()
         vision = [p.vision for p in mine] if self.images is not None else None
         completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
         elapsed = time.perf_counter() - started
+        if not greedy and self.cfg.rollout.correction() and any(c.logprobs is None for c in completions):
+            raise InputError(
+                f"rollout.engine: {self.cfg.rollout.engine} returned no sampled-token log-probs, so the "
+                "importance-sampling correction (on by default for this engine) cannot run; use "
+                "rollout.engine: hf, or rollout.importance_sampling_correction: false to train uncorrected"
+            )
         examples = []
         for j, c in enumerate(completions):
             prompt = mine[j // group]
@@ -125,12 +133,17 @@ class RolloutRecipe(Recipe):
                 "sampling_s": elapsed,
                 "prompt_row": prompt.meta["row"],  # finds the prompt's images again on resume
             }
+            if c.logprobs is not None and not greedy:
+                meta["sampler_logps"] = c.logprobs if trained else []
             examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
         if not greedy:
-            self.store(examples, self.passes(), filler)
-        return gather_object(examples)
+            passes = self.passes()
+            if "sampler_logps" in filler.meta:  # the trainer's side of the mismatch, at sampling time
+                passes.setdefault("old_logps", self.logps_pass(self.policy))
+            self.store(examples, passes, filler)
+        return gather_shares(examples)
 
     def score(
         self,
@@ -203,6 +216,36 @@ class RolloutRecipe(Recipe):
 
         return reference
 
+    def correct(self, examples: list[Example]) -> dict[str, float]:
+        """Sampler vs trainer log-probs of the rollout: the mismatch metrics, and with
+        ``rollout.importance_sampling_correction`` each target's weight ``is_weight`` for the policy loss."""
+        if not examples or "sampler_logps" not in examples[0].meta:
+            return {}
+        r = self.cfg.rollout
+        trainer, sampler = (
+            torch.tensor([v for e in examples for v in e.meta[k]]) for k in ("old_logps", "sampler_logps")
+        )
+        if not r.correction():
+            return mismatch_metrics(trainer, sampler)
+        lengths = [e.num_targets for e in examples]
+        weights, changed = importance_weights(
+            trainer,
+            sampler,
+            lengths,
+            r.importance_sampling_mode,
+            r.importance_sampling_clip_min,
+            r.importance_sampling_clip_max,
+        )
+        for e, w in zip(examples, weights.split(lengths), strict=True):
+            e.meta["is_weight"] = w.tolist()
+        return mismatch_metrics(trainer, sampler, weights, changed)
+
+    def is_weights(self, examples: list[Example]) -> torch.Tensor | None:
+        """The policy loss's per-target importance weights, None when the correction is off."""
+        if "is_weight" not in examples[0].meta:
+            return None
+        return per_target(examples, "is_weight", self.device)
+
     def passes(self) -> dict[str, Pass]:
         """The no-grad per-token passes the loss needs, by meta key (old / reference log-probs, values)."""
         raise NotImplementedError
@@ -221,6 +264,7 @@ class RolloutRecipe(Recipe):
             self.metrics[epoch] = {
                 **summary(examples, "rollout/"),
                 **sampling,
+                **self.correct(examples),
                 **self.process(examples, rewards, epoch),
             }
             self.rollout = (epoch, examples)
@@ -309,11 +353,11 @@ def make_engine(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
                 "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
             )
-        if strategy in ("fsdp2", "zero3"):
+        if strategy == "zero3":
             raise ValueError(
-                f"rollout.engine: vllm with {strategy}: each rank holds only a shard of the policy, and the "
-                "colocated vLLM engine is fed the whole policy every rollout; use DDP or ZeRO-2 with vLLM, "
-                "or rollout.engine: hf (which samples through the sharded engine)"
+                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
+                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
+                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
             )
         from padless.vllm_engine import VLLMEngine
 

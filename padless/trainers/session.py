@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from padless import sequence_parallel
 from padless.config import ModelSettings
 from padless.config_loading import save_config
 from padless.engine import EngineSettings, ModelEngine
@@ -74,6 +75,7 @@ def start_session(
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb)
+    sequence_parallel.start(config.train.sequence_parallel)  # engines built from here on split their rows
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)

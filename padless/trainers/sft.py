@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
 
 from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
@@ -21,7 +20,7 @@ from padless.engine import BatchLayout
 from padless.losses import sft_token_weights
 from padless.model import pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
-from padless.ranks import equal_share
+from padless.ranks import equal_share, gather_shares
 from padless.rollout import generate
 from padless.trainers.loop import MicroBatch, Recipe, Trainer
 from padless.trainers.reporting import report_data
@@ -119,7 +118,7 @@ class SFTRecipe(Recipe):
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_object(completions[:real])
+        completions = gather_shares(completions[:real])
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
@@ -167,6 +166,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             format=data.format,
             truncation=data.truncation,
             completion_only_loss=data.completion_only_loss,
+            per_turn=data.per_turn,
             skip_bad_rows=data.skip_bad_rows,
         )
         examples, stats = load_set(

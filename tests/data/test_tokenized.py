@@ -225,13 +225,13 @@ def encoded(monkeypatch) -> list[int]:
     """Rows the layouts tokenized in this process (the map runs here with one process)."""
     calls: list[int] = []
     for cls in (SFTLayout, PairLayout, PromptLayout):
-        original = cls.example
+        original = cls.examples
 
-        def example(self: Any, row: Any, original: Any = original) -> Any:
+        def examples(self: Any, row: Any, original: Any = original) -> Any:
             calls.append(row.index)
             return original(self, row)
 
-        monkeypatch.setattr(cls, "example", example)
+        monkeypatch.setattr(cls, "examples", examples)
     return calls
 
 

@@ -3,6 +3,7 @@ reward model through checkpoint and resume."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -467,3 +468,85 @@ def test_grpo_objectives_train(tmp_path, objective):
     metrics = run_grpo(load_config(GRPOConfig, None, overrides))
     assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/loss"] != 0
     assert 0 <= metrics["train/clip_fraction"] <= 1 and metrics["train/entropy"] > 0
+
+
+class NoisySampler:
+    """A sampler that is not the training forward (as vLLM's kernels are not): a copy of the policy whose
+    weights get fixed noise on every sync, sampled with the HF engine."""
+
+    def __init__(self, policy, tokenizer, rollout, scale: float):
+        self.policy = policy
+        self.copy = copy.deepcopy(policy)
+        g = torch.Generator().manual_seed(0)
+        self.noise = [scale * torch.randn(p.shape, generator=g) for p in policy.parameters()]
+        self.engine = HFEngine(self.copy, tokenizer, rollout)
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        for p, q, n in zip(self.policy.parameters(), self.copy.parameters(), self.noise, strict=True):
+            q.copy_(p + n)
+
+    def complete(self, *args, **kwargs):
+        return self.engine.complete(*args, **kwargs)
+
+
+def correction_run(tmp_path, monkeypatch, name: str, noise: float | None, *extra: str) -> dict:
+    """One GRPO rollout of 4 x 4 on tiny-llama, sampled by the policy itself or by a noisy copy, with a
+    reward that tells a random model's completions apart (so the policy loss is not 0)."""
+    variety = tmp_path / "variety.py"
+    variety.write_text(
+        "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
+    )
+    if noise is not None:
+        monkeypatch.setattr(
+            "padless.trainers.rl.make_engine",
+            lambda cfg, policy, tokenizer, *a: NoisySampler(policy, tokenizer, cfg.rollout, noise),
+        )
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path / name}",
+        "train.max_steps=1",
+        "rollout.prompts_per_step=4",
+        "rollout.num_generations=4",
+        "rollout.max_new_tokens=6",
+        "rollout.mask_truncated=false",
+        f"reward.functions=[{variety}:variety]",
+        *FAST,
+        *extra,
+    ]
+    metrics = run_grpo(load_config(GRPOConfig, None, overrides))
+    return {**rollout_records(tmp_path / name)[0], **metrics}
+
+
+def test_mismatch_is_round_off_when_the_policy_samples_itself(tmp_path, monkeypatch):
+    """HF engine on the trainer's own fp32 weights: every sampled token's log-prob within 1e-5 of the
+    packed training forward's (~8 float32 ulps at |log-prob| <= 10; KV-cache decode vs packed kernels only
+    reduce in another order), so the ratios are 1 to 1e-5 and nothing is corrected."""
+    record = correction_run(
+        tmp_path, monkeypatch, "self", None, "rollout.importance_sampling_correction=true"
+    )
+    assert record["mismatch/logp_diff_max"] <= 1e-5
+    assert abs(record["mismatch/ratio_max"] - 1) <= 1e-5 and abs(record["mismatch/ratio_min"] - 1) <= 1e-5
+    assert record["mismatch/kl"] <= 1e-10
+    assert record["mismatch/corrected_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_correction_engages_on_a_perturbed_sampler_with_bounded_weights(tmp_path, monkeypatch, mode):
+    """A sampler with noisy weights: the logs show the mismatch (KL, ratios past the cap), the correction
+    changes some tokens' weights and no weight exceeds the cap; off, the same run trains on other numbers."""
+    on = correction_run(
+        tmp_path,
+        monkeypatch,
+        "on",
+        0.05,
+        "rollout.importance_sampling_correction=true",
+        f"rollout.importance_sampling_mode={mode}",
+        "rollout.importance_sampling_clip_max=2.0",
+    )
+    assert on["mismatch/kl"] > 1e-3 and on["mismatch/ratio_max"] > 2.0
+    assert 0 < on["mismatch/corrected_fraction"] < 1
+    assert on["mismatch/is_weight_max"] <= 2.0
+    off = correction_run(tmp_path, monkeypatch, "off", 0.05, "rollout.importance_sampling_correction=false")
+    assert "mismatch/is_weight_max" not in off and off["mismatch/kl"] == pytest.approx(on["mismatch/kl"])
+    assert off["train/loss"] != pytest.approx(on["train/loss"], rel=1e-3)

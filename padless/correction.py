@@ -1,0 +1,71 @@
+"""Rollout–trainer mismatch: how far the sampler's log-probs are from the trainer's, and the importance
+weights that correct the policy loss for it.
+
+The sampler (vLLM, another precision, or the policy a few updates ago under ``rollout.max_staleness``) is
+not the distribution the loss assumes. With ``r = exp(trainer - sampler)`` per token, the policy loss of a
+token is multiplied by a weight built from ``r`` as TRL 1.16's ``vllm_importance_sampling_mode`` does (and
+verl's ``rollout_is`` token / sequence, truncate / mask): ``token_*`` per token, ``sequence_*`` one ratio
+``exp(sum of the sequence's log-ratios)`` for all its tokens; ``*_truncate`` clamps to ``[C_min, C_max]``
+(truncated IS, Espeholt et al. 2018), ``*_mask`` zeroes what falls outside (masked IS). With stale samples
+the trainer side is the policy at the start of the step, so this is decoupled PPO's behaviour correction
+(Hilton et al. 2022; AReaL, Fu et al. 2025).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def importance_weights(
+    trainer: torch.Tensor,
+    sampler: torch.Tensor,
+    lengths: list[int],
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights ``[T]`` of concatenated sequences (``lengths`` tokens each) from trainer and
+    sampler log-probs ``[T]`` (see the module docstring for ``mode``), and which tokens the bounds
+    changed (clamped or zeroed)."""
+    diff = trainer - sampler
+    if mode.startswith("sequence"):
+        sums = torch.stack([d.sum() for d in diff.split(lengths)]) if lengths else diff.new_zeros(0)
+        diff = torch.repeat_interleave(sums, torch.tensor(lengths, device=diff.device))
+    ratio = diff.exp()
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max), outside
+    if mode.endswith("mask"):
+        return ratio.masked_fill(outside, 0.0), outside
+    raise ValueError(f"importance sampling mode {mode!r}: expected token_/sequence_ + truncate/mask")
+
+
+def mismatch_metrics(
+    trainer: torch.Tensor,
+    sampler: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    changed: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """What the logs show per rollout: the per-token KL(sampler || trainer) (k3 estimator, on the sampled
+    tokens), the largest log-prob gap, the per-token ratio ``trainer / sampler`` (mean, max, min), and, when
+    the correction runs, its weights (mean, max) and the share of tokens it changed."""
+    if trainer.numel() == 0:
+        return {}
+    log_ratio = trainer - sampler
+    ratio = log_ratio.exp()
+    metrics = {
+        "mismatch/kl": (ratio - 1 - log_ratio).mean().item(),
+        "mismatch/logp_diff_max": log_ratio.abs().max().item(),
+        "mismatch/ratio_mean": ratio.mean().item(),
+        "mismatch/ratio_max": ratio.max().item(),
+        "mismatch/ratio_min": ratio.min().item(),
+    }
+    if weights is not None and changed is not None:
+        metrics["mismatch/is_weight_mean"] = weights.mean().item()
+        metrics["mismatch/is_weight_max"] = weights.max().item()
+        metrics["mismatch/corrected_fraction"] = changed.float().mean().item()
+    return metrics

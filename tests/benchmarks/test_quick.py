@@ -1,0 +1,34 @@
+"""Every benchmark's ``--quick`` mode runs to its report: a benchmark nothing runs rots (issue 22: the GRPO
+one crashed unnoticed after the RL refactor)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py")
+
+
+def test_every_benchmark_is_found():
+    assert {"grpo_throughput.py", "sft_throughput.py", "chat_masks.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick_mode_runs(script, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,  # minutes when idle; a loaded 2-core machine is many times slower
+    )
+    assert done.returncode == 0, f"{script} --quick failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "|" in done.stdout, f"{script} --quick printed no result table:\n{done.stdout[-2000:]}"

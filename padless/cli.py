@@ -1,7 +1,8 @@
 """Command line: ``padless check | doctor | generate | schema`` and the trainers.
 
 Every failure ends in one message naming the file, row, key or path and the fix (exit 2 for input
-errors, 1 for runtime faults, 130 when interrupted); ``--debug`` or ``PADLESS_DEBUG=1`` adds the traceback.
+errors, 1 for runtime faults, 130 / 143 when interrupted / terminated); ``--debug`` or ``PADLESS_DEBUG=1``
+adds the traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from padless.attention import backend_problem, set_varlen_kernel, validate_backend_name
 from padless.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
+from padless.interrupts import handled, interruption
 from padless.logs import log_failure, setup_logging
 
 
@@ -156,11 +158,34 @@ def _rm(args: argparse.Namespace) -> int:
         raise InputError(
             f"--max-length {opts.max_length}: must be at least 1; fix: pass e.g. --max-length 4096"
         )
+    if opts.out is not None and Path(opts.out).suffix not in (".jsonl", ".parquet"):
+        raise InputError(
+            f"--out {opts.out}: padless writes scored rows as JSON lines (.jsonl) or Parquet (.parquet), "
+            f"not {Path(opts.out).suffix or 'a file without a suffix'}; fix: name it e.g. scored.jsonl or "
+            "scored.parquet"
+        )
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = score_file(opts.model, opts.data, opts.out, opts.max_length, device, opts.trust_remote_code)
     if path:
         print(f"wrote {path}")
     return 0
+
+
+def _refuse_scorer(model: str) -> None:
+    """A reward model (a sequence classifier, or a LoRA adapter of one) has no language-model head to
+    generate with: loading it as one would put a random head on its body and answer nonsense."""
+    folder = Path(model)
+    for name, key in (("config.json", "architectures"), ("adapter_config.json", "task_type")):
+        try:
+            value = json.loads((folder / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        found = " ".join(value) if isinstance(value, list) else str(value)
+        if "SequenceClassification" in found or found == "SEQ_CLS":
+            raise InputError(
+                f"--model {model} is a reward model ({name}: {key} {found}): it scores text and cannot "
+                "generate; fix: score with `padless rm score --model ...`, or pass a policy checkpoint"
+            )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -176,6 +201,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1; fix: pass e.g. 64")
     if not all(p.strip() for p in args.prompt):
         raise InputError("--prompt is empty; fix: pass the text to answer, e.g. --prompt 'What is 2 + 3?'")
+    _refuse_scorer(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_model(
@@ -270,18 +296,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def debug_from_env() -> bool:
+    """``PADLESS_DEBUG``: 1/true/yes/on or 0/false/no/off (or empty); anything else is refused, so that
+    ``PADLESS_DEBUG=false`` never means "on"."""
+    value = os.environ.get("PADLESS_DEBUG", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise InputError(
+        f"PADLESS_DEBUG={os.environ['PADLESS_DEBUG']!r} is neither on nor off; fix: set it to 1 (show "
+        "tracebacks) or 0, or unset it"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
-    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line."""
+    (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line. Ctrl-C and
+    SIGTERM end it with 130 / 143 (see :mod:`padless.interrupts`)."""
+    with handled():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("PADLESS_DEBUG", "0") not in ("", "0")
+    debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     command = "padless"
     try:
         args = build_parser().parse_args(argv)
         command = f"padless {args.command}"
+        debug = debug_from_env() or debug
         setup_logging()
         return args.func(args)
     except SystemExit as e:  # argparse printed the usage error (or --help)
@@ -290,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     except BaseException as e:
+        e = interruption(e)  # a library's cleanup may have replaced Ctrl-C / SIGTERM on the way out
         if debug:
             traceback.print_exc()
         message = f"{command}: error: {describe(e)}"

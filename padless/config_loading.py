@@ -147,6 +147,38 @@ def _key_lines(node: yaml.Node | None, prefix: str, lines: dict[str, int]) -> di
     return lines
 
 
+MAX_YAML_NODES = 100_000  # far above any real config; aliases of aliases reach billions in a few lines
+
+
+def _refuse_alias_bomb(node: yaml.Node | None, path: str | os.PathLike[str]) -> None:
+    """Count the nodes the document expands to (each alias counted in full), stopping at the limit: a few
+    lines of nested aliases ("billion laughs") would otherwise cost gigabytes once expanded."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        sizes[id(n)] = 1  # a recursive alias counts once; PyYAML refuses it later anyway
+        children: list[yaml.Node] = []
+        if isinstance(n, yaml.SequenceNode):
+            children = list(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            children = [x for pair in n.value for x in pair]
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                break
+        sizes[id(n)] = total
+        return total
+
+    if node is not None and size(node) > MAX_YAML_NODES:
+        raise ConfigError(
+            f"{path}: the YAML expands to more than {MAX_YAML_NODES:,} values through its aliases (&name / "
+            "*name); fix: write the settings out without nested aliases"
+        )
+
+
 def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
     """A config file as a plain dict and the line of each key in it; failures name the file."""
     p = Path(path)
@@ -166,6 +198,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]
     loader = _Loader(text)  # a SafeLoader
     try:
         node = loader.get_single_node()
+        _refuse_alias_bomb(node, path)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -182,7 +215,10 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]
     finally:
         loader.dispose()
     if data is None:
-        return {}, {}
+        raise ConfigError(
+            f"config file {path} is empty (no YAML in it, only blanks or comments); fix: write the settings "
+            "in it (see `padless schema <trainer>`), or leave the file out to run every default"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: the top level must be a mapping of sections (e.g. 'model:', 'train:'), "

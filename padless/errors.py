@@ -8,11 +8,10 @@ traceback; without it the user sees one message, never a Python traceback.
 
 from __future__ import annotations
 
-import errno
-
 USAGE = 2  # exit code: the input needs fixing
 FAULT = 1  # exit code: the run failed while running
 INTERRUPTED = 130  # exit code: Ctrl-C, as shells report SIGINT
+TERMINATED = 143  # exit code: SIGTERM (128 + 15)
 DEBUG_HINT = "rerun with --debug (or PADLESS_DEBUG=1) for the traceback"
 
 
@@ -21,6 +20,15 @@ class InputError(ValueError):
 
     The message says which one, what is wrong with it and how to fix it.
     """
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a scheduler or ``kill`` ended the run): unwinds like Ctrl-C, exits with 143."""
+
+
+class UserCodeError(RuntimeError):
+    """A function the user wrote (a reward function, an environment, a callback) failed or returned
+    something unusable; the message names the function and the step."""
 
 
 class AttentionError(RuntimeError):
@@ -34,32 +42,40 @@ class DivergenceError(RuntimeError):
 def is_input_error(error: BaseException) -> bool:
     """Config, data, path and backend problems: ``ValueError`` (ConfigError, DataError, InputError, ...),
     the attention backend asked for not running here, and files that are missing or not readable."""
+    from padless.faults import FileFault
+
+    if isinstance(error, FileFault):
+        return error.code == USAGE
     return isinstance(error, (ValueError, AttentionError, FileNotFoundError, PermissionError))
 
 
 def exit_code(error: BaseException) -> int:
+    from padless.faults import FileFault, translate
+
+    if isinstance(error, Terminated):
+        return TERMINATED
     if isinstance(error, KeyboardInterrupt):
         return INTERRUPTED
+    fault = error if isinstance(error, FileFault) else translate(error, "running")
+    if fault is not None:
+        return fault.code
     return USAGE if is_input_error(error) else FAULT
 
 
 def describe(error: BaseException) -> str:
     """One message for ``error``: its own text for input errors, cause and next step for faults."""
+    from padless.faults import translate
+
     if isinstance(error, KeyboardInterrupt):
-        return (
-            "interrupted (Ctrl-C); continue from the last checkpoint with train.resume_from_checkpoint=latest"
-        )
+        how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
+        return f"{how}; continue from the last checkpoint with train.resume_from_checkpoint=latest"
     text = str(error).strip() or type(error).__name__
-    if isinstance(error, (FileNotFoundError, PermissionError)) and error.filename:
-        what = "no such file or directory" if isinstance(error, FileNotFoundError) else "permission denied"
-        return f"{error.filename}: {what}; fix: check the path and its permissions"
-    if is_input_error(error) or isinstance(error, DivergenceError):
+    own = is_input_error(error) or isinstance(error, (DivergenceError, UserCodeError))
+    if own and not (isinstance(error, OSError) and error.errno):
         return text
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        where = f" writing {error.filename}" if error.filename else ""
-        return (
-            f"no space left on the device{where}; fix: free space, or use another disk for train.output_dir"
-        )
+    fault = translate(error, "running")  # a file error no call site named: its category, path and fix
+    if fault is not None:
+        return str(fault)
     if isinstance(error, MemoryError) or "out of memory" in text.lower():
         return (
             f"out of memory ({type(error).__name__}: {text.splitlines()[0]}); fix: lower "

@@ -74,8 +74,13 @@ def log_to_file(output_dir: str | Path | None, main_process: bool = True) -> Pat
     if output_dir is None or not main_process:
         _replace(logger, _FileHandler, None)
         return None
+    from padless.faults import doing
+    from padless.runfiles import own
+
     path = Path(output_dir) / LOG_FILE
-    handler = _FileHandler(path, encoding="utf-8")
+    own(output_dir, LOG_FILE)
+    with doing("opening the run's log file", path, setting="train.output_dir"):
+        handler = _FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FILE_FORMAT))
     _replace(logger, _FileHandler, handler)
     return path

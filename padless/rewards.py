@@ -429,6 +429,11 @@ class RewardComposer:
             result = fn(prompts=prompts, completions=completions, **kwargs)
         except Exception as e:
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        except SystemExit as e:  # sys.exit() in user code must not end the run as if it had finished
+            raise RewardError(
+                f"reward function {name!r} called sys.exit({e.code!r}), which would end the run; fix: return "
+                "scores (None for 'not applicable'), or raise an exception to stop"
+            ) from None
         result = _as_list(result)
         n = len(completions)
         fix = "return a list with one float (or None for 'not applicable') per completion"

@@ -21,8 +21,10 @@ from transformers import LogitsProcessorList
 
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
+from padless.errors import DivergenceError
 from padless.model import pad_token_id
 from padless.strategy import strategy_in_use, unwrap
+from padless.trainers.guard import FIX
 from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)
@@ -194,20 +196,21 @@ def generate(
                 if row_seeds is not None:
                     sampler = SeededSampler(row_seeds[start : start + batch_size], temperature, top_p, device)
                     extra["logits_processor"] = LogitsProcessorList([sampler])
-                out = engine(
-                    generate=dict(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        **extra,
-                        max_new_tokens=max_new_tokens,
-                        num_return_sequences=num_return_sequences,
-                        pad_token_id=pad_id,
-                        eos_token_id=sorted(eos_ids),
-                        use_cache=True,
-                        synced_gpus=synced,
-                        **{"do_sample": do_sample, **sampling},
+                with sampling_guard():
+                    out = engine(
+                        generate=dict(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            **extra,
+                            max_new_tokens=max_new_tokens,
+                            num_return_sequences=num_return_sequences,
+                            pad_token_id=pad_id,
+                            eos_token_id=sorted(eos_ids),
+                            use_cache=True,
+                            synced_gpus=synced,
+                            **{"do_sample": do_sample, **sampling},
+                        )
                     )
-                )
                 logprobs = sampler.row_logprobs() if sampler is not None else None
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
@@ -216,6 +219,21 @@ def generate(
     finally:
         inner.train(was_training)
     return results
+
+
+@contextlib.contextmanager
+def sampling_guard() -> Iterator[None]:
+    """A policy whose probabilities are no longer finite (weights blown up by too high a learning rate)
+    stops the run naming what happened, instead of torch's "probability tensor contains inf"."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise DivergenceError(
+            "the policy's next-token probabilities are not finite (inf, NaN or negative) while sampling a "
+            f"rollout: its weights diverged. Fix: {FIX}"
+        ) from None
 
 
 def image_inputs(

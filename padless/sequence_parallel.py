@@ -123,6 +123,8 @@ class SequenceParallel:
                 "train.sequence_parallel > 1 runs text rows only: image tokens are merged into the "
                 "embeddings of whichever chunk holds them; set train.sequence_parallel: 1 for vision models"
             )
+        if AttentionInterface._global_mapping.get(VARLEN_NAME) is _varlen:  # registered again since start
+            AttentionInterface.register(VARLEN_NAME, _ulysses)
         padded = self.pad(batch)
         local = self.chunk(padded)
         if logp_weights is not None:

@@ -233,7 +233,17 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
             f"the tokenizer in {folder} has {len(tokenizer)} token(s); fix: copy the base model's tokenizer "
             "files into it"
         )
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = processor_chat_template(folder)
     return tokenizer
+
+
+def processor_chat_template(folder: Path) -> str | None:
+    """The chat template a folder keeps for its processor (``chat_template.json``, as Hub vision-language
+    folders ship it) when the tokenizer files hold none: transformers' processor loader reads it there."""
+    file = folder / "chat_template.json"
+    template = _read_json(file).get("chat_template") if file.exists() else None
+    return template if isinstance(template, str) else None
 
 
 def adapter_base(folder: Path) -> str:
@@ -401,6 +411,8 @@ def load_processor(name_or_path: str | Path) -> Any:
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = processor_chat_template(Path(path))
     return vision.image_only(getattr(transformers, cls_name))(
         image_processor, tokenizer, chat_template=tokenizer.chat_template
     )

@@ -95,9 +95,18 @@ def test_lora_section_from_file_null_override_and_empty_mapping(tmp_path: Path) 
     assert load_config(SFTConfig, None, ["model.lora={}"]).model.lora == LoraSettings()
 
 
-def test_empty_section_and_empty_file_mean_defaults(tmp_path: Path) -> None:
-    assert load_config(SFTConfig, write(tmp_path, "")) == SFTConfig()
+def test_empty_sections_mean_defaults_and_an_empty_file_is_refused(tmp_path: Path) -> None:
     assert load_config(SFTConfig, write(tmp_path, "model:\ntrain:\n")) == SFTConfig()
+    for text in ("", "# only a comment\n\n"):  # a file that says nothing was most likely not saved
+        with pytest.raises(ConfigError, match=r"is empty.*leave the file out"):
+            load_config(SFTConfig, write(tmp_path, text))
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path: Path) -> None:
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10^9 values
+    with pytest.raises(ConfigError, match="more than 100,000 values through its aliases"):
+        load_config(SFTConfig, write(tmp_path, "\n".join(lines)))
 
 
 def test_string_fields_keep_override_text_and_yes_no_are_not_bools(tmp_path: Path) -> None:
@@ -450,7 +459,7 @@ from padless.config import DPOConfig, PreferenceDataSettings, RMConfig  # noqa: 
 def test_preference_config_defaults_from_empty_yaml(
     tmp_path: Path, cls: type, output_dir: str, lr: float
 ) -> None:
-    cfg = load_config(cls, write(tmp_path, ""))
+    cfg = load_config(cls, write(tmp_path, "train:\n"))
     assert cfg == cls() and cfg.data == PreferenceDataSettings()
     assert (
         cfg.data.train == "tiny:preference" and cfg.data.max_length == 2048 and cfg.data.truncation == "error"
@@ -601,7 +610,7 @@ from padless.config import (  # noqa: E402
     ("cls", "output_dir", "generations"), [(GRPOConfig, "runs/grpo", 4), (PPOConfig, "runs/ppo", 1)]
 )
 def test_rl_config_defaults(tmp_path: Path, cls: type, output_dir: str, generations: int) -> None:
-    cfg = load_config(cls, write(tmp_path, ""))
+    cfg = load_config(cls, write(tmp_path, "train:\n"))
     assert cfg == cls() and cfg.data == RLDataSettings() and cfg.reward == RewardSettings()
     assert (cfg.data.train, cfg.data.max_prompt_length, cfg.data.chat_template) == ("tiny:rl", 512, None)
     assert (cfg.train.output_dir, cfg.train.learning_rate, cfg.train.max_steps) == (output_dir, 1e-5, 100)

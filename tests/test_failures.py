@@ -450,7 +450,12 @@ RUN_FOLDER_CASES = {
         ["sft", "train.output_dir={o}"], 2, ("used", "not empty", "overwrite_output_dir"), {"o": used_folder}
     ),
     "is a file": Case(["sft", "train.output_dir={o}"], 2, ("afile", "is a file", "fix:"), {"o": a_file}),
-    "cannot create": Case(["sft", "train.output_dir={o}/run"], 2, ("cannot create", "fix:"), {"o": a_file}),
+    "cannot create": Case(
+        ["sft", "train.output_dir={o}/run"],
+        2,
+        ("is a file, not a folder", "creating the run folder", "fix:"),
+        {"o": a_file},
+    ),
     "locked": Case(
         ["sft", "train.output_dir={o}"],
         2,
@@ -690,3 +695,490 @@ def test_diverging_run_stops_naming_step_and_micro_batch(tmp_path: Path, capsys)
 
 def test_the_sweep_covers_at_least_80_cases() -> None:
     assert len(CASES) + len(CHECKPOINT_CASES) + len(RUNTIME_CASES) + 2 >= 80
+
+
+# --------------------------------------------------------------------------------------------------
+# Faults by category (issue 19): file operations, resume terms, user code, signals, inputs that mean
+# something else. Cases written for these categories, not the issue's own list.
+
+RUN1 = [*LLAMA, "data.train=tiny:sft_eval"]
+
+
+def test_file_errors_are_sorted_by_category_with_path_action_and_fix(tmp_path: Path) -> None:
+    import errno
+
+    import pyarrow as pa
+    from safetensors import SafetensorError
+
+    from padless.faults import FAULT, USAGE, translate
+
+    where = str(tmp_path / "x")
+    cases = [
+        (OSError(errno.ENOSPC, "No space", where), FAULT, "no space left"),
+        (OSError(errno.EDQUOT, "Quota", where), FAULT, "quota"),
+        (OSError(errno.EROFS, "Read-only", where), USAGE, "read-only"),
+        (PermissionError(errno.EACCES, "denied", where), USAGE, "permission denied"),
+        (FileNotFoundError(errno.ENOENT, "missing", where), USAGE, "no such file"),
+        (NotADirectoryError(errno.ENOTDIR, "not a dir", where), USAGE, "is a file, not a folder"),
+        (OSError(errno.ENAMETOOLONG, "too long", where), USAGE, "name is too long"),
+        (OSError(errno.EIO, "I/O", where), FAULT, "input/output error"),
+        (SafetensorError("Error while deserializing header: MetadataIncompleteBuffer"), USAGE, "corrupt"),
+        (json.JSONDecodeError("Expecting value", "{", 1), USAGE, "corrupt"),
+        (pa.ArrowInvalid("Not an Arrow file"), USAGE, "corrupt"),
+    ]
+    for error, code, words in cases:
+        fault = translate(error, "writing checkpoint 3", where, setting="train.output_dir")
+        assert fault is not None and fault.code == code, error
+        text = str(fault)
+        assert text.startswith(where) and words in text and "while writing checkpoint 3; fix: " in text, text
+        assert "\n" not in text
+    assert translate(RuntimeError("a bug"), "anything") is None  # not a file error: keeps its own message
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """A 1 MiB tmpfs (root only); ``remount(ro=True)`` makes it read-only. Skipped where mounting is not
+    permitted (not root, or a container without CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+
+    def remount(ro: bool) -> None:
+        subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", str(mount)], check=True)
+
+    try:
+        yield mount, remount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_a_checkpoint_is_named_and_leaves_nothing_half_written(
+    tmpfs, capsys
+) -> None:
+    mount, _ = tmpfs
+    out = mount / "run"
+    code, err = run(["sft", *RUN1, f"train.output_dir={out}", "train.max_steps=1"], capsys)
+    assert code == 1, err
+    check_message(
+        err, "sft", ("no space left on the device", "while writing checkpoint 1", "train.output_dir")
+    )
+    assert not list(out.glob("*checkpoint-1*")) and not (out / "run.lock").exists()
+
+
+def test_a_read_only_output_folder_or_cache_is_named_with_the_setting(tmpfs, tmp_path, capsys) -> None:
+    mount, remount = tmpfs
+    (mount / "cache").mkdir()
+    remount(ro=True)
+    code, err = run(["sft", *RUN1, f"train.output_dir={mount / 'run'}"], capsys)
+    assert code == 2, err
+    check_message(
+        err, "sft", (str(mount / "run"), "read-only", "creating the run folder", "train.output_dir")
+    )
+    argv = ["sft", *RUN1, f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={mount / 'cache'}"]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(
+        err, "sft", ("read-only", "building the data cache of data tiny:sft_eval", "data.cache_dir")
+    )
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path: Path, capsys) -> None:
+    (tmp_path / "cachefile").write_text("x")
+    argv = ["sft", *RUN1, f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cachefile'}"]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(err, "sft", ("cachefile", "building the data cache", "data.cache_dir", "fix:"))
+
+
+@pytest.mark.parametrize("damage", ["garbage arrow", "arrow removed", "record removed", "record garbage"])
+def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: Path, caplog) -> None:
+    import logging
+
+    from padless.data.tokenized import SFTLayout, load_set
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GOOD * 3))
+    layout, tok = SFTLayout(max_length=64), tiny_tokenizer()
+    first, _ = load_set(str(data), layout, tok, cache_dir=tmp_path / "cache")
+    lengths, entry = [len(e.input_ids) for e in first], first.path
+    arrow = next(entry.glob("*.arrow"))
+    if damage == "garbage arrow":  # same size: only reading it tells
+        arrow.write_bytes(b"\0" * arrow.stat().st_size)
+    elif damage == "arrow removed":
+        arrow.unlink()
+    elif damage == "record removed":  # half-built: a folder under the name without its record
+        (entry / "padless.json").unlink()
+    else:
+        (entry / "padless.json").write_text('{"rows": ')
+    with caplog.at_level(logging.WARNING, logger="padless"):
+        again, _ = load_set(str(data), layout, tok, cache_dir=tmp_path / "cache")
+    assert [len(e.input_ids) for e in again] == lengths and min(lengths) > 0  # rebuilt, the same rows
+    assert not again.cached
+    if damage != "record removed":
+        assert "is damaged" in caplog.text and "set aside" in caplog.text
+    assert len(list((tmp_path / "cache").glob(".damaged-*"))) == 1
+
+
+def test_a_data_file_edited_in_place_with_the_same_size_and_time_is_a_new_set(tmp_path: Path) -> None:
+    from padless.data.tokenized import SFTLayout, load_set
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(chat("What is 2 + 3?", "5")) + "\n")
+    stat = data.stat()
+    first, _ = load_set(str(data), SFTLayout(max_length=64), tiny_tokenizer(), cache_dir=tmp_path / "c")
+    data.write_text(json.dumps(chat("What is 2 + 4?", "6")) + "\n")
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again, _ = load_set(str(data), SFTLayout(max_length=64), tiny_tokenizer(), cache_dir=tmp_path / "c")
+    assert not again.cached and next(iter(again)).input_ids != next(iter(first)).input_ids
+
+
+def _resume(trained, tmp_path: Path, command: str = "sft", *extra: str) -> tuple[list[str], Path]:
+    out = tmp_path / "run"
+    shutil.copytree(trained["full"].parent, out)
+    argv = [command, *FAST, "model.name=tiny-llama", f"train.output_dir={out}"]
+    return [*argv, "train.resume_from_checkpoint=latest", "data.train=tiny:sft_eval", *extra], out
+
+
+RESUME_TERMS = {
+    "another trainer": (
+        ["dpo", "data.train=tiny:preference_eval", "train.max_steps=2"],
+        ("written by SFTRecipe", "DPORecipe", "fix:", "start a new run from it"),
+    ),
+    "another batching mid-epoch": (
+        ["sft", "train.max_steps=2", "train.max_tokens_per_batch=2048"],
+        ("data plan changed", "max_tokens_per_batch", "-> 2048", "skip or repeat rows", "fix: resume with"),
+    ),
+    "nothing left to train": (["sft", "train.max_steps=1"], ("is at step 1", "nothing left", "max_steps")),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUME_TERMS))
+def test_resume_refuses_what_the_checkpoint_does_not_belong_to(name: str, trained, tmp_path, capsys) -> None:
+    (command, *extra), fragments = RESUME_TERMS[name]
+    argv, out = _resume(trained, tmp_path, command, *extra)
+    if command == "dpo":
+        argv = [a for a in argv if a != "data.train=tiny:sft_eval"]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(err, command, fragments)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_a_changed_learning_rate_is_applied_and_logged_on_resume(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = [
+        "sft",
+        *RUN1,
+        f"train.output_dir={out}",
+        "train.lr_scheduler=constant",
+        "train.learning_rate=1e-4",
+    ]
+    assert main([*argv, "train.max_steps=1"]) == 0
+    resumed = [
+        *argv[:-1],
+        "train.learning_rate=5e-4",
+        "train.max_steps=2",
+        "train.resume_from_checkpoint=latest",
+    ]
+    assert main(resumed) == 0
+    lrs = {
+        r["step"]: r["train/lr"] for r in map(json.loads, (out / "metrics.jsonl").open()) if "train/lr" in r
+    }
+    assert lrs == {1: pytest.approx(1e-4), 2: pytest.approx(5e-4)}
+    assert "train.learning_rate 0.0001 -> 0.0005" in (out / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_branch_resume_keeps_every_newer_checkpoint_and_metric(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["sft", *RUN1, f"train.output_dir={out}", "train.save_steps=1", "train.max_steps=3"]
+    assert main(argv) == 0
+    before = {p.name: (p / "model.safetensors").read_bytes() for p in out.glob("checkpoint-*")}
+    metrics = (out / "metrics.jsonl").read_text()
+    branch = [*argv, "train.save_total_limit=1", f"train.resume_from_checkpoint={out / 'checkpoint-1'}"]
+    assert main(branch) == 0
+    (aside,) = out.glob("superseded-*")
+    assert {p.name: (p / "model.safetensors").read_bytes() for p in aside.glob("checkpoint-*")} == {
+        k: v for k, v in before.items() if k != "checkpoint-1"
+    }
+    assert (aside / "metrics.jsonl").read_text() == metrics
+    assert [p.name for p in out.glob("checkpoint-*")] == [
+        "checkpoint-3"
+    ]  # the branch's own, kept by the limit
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").open()) if "train/loss" in r] == [
+        1,
+        2,
+        3,
+    ]
+
+
+def test_overwrite_deletes_only_what_the_manifest_lists_and_keeps_the_users_config(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    mine = "# my run\ntrain:\n  max_steps: 1\n"
+    (out / "config.yaml").write_text(mine)
+    (out / "notes.txt").write_text("mine")
+    argv = [
+        "sft",
+        str(out / "config.yaml"),
+        *RUN1,
+        f"train.output_dir={out}",
+        "train.overwrite_output_dir=true",
+    ]
+    assert main(argv) == 0
+    assert main(argv) == 0  # a second overwrite of the same folder
+    assert (out / "config.yaml").read_text() == mine and (out / "notes.txt").read_text() == "mine"
+    assert "max_steps: 1" in (out / "padless-config.yaml").read_text()
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+def test_a_checkpoint_loads_only_the_files_it_lists(trained, tmp_path: Path, capsys) -> None:
+    argv, out = _resume(trained, tmp_path, "sft", "train.max_steps=2")
+    weights = safetensors_load(out / "checkpoint-1" / "model.safetensors")
+    save_file(
+        {k: torch.full_like(v, float("nan")) for k, v in weights.items()},
+        out / "checkpoint-1" / "a.safetensors",
+    )
+    code, err = run(argv, capsys)
+    assert code == 0, err  # the NaN copy sorts first and would be loaded over the real weights
+    assert torch.isfinite(
+        safetensors_load(out / "checkpoint-2" / "model.safetensors")["lm_head.weight"]
+    ).all()
+
+
+def safetensors_load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+STATE_DAMAGE = {
+    "truncated optimizer": ("state/optimizer-0.safetensors", lambda b: b[: len(b) // 2]),
+    "garbage schedule": ("state/scheduler.json", lambda b: b'{"last_epoch": '),
+    "truncated rng": ("state/rng-0.json", lambda b: b[:10]),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_DAMAGE))
+def test_damaged_training_state_is_named_as_corrupt(name: str, trained, tmp_path: Path, capsys) -> None:
+    file, damage = STATE_DAMAGE[name]
+    argv, out = _resume(trained, tmp_path, "sft", "train.max_steps=2")
+    target = out / "checkpoint-1" / file
+    target.write_bytes(damage(target.read_bytes()))
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(err, "sft", (file.split("/")[-1], "corrupt or truncated", "reading checkpoint", "fix:"))
+
+
+def test_half_a_metrics_line_left_by_a_kill_is_dropped_on_resume(trained, tmp_path: Path, capsys) -> None:
+    argv, out = _resume(trained, tmp_path, "sft", "train.max_steps=2")
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "train/lo')
+    code, err = run(argv, capsys)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()][-1] == 2
+
+
+GRPO = [
+    "model.name=tiny-llama",
+    "rollout.prompts_per_step=2",
+    "rollout.num_generations=2",
+    "rollout.max_new_tokens=4",
+    "rollout.mask_truncated=false",
+    *FAST,
+]
+
+
+@pytest.mark.slow
+def test_a_reward_function_calling_sys_exit_is_an_error_with_a_checkpoint(tmp_path: Path, capsys) -> None:
+    reward = tmp_path / "quitter.py"
+    reward.write_text(
+        "import sys\ncalls = []\n\n\ndef quitter(prompts, completions, **fields):\n    calls.append(1)\n"
+        "    if len(calls) == 2:\n        sys.exit(0)\n    return [1.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    argv = [
+        "grpo",
+        *GRPO,
+        f"train.output_dir={out}",
+        "train.max_steps=3",
+        f"reward.functions=[{reward}:quitter]",
+    ]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(err, "grpo", ("at step 2", "'quitter'", "sys.exit(0)", "checkpoint-1", "fix:"))
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"] and not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_evaluation_names_the_eval_set_and_keeps_the_trained_steps(tmp_path: Path, capsys) -> None:
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n")  # no answer for the arithmetic reward
+    out = tmp_path / "run"
+    argv = ["grpo", *GRPO, f"train.output_dir={out}", "train.max_steps=1", f"data.eval={evals}"]
+    code, err = run(argv, capsys)
+    assert code == 2, err
+    check_message(err, "grpo", ("evaluation after step 1 failed", "data.eval", "checkpoint-1"))
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+def test_epochs_with_nothing_to_train_warn_and_a_run_of_them_stops(caplog) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    from padless.trainers.loop import IDLE_LIMIT, MicroBatch, Trainer
+
+    trainer = SimpleNamespace(_idle=0)
+    masked = [MicroBatch([], 0.0, 10)]
+    with caplog.at_level(logging.WARNING, logger="padless"):
+        for epoch in range(IDLE_LIMIT - 1):
+            Trainer._check_trainable(trainer, epoch, masked)
+    assert caplog.text.count("has nothing to train on") == IDLE_LIMIT - 1
+    Trainer._check_trainable(trainer, 9, [MicroBatch([], 3.0, 10)])  # one that trains resets the count
+    for epoch in range(IDLE_LIMIT - 1):
+        Trainer._check_trainable(trainer, epoch, masked)
+    with pytest.raises(
+        ValueError, match=r"3 epochs / rollouts in a row had nothing to train on.*max_new_tokens"
+    ):
+        Trainer._check_trainable(trainer, 5, masked)
+
+
+def test_a_non_finite_policy_while_sampling_stops_as_divergence() -> None:
+    from padless.errors import DivergenceError
+    from padless.rollout import sampling_guard
+
+    expected = r"not finite .* while sampling a rollout.*learning_rate"
+    with pytest.raises(DivergenceError, match=expected), sampling_guard():
+        torch.multinomial(torch.tensor([[float("inf"), 1.0]]), 1)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_cache_build_leaves_no_process_lock_or_half_cache(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rows = [chat(f"What is {i} plus {i}? " * 8, str(2 * i) * 10) for i in range(12000)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [sys.executable, "-m", "padless.cli", "sft", *RUN1[:-1], f"data.train={data}", "data.num_proc=2"]
+    argv += [f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    err = tmp_path / "err.txt"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not list((tmp_path / "cache").glob(".tmp-*/work/*map*")):
+            time.sleep(0.2)
+        workers = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(workers) >= 2, "the build never started its worker processes"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+    assert not alive, f"worker processes left running: {alive}"
+    text = err.read_text()
+    assert "Traceback" not in text and "padless sft: error: terminated (SIGTERM)" in text, text[-2000:]
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-built entry, no temporary folder
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def _image(mode: str) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    if mode == "I;16":
+        image = Image.fromarray((np.arange(16 * 16).reshape(16, 16) * 200).astype(np.uint16))
+    elif mode == "P":
+        image = Image.new("P", (16, 16), 0)
+        image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+        image.info["transparency"] = 0
+    elif mode == "CMYK":
+        image = Image.new("CMYK", (16, 16), (0, 255, 255, 0))  # red
+    else:
+        frames = [Image.new("RGB", (16, 16), c) for c in ("red", "blue")]
+        buffer = io.BytesIO()
+        frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+        return buffer.getvalue()
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG" if mode != "CMYK" else "JPEG", **({"transparency": 0} if mode == "P" else {}))
+    return buffer.getvalue()
+
+
+def test_image_modes_are_converted_as_they_look_or_refused() -> None:
+    import numpy as np
+
+    from padless.data.images import load_image
+    from padless.data.records import DataError, Row
+
+    row = Row(data={}, source="rows.jsonl", index=3)
+    grey = np.asarray(load_image(row, "images", _image("I;16")))[..., 0]
+    assert grey.min() == 0 and 180 < grey.max() < 255 and len(np.unique(grey)) > 100  # not clipped to white
+    assert np.asarray(load_image(row, "images", _image("P"))).min() == 255  # transparent: white, not black
+    red = np.asarray(load_image(row, "images", _image("CMYK"))).astype(int)
+    assert red[..., 0].min() > 200 and red[..., 1:].max() < 60
+    with pytest.raises(DataError, match="is an animation \\(2 frames\\)"):
+        load_image(row, "images", _image("GIF"))
+
+
+def _reward_model(tmp: Path) -> Path:
+    path = tmp / "rm"
+    build_tiny_model("tiny-llama", task="score").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+MEANING = {
+    "debug env not a switch": (["doctor"], {"PADLESS_DEBUG": "maybe"}, 2, ("PADLESS_DEBUG='maybe'", "fix:")),
+    "rm score to csv": (
+        ["rm", "score", "--model", "tiny-llama", "--data", "x.jsonl", "--out", "s.csv"],
+        {},
+        2,
+        ("--out s.csv", ".jsonl", ".parquet", "fix:"),
+    ),
+    "generate with a reward model": (
+        ["generate", "--model", "{rm}", "--prompt", "hi"],
+        {},
+        2,
+        ("is a reward model", "rm score", "fix:"),
+    ),
+    "comment-only config": (["sft", "{cfg}"], {}, 2, ("is empty", "leave the file out")),
+}
+
+
+@pytest.mark.parametrize("name", list(MEANING))
+def test_inputs_that_mean_something_else_are_refused(name: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    argv, env, code, fragments = MEANING[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("# nothing yet\n")
+    rm = _reward_model(tmp_path) if "{rm}" in argv else ""
+    got, err = run([a.format(rm=rm, cfg=cfg) for a in argv], capsys)
+    assert got == code, err
+    check_message(err, argv[0], fragments)
+
+
+def test_padless_debug_false_means_off(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("padless.trainers.sft.run_sft", raise_in_run(RuntimeError("boom")))
+    monkeypatch.setenv("PADLESS_DEBUG", "false")
+    code, err = run(["sft"], capsys)
+    assert code == 1 and "Traceback" not in err

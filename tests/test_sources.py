@@ -176,8 +176,8 @@ def test_an_adapter_trained_from_an_adapter_checkpoint_names_it_as_its_base(tmp_
 
 def _hub_folder(folder: Path, name: str, tokenizer: Any, template: str, vision: bool) -> Path:
     """``name``'s weights laid out the way the Hub ships Qwen2.5(-VL) folders, written by hand: the tokenizer
-    class and chat template in tokenizer_config.json (plus chat_template.json for the VL one), the processor
-    class only in preprocessor_config.json (no processor_config.json, no video processor config)."""
+    class in tokenizer_config.json, the chat template there (text) or only in chat_template.json (VL), the
+    processor class only in preprocessor_config.json (no processor_config.json, no video processor config)."""
     build_tiny_model(name).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "chat_template.jinja").unlink(missing_ok=True)
@@ -188,7 +188,6 @@ def _hub_folder(folder: Path, name: str, tokenizer: Any, template: str, vision: 
         "add_prefix_space": False,
         "additional_special_tokens": specials,
         "bos_token": None,
-        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "eos_token": tokenizer.eos_token,
         "errors": "replace",
@@ -198,6 +197,8 @@ def _hub_folder(folder: Path, name: str, tokenizer: Any, template: str, vision: 
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
+    if not vision:  # Qwen2.5-VL keeps its template in chat_template.json (the processor's) instead
+        hub_config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(hub_config))
     if vision:
         from padless.tiny import vlm
@@ -239,6 +240,7 @@ def test_hub_layout_folders_load_like_the_embedded_ones(tmp_path, hub_vl):
 
     want, got = sources.load_processor("tiny-qwen2.5-vl"), sources.load_processor(str(hub_vl))
     assert type(got).__name__ == "Qwen2_5_VLProcessor"
+    assert load_tokenizer(str(hub_vl)).chat_template == want.chat_template  # from chat_template.json
     picture = Image.new("RGB", (60, 44), "red")
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
     prompt = want.apply_chat_template(chat, add_generation_prompt=True)

@@ -12,6 +12,10 @@ preprocessed data. A set is built into a hidden temporary folder and renamed int
 its fingerprint's name is always complete; two builders racing for one fingerprint both succeed and one
 result is kept.
 
+An entry found damaged when it is opened (a file missing, truncated or not Arrow, its record unreadable) or a
+folder under a fingerprint's name without its record (half-built by hand or by another tool) is renamed
+aside to ``.damaged-<name>-<pid>`` and rebuilt, and the log says so: it is never fatal and never reused.
+
 With several processes, the main process of each machine builds while the others wait, then every process
 memory-maps the result. The others wait by watching the folder rather than in a collective call, because
 a build can take longer than a process group's timeout; when the build fails on the data, the builder
@@ -132,6 +136,54 @@ def _record_failure(failure: Path, error: ValueError) -> None:
     os.replace(tmp, failure)
 
 
+class Damaged(Exception):
+    """A cache entry that cannot be what its record says (files missing, sizes or rows differ)."""
+
+
+def files_of(folder: Path) -> dict[str, int]:
+    """The entry's files and their sizes (recorded at build time, compared at every open)."""
+    return {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != META_FILE}
+
+
+def check_files(path: Path, recorded: dict[str, int]) -> None:
+    """Raise :class:`Damaged` unless ``path`` holds exactly the files, of the sizes, that were built."""
+    found = files_of(path)
+    if found != recorded:
+        changed = sorted(set(found) ^ set(recorded) | {k for k in found if recorded.get(k) != found[k]})
+        raise Damaged(f"files changed since it was built: {', '.join(changed[:3])}")
+
+
+def is_damage(error: BaseException) -> str | None:
+    """How an entry is damaged, if ``error`` (raised while opening it) means it is; None otherwise (a
+    permission, a full disk: those are reported, not repaired)."""
+    from padless.faults import category
+
+    kind = category(error)
+    if isinstance(error, Damaged):
+        return str(error)
+    if kind in ("corrupt", "ENOENT", "EISDIR", "ENOTDIR") or isinstance(error, (KeyError, TypeError)):
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:150] if str(error) else ''}"
+    return None
+
+
+def set_aside(path: Path, why: str) -> None:
+    """Rename a damaged or half-built entry out of the way (hidden; never read again), saying so."""
+    aside = path.with_name(f".damaged-{path.name}-{os.getpid()}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another process set it aside first
+        return
+    except OSError:  # the name is taken by an earlier one: replace that
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    log.warning(
+        "data cache %s is damaged (%s): set aside as %s (safe to delete); rebuilding",
+        path,
+        why,
+        aside,
+    )
+
+
 def publish(path: Path, build: Callable[[Path], None], share_failure: bool = False) -> None:
     """Build into a temporary folder next to ``path`` (``build`` writes the set, :data:`META_FILE` last),
     then rename it into place. An input error is raised, and recorded for waiting processes if
@@ -144,6 +196,8 @@ def publish(path: Path, build: Callable[[Path], None], share_failure: bool = Fal
     tmp.mkdir()
     try:
         build(tmp)
+        if path.exists() and not _complete(path):
+            set_aside(path, f"half-built: no {META_FILE}")
         try:
             os.replace(tmp, path)
         except OSError:  # another builder published this fingerprint first: keep theirs

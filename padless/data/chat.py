@@ -362,7 +362,11 @@ class ChatEncoder:
         self, row: Row, offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]
     ) -> list[bool]:
         """Tokens overlapping a marked span (as transformers' ``return_assistant_tokens_mask``)."""
-        mask = [any(s < b and a < e for s, e in spans) for a, b in offsets]
+        starts, ends = [a for a, _ in offsets], [b for _, b in offsets]
+        mask = [False] * len(offsets)
+        for s, e in spans:  # the tokens that end after s and start before e
+            first, stop = bisect_right(ends, s), bisect_left(starts, e)
+            mask[first:stop] = [True] * max(0, stop - first)
         if not any(mask):
             raise ChatTemplateError(
                 f"{row.where}: the chat template has {{% generation %}} markers, but they marked no token of "
@@ -409,23 +413,29 @@ class ChatEncoder:
             else:
                 self._mark_turn(full, mask, len(head), end, last=end == len(full))
             trained = [t for t, m in zip(full[len(head) : end], mask[len(head) : end], strict=True) if m]
-            self._check_content(row, messages, i, self.tok.decode(trained))
+            self.check_content(row, messages[i], f"messages[{i}]", self.tok.decode(trained))
         return full, mask
 
-    def _check_content(self, row: Row, messages: list[dict[str, Any]], i: int, trained: str) -> None:
-        """The trained tokens of assistant turn ``i`` must render its content (whitespace aside)."""
-        content = messages[i].get("content")
-        if isinstance(content, list):
-            content = " ".join(p.get("text", "") for p in content if p.get("type") == "text")
-        if not isinstance(content, str) or not content.strip():
-            return  # a tool-call-only turn: its calls are rendered by the template, there is no text to find
-        want, got = _normalised(content), _normalised(trained)
-        if want not in got:
-            raise ChatTemplateError(
-                f"{row.where}: the chat template changed messages[{i}] (assistant): it "
-                f"{_what_changed(want, got)}, so the tokens trained for that turn are not what the message "
-                f"says. {_TEMPLATE_FIX}"
-            )
+    def check_content(
+        self, row: Row, message: dict[str, Any], label: str, trained: str, fix: str = _TEMPLATE_FIX
+    ) -> None:
+        """The tokens trained for an assistant ``message`` (decoded: ``trained``) must render its content,
+        whitespace aside; else the template changed it (e.g. cut its reasoning out) and the row is refused."""
+        content = message.get("content")
+        texts = (
+            [p.get("text", "") for p in content if p.get("type") == "text"]
+            if isinstance(content, list)
+            else []
+        )
+        texts = [content] if isinstance(content, str) else texts
+        got = _normalised(trained)
+        for want in (_normalised(t) for t in texts):
+            if want and want not in got:
+                raise ChatTemplateError(
+                    f"{row.where}: the chat template changed {label} (assistant): it "
+                    f"{_what_changed(want, got)}, so the tokens trained for that turn are not what the "
+                    f"message says. {fix}"
+                )
 
     def _mark_turn(self, ids: list[int], mask: list[bool], head: int, upto: int, last: bool) -> None:
         # Targets run to the turn's last end-of-turn token; what follows it (e.g. "\n") is template glue that

@@ -85,13 +85,50 @@ def _base_dir(row: Row) -> Path:
     return path.parent if path.is_file() else Path.cwd()
 
 
+def to_rgb(image: Image, row: Row, field: str) -> Image:
+    """``image`` as 8-bit RGB with what it shows kept: 16- and 32-bit greyscale scaled to 8 bits (Pillow's
+    own conversion clips them, so a 16-bit scan turns white), palette and alpha images composited on white
+    (as a viewer shows them); an animation or a floating-point image is refused (which frame? which
+    scale?)."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1:
+        raise row.error(
+            field,
+            f"is an animation ({frames} frames); a model reads one still image",
+            reason="animated image",
+            fix="Save the frame to train on as a PNG or JPEG, or set data.skip_bad_rows: true to skip it.",
+        )
+    if image.mode == "F":
+        raise row.error(
+            field,
+            "is a floating-point image (mode F): its scale to 8-bit colour is not defined",
+            reason="bad image",
+            fix="Save it as an 8- or 16-bit PNG, or set data.skip_bad_rows: true to skip the row.",
+        )
+    if image.mode.startswith("I"):  # I;16, I;16B, I (a 16-bit PNG opens as I;16, or I in older Pillow)
+        levels = np.asarray(image, dtype=np.float64)
+        if image.mode.startswith("I;16") or levels.max(initial=0) > 255:
+            levels = levels / 257.0
+        image = PILImage.fromarray(np.clip(np.rint(levels), 0, 255).astype(np.uint8), mode="L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = image.convert("RGBA")
+        background = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PILImage.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(row: Row, field: str, value: Any) -> Image:
     """A PIL image (RGB) from a path, bytes, a ``{"bytes", "path"}`` dict or a PIL image."""
     from PIL import Image as PILImage
     from PIL import UnidentifiedImageError
 
     if isinstance(value, PILImage.Image):
-        return value.convert("RGB")
+        return to_rgb(value, row, field)
     data, path = None, None
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
@@ -129,7 +166,7 @@ def load_image(row: Row, field: str, value: Any) -> Image:
         data = file.read_bytes()
     try:
         with PILImage.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
+            return to_rgb(image, row, field)
     except (UnidentifiedImageError, OSError) as e:
         raise row.error(
             field,

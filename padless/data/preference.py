@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 SIDES = ("chosen", "rejected")
+_CONTENT_FIX = "Use a chat template that renders an assistant message's content as it is."
 _ASSISTANT_LIST = '[{"role": "assistant", "content": ...}]'
 
 
@@ -138,7 +139,9 @@ class _PairEncoder(ChatEncoder):
                 "generation prompt, so the completion cannot be located. Check the chat template."
             )
         ends = [k for k, t in enumerate(segment) if t in self.end_of_turn_ids]
-        return segment[: ends[-1] + 1] if ends else [*segment, self.eos]
+        completion = segment[: ends[-1] + 1] if ends else [*segment, self.eos]
+        self.check_content(row, done[0], f"'{name}'", self.tok.decode(completion), _CONTENT_FIX)
+        return completion
 
     # -- row forms -------------------------------------------------------------------------------------------
 

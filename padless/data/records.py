@@ -54,6 +54,16 @@ class DataError(ValueError):
         self.reason = reason
 
 
+def _content_hash(path: Path) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 @dataclass
 class Row:
     """One raw record and its provenance.
@@ -291,11 +301,11 @@ class Source:
         return _checked_rows(self.dataset.to_list(), self.name, "index")
 
     def identity(self) -> str:
-        """What changes when the rows may have: a file's path, size and modification time (as ``make`` and
-        ``datasets`` judge files), or a dataset's ``datasets`` fingerprint plus its files' sizes and times."""
+        """What changes when the rows may have: a file's path and a hash of its bytes (a file edited in
+        place with the same size and time is still a new set; xxh3 reads several GB/s), or a dataset's
+        ``datasets`` fingerprint plus its files' sizes and times."""
         if self.path is not None and self.dataset is None:
-            stat = self.path.stat()
-            return f"{self.kind}:{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+            return f"{self.kind}:{self.path.resolve()}:{_content_hash(self.path)}"
         files = sorted(f["filename"] for f in self.dataset.cache_files)
         stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
         return f"datasets:{self.dataset._fingerprint}:{stats}"

@@ -66,6 +66,7 @@ from padless.data.sft import (
     sft_format,
     tokenize_sft,
 )
+from padless.faults import doing
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -633,18 +634,34 @@ def load_set(
             "source": str(spec),
             "settings": settings,
             "versions": cache.versions(),
+            "files": cache.files_of(out),
         }
         (out / cache.META_FILE).write_text(json.dumps(meta | done, indent=1, ensure_ascii=False))
 
-    hit = cache.load_or_build(path, build, f"data {spec}")
-    return _open(path, layout, source.name, spec, hit)
+    with doing(f"building the data cache of data {spec}", root, setting="data.cache_dir"):
+        hit = cache.load_or_build(path, build, f"data {spec}")
+    with doing(f"reading the data cache of data {spec}", path, setting="data.cache_dir"):
+        try:
+            return _open(path, layout, source.name, spec, hit)
+        except Exception as e:
+            damage = cache.is_damage(e)
+            if damage is None:
+                raise
+            cache.set_aside(path, damage)
+    with doing(f"rebuilding the data cache of data {spec}", root, setting="data.cache_dir"):
+        cache.load_or_build(path, build, f"data {spec}")
+    with doing(f"reading the data cache of data {spec}", path, setting="data.cache_dir"):
+        return _open(path, layout, source.name, spec, False)
 
 
 def _open(path: Path, layout: Layout[T], source: str, spec: Any, hit: bool) -> tuple[ArrowSet[T], SkipStats]:
     import datasets
 
     meta = json.loads((path / cache.META_FILE).read_text())
+    cache.check_files(path, meta["files"])
     dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+    if len(dataset) != meta["rows"]:
+        raise cache.Damaged(f"{len(dataset)} rows, {meta['rows']} recorded")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     how = "cache hit" if hit else f"built in {meta['build_s']:.1f} s by {meta['processes']} process(es)"
     log.info(

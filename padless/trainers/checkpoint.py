@@ -10,10 +10,13 @@ Layout of ``checkpoint-N/``:
   states in ``rng-<rank>.safetensors`` / ``.json``, and the learning-rate schedule in ``scheduler.json``;
 - ``plan.json``: the current epoch's planned data when the recipe's plan cannot be recomputed (a rollout
   saved mid-way);
-- ``trainer_state.json`` with the step, data position, strategy and world size, written last.
+- ``trainer_state.json`` with the step, data position, strategy and world size, the resume terms (see
+  :mod:`padless.trainers.contract`) and the list of the checkpoint's files, written last. A checkpoint
+  loads exactly the files it lists: a stray ``*.safetensors`` dropped beside them is never read.
 
 The checkpoint is built in a temporary directory and renamed into place: a killed run never leaves a
-half checkpoint.
+half checkpoint; a failed write (a full disk) removes the temporary folder and says which category
+of failure it was (see :mod:`padless.faults`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from padless.engine import inner_engine
 from padless.errors import InputError
+from padless.faults import doing
+from padless.runfiles import own
 from padless.vision import model_keys
 
 STATE_FILE = "trainer_state.json"
@@ -49,6 +54,8 @@ class TrainState:
     tokens_seen: int = 0
     strategy: str = "single"
     world_size: int = 1
+    terms: dict[str, Any] = field(default_factory=dict)  # what the checkpoint belongs to (contract.py)
+    files: list[str] = field(default_factory=list)  # the checkpoint's files, relative; [] before they were
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,8 +101,19 @@ def save_tree(tree: Any, path: Path) -> None:
 
 
 def load_tree(path: Path) -> Any:
-    tensors = load_file(str(path.with_suffix(".safetensors")))
-    return _unflatten(json.loads(path.with_suffix(".json").read_text()), tensors)
+    with reading(path.with_suffix(".safetensors")):
+        tensors = load_file(str(path.with_suffix(".safetensors")))
+    with reading(path.with_suffix(".json")):
+        return _unflatten(json.loads(path.with_suffix(".json").read_text()), tensors)
+
+
+def reading(file: Path) -> Any:
+    """Read one file of a checkpoint: a failure names the file, the checkpoint and the fix."""
+    checkpoint = next((p for p in file.parents if p.name.startswith("checkpoint-")), file.parent)
+    fix = (
+        f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {checkpoint}"
+    )
+    return doing(f"reading checkpoint {checkpoint}", file, corrupt_fix=fix)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,10 +239,31 @@ def save_checkpoint(
     plan: Any = None,
 ) -> Path:
     root = Path(output_dir)
+    tmp = root / f".tmp-checkpoint-{state.step}"
+    with doing(f"writing checkpoint {state.step}", tmp, setting="train.output_dir"):
+        try:
+            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, plan)
+        except BaseException:
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted write leaves nothing
+            raise
+
+
+def _save(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    tokenizer: Any,
+    state: TrainState,
+    root: Path,
+    plan: Any,
+) -> Path:
     final = root / f"checkpoint-{state.step}"
     tmp = root / f".tmp-checkpoint-{state.step}"
     rank = accelerator.process_index
     if accelerator.is_main_process:
+        own(root, final.name)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
     accelerator.wait_for_everyone()
@@ -237,6 +276,7 @@ def save_checkpoint(
             (tmp / PLAN_FILE).write_text(json.dumps(plan))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        state.files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         if final.exists():  # a re-run reached the same step: replace it whole
             trash = root / f".old-checkpoint-{state.step}"
@@ -268,7 +308,27 @@ def load_checkpoint(
 ) -> tuple[TrainState, Any]:
     """Restore weights, optimizer, schedule and RNG; return the train state and the saved plan (``None``
     if there is none). Sharded state resumes only on the strategy and world size that wrote it."""
-    state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+    fix = f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {path}"
+    with doing(f"reading checkpoint {path}", path, corrupt_fix=fix):
+        return _load(accelerator, model, optimizer, scheduler, path, strategy)
+
+
+def read_state(path: Path) -> TrainState:
+    """The train state of checkpoint ``path`` (fields a newer padless added keep their defaults)."""
+    saved = json.loads((path / STATE_FILE).read_text())
+    known = set(TrainState.__dataclass_fields__)
+    return TrainState(**{k: v for k, v in saved.items() if k in known})
+
+
+def _load(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    path: Path,
+    strategy: str,
+) -> tuple[TrainState, Any]:
+    state = read_state(path)
     world = accelerator.num_processes
     sharded = {"fsdp2", "zero2", "zero3"}
     if {state.strategy, strategy} & sharded and (state.strategy, state.world_size) != (strategy, world):
@@ -280,29 +340,35 @@ def load_checkpoint(
     rank = accelerator.process_index
     own = path / "state" / f"optimizer-{rank}.json"
     source = rank if own.exists() else 0  # DDP / single state is the same on every rank
-    load_weights(accelerator, model, path)
+    load_weights(accelerator, model, path, set(state.files) or None)
     restore_optimizer(optimizer, path / "state" / f"optimizer-{source}")
-    scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
+    with reading(path / "state" / "scheduler.json"):
+        scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
     restore_rng(load_tree(path / "state" / f"rng-{source}"))
-    plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
+    with reading(path / PLAN_FILE):
+        plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
     return state, plan
 
 
-def load_weights(accelerator: Accelerator, model: torch.nn.Module, path: Path) -> None:
+def load_weights(
+    accelerator: Accelerator, model: torch.nn.Module, path: Path, files: set[str] | None = None
+) -> None:
     """HF-format weights of ``path`` back into the prepared engine (under ZeRO-3 the weights come back
-    with the optimizer's fp32 partitions instead: its parameters are partitions of flat buffers)."""
+    with the optimizer's fp32 partitions instead: its parameters are partitions of flat buffers). With
+    ``files`` (the checkpoint's list, relative to ``path``), only those are read."""
     engine = inner_engine(model)
     if type(model).__name__ == "DeepSpeedEngine" and model.zero_optimization_stage() == 3:
         return
     for name, where in (("model", path), ("value", path / "value")):
         part = getattr(engine, name)
         if part is not None:
-            load_hf_weights(part, where)
+            listed = None if files is None else {str(path / f) for f in files}
+            load_hf_weights(part, where, listed)
 
 
-def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
+def load_hf_weights(model: torch.nn.Module, path: Path, listed: set[str] | None = None) -> None:
     """Weights written by ``save_pretrained`` (a LoRA adapter, or the full model) back into ``model``;
-    sharded (FSDP2) parameters are filled from the full tensors."""
+    sharded (FSDP2) parameters are filled from the full tensors. ``listed``: the only files to read."""
     if (path / "adapter_model.safetensors").exists():
         from peft import set_peft_model_state_dict
 
@@ -310,7 +376,8 @@ def load_hf_weights(model: torch.nn.Module, path: Path) -> None:
         return
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(file))
+        if listed is None or str(file) in listed:
+            weights.update(load_file(file))
     weights = model_keys(model, weights)  # the names save_pretrained changed (vision-language models)
     expected = dict(model.state_dict())
     tied = set(_tied_keys(model))

@@ -108,14 +108,14 @@ class GRPORecipe(RolloutRecipe):
             counts,
         )
         old = per_target(examples, "old_logps", self.device) if self.store_old else logps.detach()
+        weight = self.is_weights(examples)  # the rollout-trainer correction (None: off), before the KL
+        eps = (self.eps_low, self.eps_high)
         if g.loss_type == "cispo":
-            per_token, clipped = cispo_policy_loss(logps, old, advantages, g.max_ratio)
+            per_token, clipped = cispo_policy_loss(logps, old, advantages, g.max_ratio, weight)
         elif g.importance_sampling_level == "sequence":
-            per_token, clipped = gspo_policy_loss(logps, old, advantages, counts, self.eps_low, self.eps_high)
+            per_token, clipped = gspo_policy_loss(logps, old, advantages, counts, *eps, weight)
         else:
-            per_token, clipped = clipped_policy_loss(logps, old, advantages, self.eps_low, self.eps_high)
-        if (weight := self.is_weights(examples)) is not None:  # rollout-trainer correction, before the KL
-            per_token = per_token * weight
+            per_token, clipped = clipped_policy_loss(logps, old, advantages, *eps, weight)
         kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
         if kl is not None:
             per_token = per_token + g.beta * kl

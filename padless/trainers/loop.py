@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections import defaultdict
@@ -28,17 +29,24 @@ from transformers import get_scheduler
 
 from padless import sequence_parallel
 from padless.engine import EngineSettings, ModelEngine
+from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
+from padless.faults import FileFault, doing
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
+from padless.trainers import contract
 from padless.trainers.checkpoint import (
     TrainState,
     load_checkpoint,
+    read_state,
     save_checkpoint,
 )
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
 from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoints
 from padless.trainers.verify import verify_checkpoint
+
+log = logging.getLogger(__name__)
+IDLE_LIMIT = 3  # epochs / rollouts in a row with nothing to train before the run stops
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -177,6 +185,11 @@ class Trainer:
             num_warmup_steps=warmup,
             num_training_steps=self.total_steps,
         )
+        digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
+        self.terms = contract.terms(
+            recipe, getattr(model, "model", model), settings, accelerator.num_processes, digest
+        )
+        self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too
         self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
@@ -197,8 +210,29 @@ class Trainer:
                     f"{type(self.recipe).__name__} stated {stated} steps per epoch but planned "
                     f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
+            self._check_trainable(epoch, micros)
             self.planned = (epoch, steps)
         return self.planned[1]
+
+    def _check_trainable(self, epoch: int, micros: list[MicroBatch]) -> None:
+        """An epoch whose data has no target at all (a rollout whose every completion was truncated and
+        masked) trains nothing: said each time, and after :data:`IDLE_LIMIT` in a row the run stops."""
+        if not micros or any(m.units > 0 for m in micros):
+            self._idle = 0
+            return
+        self._idle = getattr(self, "_idle", 0) + 1
+        why = (
+            "every target token is masked (in RL: every completion hit rollout.max_new_tokens without EOS "
+            "and rollout.mask_truncated is true)"
+        )
+        fix = "raise rollout.max_new_tokens, or set rollout.mask_truncated=false to train on truncated ones"
+        if self._idle >= IDLE_LIMIT:
+            raise InputError(
+                f"{self._idle} epochs / rollouts in a row had nothing to train on: {why}; fix: {fix}"
+            )
+        log.warning(
+            "epoch %d has nothing to train on: %s; its steps change nothing. Fix: %s", epoch, why, fix
+        )
 
     def _count_steps(self) -> int:
         """Total optimizer steps: ``max_steps`` if set, else those of ``num_epochs`` epochs (the last may be
@@ -257,10 +291,22 @@ class Trainer:
         resume = resume_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
         state = TrainState(strategy=self.strategy, world_size=acc.num_processes)
         if resume:
-            verify_checkpoint(resume, self.model)
+            with doing(
+                f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
+            ):
+                verify_checkpoint(resume, self.model)
+            saved = read_state(resume)
+            applied = contract.check(
+                resume, saved.terms, self.terms, saved.step, self.total_steps, saved.step_in_epoch > 0
+            )
             state, plan = load_checkpoint(
                 acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
             )
+            if saved.terms and saved.terms["learning_rate"] != cfg.learning_rate:
+                ratio = cfg.learning_rate / saved.terms["learning_rate"]
+                contract.rescale_learning_rate(self.optimizer, self.scheduler, ratio)
+            for change in applied:
+                log.warning("resuming %s with a change: %s", resume, change)
             state.strategy, state.world_size = self.strategy, acc.num_processes
             if plan is not None and state.step_in_epoch > 0:
                 self.recipe.restore_plan(state.epoch, plan)
@@ -276,15 +322,80 @@ class Trainer:
         )
         window: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)  # steps that reported each metric (skipped ones do not)
-        window_tokens, window_time = 0, 0.0
         last: dict[str, float] = {}
+        state.terms = self.terms
         self.model.train()
+        self._saved_step, self._in_step = state.step, False
+        try:
+            self._loop(state, reporter, bar, window, counts, last)
+        except Exception as e:
+            self._stop_on(e, state)
+            raise
+        bar.close()
+        reporter.plot()
+        reporter.close()
+        end_run(cfg.output_dir)
+        return last
+
+    def _stop_on(self, error: Exception, state: TrainState) -> None:
+        """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
+        and first checkpoint the steps trained since the last checkpoint (unless the failure was inside a
+        step or the weights diverged): an evaluation or a reward function never costs trained steps."""
+        saved = ""
+        if (
+            not isinstance(error, (DivergenceError, FileFault))  # a full disk would fail a checkpoint too
+            and not self._in_step
+            and state.step > self._saved_step
+            and self.acc.num_processes == 1  # a checkpoint needs every rank, and the others are elsewhere
+        ):
+            try:
+                self._save(state)
+                saved = f"; the {state.step} trained steps are saved in checkpoint-{state.step}"
+            except Exception as e:  # the first error is the one to report
+                log.error("could not checkpoint the trained steps before stopping: %s", e)
+        elif state.step > self._saved_step:
+            log.warning("the steps after %d are not checkpointed", self._saved_step)
+        if isinstance(error, (UserCodeError, InputError)) or type(error).__name__ in ("RewardError",):
+            if error.args and isinstance(error.args[0], str):
+                error.args = (f"at step {state.step + 1}: {error.args[0]}{saved}", *error.args[1:])
+        elif saved:
+            log.warning("stopping on %s%s", type(error).__name__, saved)
+
+    def _save(self, state: TrainState) -> None:
+        plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
+        self.guard.check_weights(self.model)
+        save_checkpoint(
+            self.acc,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.tokenizer,
+            state,
+            self.cfg.output_dir,
+            plan,
+        )
+        self._saved_step = state.step
+        if self.acc.is_main_process:
+            rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
+
+    def _loop(
+        self,
+        state: TrainState,
+        reporter: Reporter,
+        bar: Any,
+        window: dict[str, float],
+        counts: dict[str, int],
+        last: dict[str, float],
+    ) -> None:
+        cfg = self.cfg
+        window_tokens, window_time = 0, 0.0
         while state.step < self.total_steps:
             steps = self.steps_of(state.epoch)
             if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
                 reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
             started = time.perf_counter()
             self.guard.step = state.step + 1
+            self._in_step = True
             metrics = self._train_step(steps[state.step_in_epoch])
             elapsed = time.perf_counter() - started
             tokens = steps[state.step_in_epoch].tokens
@@ -294,6 +405,7 @@ class Trainer:
             if state.step_in_epoch == len(steps):  # a checkpoint here resumes at the next epoch's start
                 state.epoch += 1
                 state.step_in_epoch = 0
+            self._in_step = False
             for key, value in metrics.items():
                 window[key] += value
                 counts[key] += 1
@@ -303,7 +415,8 @@ class Trainer:
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last = {f"train/{k}": v / counts[k] for k, v in window.items()}
+                last.clear()  # the caller's dict: train() returns it
+                last.update({f"train/{k}": v / counts[k] for k, v in window.items()})
                 last.update(
                     {
                         "train/lr": lr,
@@ -313,30 +426,14 @@ class Trainer:
                     }
                 )
                 reporter.log(state.step, last)
-                window, counts, window_tokens, window_time = defaultdict(float), defaultdict(int), 0, 0.0
+                window.clear()
+                counts.clear()
+                window_tokens, window_time = 0, 0.0
             final = state.step == self.total_steps
             if (cfg.eval_steps and state.step % cfg.eval_steps == 0) or final:
                 self._evaluate(state.step, reporter, last)
             if (cfg.save_steps and state.step % cfg.save_steps == 0) or final:
-                plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
-                self.guard.check_weights(self.model)
-                save_checkpoint(
-                    acc,
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    self.tokenizer,
-                    state,
-                    cfg.output_dir,
-                    plan,
-                )
-                if acc.is_main_process:
-                    rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
-        bar.close()
-        reporter.plot()
-        reporter.close()
-        end_run(cfg.output_dir)
-        return last
+                self._save(state)
 
     def _eval_losses(self) -> dict[str, float]:
         """The recipe's loss metrics over the whole eval set: one big step, sharded over ranks."""
@@ -362,9 +459,15 @@ class Trainer:
 
     def _evaluate(self, step: int, reporter: Reporter, last: dict[str, float]) -> None:
         self.model.eval()
-        with torch.no_grad():
-            metrics = self._eval_losses()
-            metrics.update(self.recipe.on_evaluate(self.model, step))
+        try:
+            with torch.no_grad():
+                metrics = self._eval_losses()
+                metrics.update(self.recipe.on_evaluate(self.model, step))
+        except Exception as e:
+            what = f"evaluation after step {step} failed (the eval set, data.eval, or what evaluates it)"
+            if is_input_error(e):
+                raise InputError(f"{what}: {e}") from e
+            raise UserCodeError(f"{what}: {type(e).__name__}: {e}") from e
         self.model.train()
         if metrics:
             metrics = {f"eval/{k}": v for k, v in metrics.items()}

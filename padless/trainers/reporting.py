@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from padless.data import DataError, SkipStats
+from padless.faults import doing, write_atomic
+from padless.runfiles import own
 
 log = logging.getLogger(__name__)
 _pending: dict[Path, dict[str, float]] = {}  # run folder -> data metrics for its first record
@@ -40,6 +42,17 @@ def report_data(stats: SkipStats, role: str, spec: str, output_dir: str | Path) 
     _pending.setdefault(Path(output_dir).resolve(), {}).update(metrics)
 
 
+def _step(line: str) -> int | None:
+    """The step of a metrics record, or None for a line that is not one (a record cut short when a run was
+    killed mid-write): such a line is dropped, never fatal."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
 def _strict(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -56,13 +69,16 @@ class Reporter:
         self.tb = None
         if not enabled:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if self.jsonl is not None:
-            self._truncate_after(resume_step)
-        if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
+        with doing("opening the metrics files", self.dir, setting="train.output_dir"):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            own(self.dir, *(["metrics.jsonl"] if self.jsonl else []), "loss.png")
+            if self.jsonl is not None:
+                self._truncate_after(resume_step)
+            if "tensorboard" in report_to:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=resume_step)
+                own(self.dir, "tensorboard")
+                self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=resume_step)
         data = _pending.pop(self.dir.resolve(), None)
         if data:
             self.log(resume_step or 0, data)
@@ -74,17 +90,17 @@ class Reporter:
         if step is None:
             self.jsonl.unlink()
             return
-        kept = [
-            line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step
-        ]
-        self.jsonl.write_text("".join(line + "\n" for line in kept))
+        steps = [(line, _step(line)) for line in self.jsonl.read_text().splitlines()]
+        kept = [line for line, at in steps if at is not None and at <= step]
+        write_atomic(self.jsonl, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         if self.jsonl is not None:
-            with self.jsonl.open("a") as f:
-                record = {"step": step, **{k: _strict(v) for k, v in metrics.items()}}
+            record = {"step": step, **{k: _strict(v) for k, v in metrics.items()}}
+            what = f"writing the metrics of step {step}"
+            with doing(what, self.jsonl, "train.output_dir"), self.jsonl.open("a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():
@@ -93,7 +109,8 @@ class Reporter:
     def records(self) -> list[dict[str, Any]]:
         if self.jsonl is None or not self.jsonl.exists():
             return []
-        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line]
+        lines = self.jsonl.read_text().splitlines()
+        return [json.loads(line) for line in lines if _step(line) is not None]
 
     def plot(self, keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> Path | None:
         """Loss curves to ``loss.png`` (from metrics.jsonl, so a resumed run plots its whole history)."""
@@ -116,7 +133,8 @@ class Reporter:
         ax.legend()
         path = self.dir / "loss.png"
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        with doing("drawing the loss curve", path, setting="train.output_dir"):
+            fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
 

@@ -11,6 +11,7 @@ goes through the prepared engine the recipe is bound to.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -20,12 +21,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet
 from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import reference_engine
+from padless.engine import inner_engine, reference_engine
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
@@ -35,7 +37,7 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy
+from padless.strategy import expected_strategy, unwrap
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -81,6 +83,7 @@ class RolloutRecipe(Recipe):
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
         self._order: tuple[int, np.ndarray] | None = None
+        self.ahead: AheadSampler | None = None  # rollout.max_staleness > 0: samples the next rollouts
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
         """The rollout's prompts: consecutive slices of a fresh seeded permutation per pass over the data."""
@@ -99,7 +102,12 @@ class RolloutRecipe(Recipe):
         return self._order[1]
 
     def collect(
-        self, prompts: list[PromptExample], group: int, seed: int, greedy: bool = False
+        self,
+        prompts: list[PromptExample],
+        group: int,
+        seed: int,
+        greedy: bool = False,
+        epoch: int | None = None,
     ) -> list[Example]:
         """Sample ``group`` completions per prompt, score them and run the no-grad passes, each rank on its
         own contiguous slice of ``prompts``; returns every rank's examples in prompt order.
@@ -109,13 +117,15 @@ class RolloutRecipe(Recipe):
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
-        first = data_parallel()[0] * len(mine)  # this rank's first prompt in the rollout
-        seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
-        started = time.perf_counter()
-        self.engine.sync_weights()
+        seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
-        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
-        elapsed = time.perf_counter() - started
+        if epoch is not None and self.cfg.rollout.max_staleness > 0:
+            completions, elapsed, staleness = self.stale_completions(epoch, mine, group, seeds, vision)
+        else:
+            started = time.perf_counter()
+            self.engine.sync_weights()
+            completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
+            elapsed, staleness = time.perf_counter() - started, None
         if not greedy and self.cfg.rollout.correction() and any(c.logprobs is None for c in completions):
             raise InputError(
                 f"rollout.engine: {self.cfg.rollout.engine} returned no sampled-token log-probs, so the "
@@ -135,6 +145,8 @@ class RolloutRecipe(Recipe):
             }
             if c.logprobs is not None and not greedy:
                 meta["sampler_logps"] = c.logprobs if trained else []
+            if staleness is not None:
+                meta["staleness"] = staleness
             examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
@@ -144,6 +156,57 @@ class RolloutRecipe(Recipe):
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
         return gather_shares(examples)
+
+    @staticmethod
+    def prompt_seeds(count: int, seed: int) -> list[int]:
+        """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
+        first = data_parallel()[0] * count  # this rank's first prompt in the rollout
+        return [seed + 104_729 * (first + i) for i in range(count)]
+
+    def rollout_seed(self, epoch: int) -> int:
+        return self.cfg.train.seed * 1_000_003 + epoch
+
+    def stale_completions(
+        self,
+        epoch: int,
+        mine: list[PromptExample],
+        group: int,
+        seeds: list[int],
+        vision: list[dict[str, Any] | None] | None,
+    ) -> tuple[list[Completion], float, int]:
+        """``rollout.max_staleness`` k: queue the rollouts of the next k epochs (not yet queued) from the
+        weights as they are now, then take this epoch's (sampled now, on-policy, when none was queued: the
+        first rollout, or the first after a resume). Returns completions, seconds waited or spent sampling,
+        and their staleness (updates between the weights they came from and now)."""
+        k = self.cfg.rollout.max_staleness
+        model = unwrap(inner_engine(self.policy).model)
+        if self.ahead is None:
+            self.ahead = AheadSampler(model, self.tokenizer, self.cfg.rollout)
+        steps = self.cfg.train.max_steps
+        last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
+        for later in range(epoch + 1, min(epoch + k, last) + 1):
+            if not self.ahead.queued(later):
+                share, _ = equal_share(self.prompts_for(later))
+                self.ahead.queue(
+                    later,
+                    epoch,
+                    model,
+                    [p.prompt_ids for p in share],
+                    group,
+                    self.prompt_seeds(len(share), self.rollout_seed(later)),
+                    [p.vision for p in share] if self.images is not None else None,
+                )
+        started = time.perf_counter()
+        if self.ahead.queued(epoch):
+            completions, _, version = self.ahead.take(epoch)
+        else:
+            self.engine.sync_weights()
+            prompt_ids = [p.prompt_ids for p in mine]
+            completions, version = self.engine.complete(prompt_ids, group, seeds, False, vision), epoch
+        staleness = epoch - version
+        if not 0 <= staleness <= k:
+            raise RuntimeError(f"rollout {epoch} was sampled {staleness} updates ago, max_staleness is {k}")
+        return completions, time.perf_counter() - started, staleness
 
     def score(
         self,
@@ -272,8 +335,8 @@ class RolloutRecipe(Recipe):
 
     def sample(self, epoch: int) -> tuple[list[Example], dict[str, float]]:
         """The rollout's scored examples (every rank's, in prompt order) and any sampling metrics."""
-        seed = self.cfg.train.seed * 1_000_003 + epoch
-        return self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed), {}
+        seed = self.rollout_seed(epoch)
+        return self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed, epoch=epoch), {}
 
     def plan_state(self, epoch: int) -> list[dict[str, Any]]:
         """The sampled rollout with everything ``process`` stored, for a checkpoint taken mid-rollout."""
@@ -341,12 +404,28 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
         f"{prefix}completion_length_max": max(lengths),
         f"{prefix}truncated_fraction": sum(not e.meta["finished"] for e in examples) / len(examples),
         f"{prefix}tokens_per_s": sum(lengths) / sampling_s,
+        **staleness(examples, prefix),
     }
+
+
+def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
+    """How many updates old the weights were that sampled the rollout (``rollout.max_staleness``)."""
+    if "staleness" not in examples[0].meta:
+        return {}
+    ages = [e.meta["staleness"] for e in examples]
+    return {f"{prefix}staleness_mean": sum(ages) / len(ages), f"{prefix}staleness_max": float(max(ages))}
 
 
 def make_engine(
     cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
 ) -> Engine:
+    if cfg.rollout.max_staleness > 0 and (cfg.rollout.engine == "vllm" or strategy in ("fsdp2", "zero3")):
+        what = "rollout.engine: vllm" if cfg.rollout.engine == "vllm" else strategy
+        raise InputError(
+            f"rollout.max_staleness: {cfg.rollout.max_staleness} with {what}: padless samples ahead from a "
+            "whole copy of the policy on the HF engine, which sharded weights and vLLM do not give yet; use "
+            "rollout.engine: hf with DDP / ZeRO-2 / one process, or rollout.max_staleness: 0"
+        )
     if cfg.rollout.engine == "vllm":
         if images is not None:
             raise ValueError(

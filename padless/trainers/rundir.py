@@ -2,7 +2,10 @@
 
 - A run starts only in an empty (or new) ``train.output_dir``; a folder holding anything else is refused
   unless the run resumes from it (``train.resume_from_checkpoint``) or ``train.overwrite_output_dir: true``
-  asks to delete what padless wrote there before.
+  asks to delete what padless wrote there before: what its manifest (:mod:`padless.runfiles`) lists,
+  never a file by its name alone (the user's own ``config.yaml`` stays).
+- Resuming from a checkpoint older than the folder's newest is a branch: the newer checkpoints and a copy
+  of the metrics and TensorBoard logs so far are moved into ``superseded-<time>/``, never deleted.
 - ``run.lock`` (pid, host, start time) refuses a second run into the same folder while the first one
   lives; a lock whose process is gone (same host) is taken over, and said so in the log.
 - ``resume_from_checkpoint: latest`` needs a checkpoint and says so when there is none; ``auto`` resumes
@@ -28,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from padless.errors import InputError
+from padless.faults import FileFault, doing
 from padless.logs import log_to_file
+from padless.runfiles import MANIFEST, own, owned
 from padless.trainers.checkpoint import STATE_FILE  # written last into a checkpoint: present means complete
 
 log = logging.getLogger(__name__)
@@ -36,11 +41,8 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-checkpoint-\d+$")
-# What a padless run writes into its folder: what overwrite_output_dir deletes.
-_OWNED = re.compile(
-    r"^(\.?(tmp-|old-)?checkpoint-\d+|metrics\.jsonl|tensorboard|loss\.png|predictions-step\d+\.jsonl"
-    r"|config\.yaml(\.tmp)?|log\.txt)$"
-)
+# Names only a padless run writes: a folder holding them without a manifest was written by an older padless.
+_RUN_NAMES = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|tensorboard|predictions-step\d+\.jsonl)$")
 _held: dict[Path, Path] = {}  # run folder -> its lock file, for the locks this process holds
 
 
@@ -141,7 +143,9 @@ def _check_contents(root: Path, resume: Path | None, spec: str | None, overwrite
     resuming_here = resume is not None and resume.resolve().parent == root
     if resuming_here or not entries:
         return
-    if spec == "auto" and all(_OWNED.match(p.name) for p in entries):
+    mine = owned(root) | {MANIFEST}
+    padless_wrote = [p for p in entries if p.name in mine or _LEFTOVER.match(p.name)]
+    if spec == "auto" and len(padless_wrote) == len(entries):
         overwrite = True  # a run that died before its first checkpoint: nothing there to keep
     if not overwrite:
         shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
@@ -151,13 +155,19 @@ def _check_contents(root: Path, resume: Path | None, spec: str | None, overwrite
             "with train.overwrite_output_dir=true (deletes its checkpoints and logs), or choose another "
             "train.output_dir"
         )
-    owned = [p for p in entries if _OWNED.match(p.name)]
-    for path in owned:
+    unlisted = [p.name for p in entries if p not in padless_wrote and _RUN_NAMES.match(p.name)]
+    if unlisted:
+        raise InputError(
+            f"train.overwrite_output_dir: {root} holds {', '.join(unlisted[:4])} but no {MANIFEST} saying "
+            "padless wrote them (an older padless, or your own files): padless deletes only what it recorded "
+            "writing; fix: delete them yourself, or choose another train.output_dir"
+        )
+    for path in padless_wrote:
         _remove(path)
-    kept = len(entries) - len(owned)
+    kept = len(entries) - len(padless_wrote)
     log.warning(
         "overwrite: deleted %d entries of an earlier run in %s%s",
-        len(owned),
+        len(padless_wrote),
         root,
         f" (kept {kept} that padless did not write)" if kept else "",
     )
@@ -186,36 +196,39 @@ def claim(accelerator: Any, train: Any) -> Path | None:
 
     Every rank calls this; the main process checks and locks, and all ranks raise its error if any.
     """
-    error, resume = None, None
+    error, code, resume = None, None, None
     if accelerator.is_main_process:
         try:
             resume = _claim(Path(train.output_dir), train.resume_from_checkpoint, train.overwrite_output_dir)
         except InputError as e:
             error = str(e)
+        except FileFault as e:
+            error, code = str(e), e.code
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        error, resume = broadcast_object_list([error, resume])
+        error, code, resume = broadcast_object_list([error, code, resume])
     if error is not None:
-        raise InputError(error)
+        raise InputError(error) if code is None else FileFault(error, code, "run folder")
     return resume
 
 
 def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
-    if root.exists() and not root.is_dir():
-        raise InputError(f"train.output_dir {root} is a file; fix: choose a folder path for train.output_dir")
-    try:
+    with doing("creating the run folder", root, setting="train.output_dir"):
+        if root.exists() and not root.is_dir():
+            raise InputError(
+                f"train.output_dir {root} is a file; fix: choose a folder path for train.output_dir"
+            )
         root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(
-            f"cannot create train.output_dir {root}: {e.strerror}; fix: choose a folder you can write to"
-        ) from None
-    root = root.resolve()
-    _acquire(root)
+        root = root.resolve()
+        _acquire(root)
     try:
-        resume = resume_checkpoint(root, spec)
-        _check_contents(root, resume, spec, overwrite)
-        _sweep(root)
+        with doing("preparing the run folder", root, setting="train.output_dir"):
+            resume = resume_checkpoint(root, spec)
+            _check_contents(root, resume, spec, overwrite)
+            _sweep(root)
+            if resume is not None and resume.resolve().parent == root:
+                _branch(root, resume.resolve())
     except BaseException:
         release(root)
         raise
@@ -224,6 +237,49 @@ def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
     elif spec == "auto":
         log.info("resume_from_checkpoint=auto: no checkpoint in %s, starting fresh", root)
     return resume
+
+
+def _branch(root: Path, resume: Path) -> None:
+    """Resuming an older checkpoint: move the newer ones, and a copy of the metrics and TensorBoard logs
+    written so far, into ``superseded-<time>/`` (the resumed run rewrites history from its checkpoint on)."""
+    step = int(_CHECKPOINT.match(resume.name).group(1))  # type: ignore[union-attr]
+    newer = [c for c in checkpoints(root) if int(c.name.split("-")[1]) > step]
+    if not newer:
+        return
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    aside = root / f"superseded-{stamp}-after-step-{step}"
+    own(root, aside.name)
+    aside.mkdir()
+    for name in ("metrics.jsonl", "tensorboard"):
+        source = root / name
+        if source.is_dir():
+            shutil.copytree(source, aside / name)
+        elif source.exists():
+            shutil.copy2(source, aside / name)
+    for checkpoint in newer:
+        os.replace(checkpoint, aside / checkpoint.name)
+    log.warning(
+        "resuming from %s while %s are newer: moved them, with a copy of the metrics so far, to %s (nothing "
+        "deleted); this run continues from step %d",
+        resume.name,
+        ", ".join(c.name for c in newer),
+        aside,
+        step,
+    )
+
+
+def save_run_config(config: Any, root: Path) -> Path:
+    """The resolved config as ``config.yaml``; if the user's own file has that name (the one the run was
+    started from), it is kept and the resolved config goes to ``padless-config.yaml`` instead."""
+    from padless.config_loading import save_config
+
+    name = "config.yaml"
+    if (root / name).exists() and name not in owned(root):
+        name = "padless-config.yaml"
+        log.info("%s is your own file: kept; the resolved config is in %s", root / "config.yaml", name)
+    own(root, name)
+    with doing("writing the resolved config", root / name, setting="train.output_dir"):
+        return save_config(config, root / name)
 
 
 def release(output_dir: str | Path) -> None:

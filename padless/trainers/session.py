@@ -13,7 +13,6 @@ from accelerate.utils import set_seed
 
 from padless import sequence_parallel
 from padless.config import ModelSettings
-from padless.config_loading import save_config
 from padless.engine import EngineSettings, ModelEngine
 from padless.logs import describe_run, log_to_file, setup_logging
 from padless.model import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
@@ -81,8 +80,7 @@ def start_session(
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(config, Path(output_dir) / "config.yaml")
+        rundir.save_run_config(config, Path(output_dir))
     return Session(accelerator, tokenizer, model, model_cfg, settings)
 
 

@@ -17,11 +17,13 @@ from padless.data.rl import tokenize_prompts
 from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import SFTLayout, load_set
 from padless.engine import BatchLayout
+from padless.faults import doing
 from padless.losses import sft_token_weights
 from padless.model import pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.ranks import equal_share, gather_shares
 from padless.rollout import generate
+from padless.runfiles import own
 from padless.trainers.loop import MicroBatch, Recipe, Trainer
 from padless.trainers.reporting import report_data
 from padless.trainers.session import start_session
@@ -122,7 +124,8 @@ class SFTRecipe(Recipe):
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
-        with path.open("w") as f:
+        own(path.parent, path.name)
+        with doing(f"writing the predictions of step {step}", path, "train.output_dir"), path.open("w") as f:
             for c in completions:
                 record = {
                     "prompt": self.tokenizer.decode(c.prompt_ids),

@@ -31,15 +31,23 @@ FIX = (
 def verify_checkpoint(path: Path, model: torch.nn.Module) -> None:
     """Raise :class:`InputError` unless ``path`` has a readable train state and weights that fit ``model``,
     the prepared engine (a :class:`~padless.engine.ModelEngine`, possibly wrapped)."""
-    _verify_state(path / STATE_FILE)
+    files = _verify_state(path / STATE_FILE)
+    listed = {str(path / f) for f in files} if files else None
     engine = inner_engine(model)
     for name, where in (("model", path), ("value", path / "value")):  # the layout export_model writes
         part = getattr(engine, name)
         if part is not None:
-            _verify_weights(part, where, path)
+            _verify_weights(part, where, path, listed)
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise InputError(
+            f"checkpoint {path}: {len(missing)} of the files it lists are missing (e.g. {missing[0]}); "
+            f"fix: {EARLIER}"
+        )
 
 
-def _verify_state(file: Path) -> None:
+def _verify_state(file: Path) -> list[str]:
+    """Check the train state; return the checkpoint's list of files ([] when it predates the list)."""
     try:
         state = json.loads(file.read_text())
     except (OSError, ValueError) as e:
@@ -47,6 +55,7 @@ def _verify_state(file: Path) -> None:
     bad = [k for k in STATE_KEYS if not isinstance(state.get(k) if isinstance(state, dict) else None, int)]
     if bad:
         raise InputError(f"{file}: the train state lacks whole-number {', '.join(bad)}; fix: {EARLIER}")
+    return state.get("files", [])
 
 
 def _shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -65,7 +74,7 @@ def _tied(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def _verify_weights(model: torch.nn.Module, folder: Path, checkpoint: Path) -> None:
+def _verify_weights(model: torch.nn.Module, folder: Path, checkpoint: Path, listed: set[str] | None) -> None:
     adapter = folder / ADAPTER_WEIGHTS
     lora = hasattr(model, "peft_config")
     if adapter.exists() != lora:
@@ -84,6 +93,8 @@ def _verify_weights(model: torch.nn.Module, folder: Path, checkpoint: Path) -> N
         check_weights(folder, f"checkpoint {checkpoint}")  # names pickle-only and missing weights
         found = {}
         for file in sorted(folder.glob("*.safetensors")):
+            if listed is not None and str(file) not in listed:
+                continue  # not part of the checkpoint: never loaded
             found.update({k: tuple(v["shape"]) for k, v in check_safetensors(file).items()})
         found = model_keys(model, found)  # the names save_pretrained changed (vision-language models)
         expected = _shapes(model.state_dict(keep_vars=True))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from padless.cli import main
-from padless.data import ChatTemplateError, Row, load_rows, tokenize_sft
+from padless.data import ChatTemplateError, Row, load_rows, tokenize_preference, tokenize_sft
 from padless.data.sft import SftEncoder
 from padless.data.tokenized import SFTLayout, load_set
 from padless.tiny import build_tiny_model, tiny_tokenizer
@@ -200,3 +200,22 @@ def test_padless_sft_trains_a_qwen3_style_template_per_turn(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["data/train/rows"] == 8 and records[0]["data/train/skipped"] == 0
     assert math.isfinite(next(r["train/loss"] for r in records if "train/loss" in r))
+
+
+def test_preference_completions_are_proven_against_their_message():
+    """DPO / RM completions too: a template that cuts the reasoning out of the reply is refused, naming the
+    side; a verbatim one keeps the whole reply."""
+    prompt = REASONING[:1]
+    row = {
+        "prompt": prompt,
+        "chosen": [REASONING[1]],
+        "rejected": [{"role": "assistant", "content": "<think>\nNo idea.\n</think>\n\nLyon."}],
+    }
+    rows = [Row(row, "mem.jsonl", 1, "line")]
+    with pytest.raises(
+        ChatTemplateError, match=r"changed 'chosen' \(assistant\): it dropped the text before"
+    ):
+        tokenize_preference(rows, _tok(STRIPS_EVERY_TURN), max_length=512)
+    (pair,), _ = tokenize_preference(rows, _tok(VERBATIM), max_length=512)
+    tok = _tok(VERBATIM)
+    assert tok.decode(pair.chosen.input_ids[pair.prompt_length :]) == REASONING[1]["content"] + "<|im_end|>"

@@ -212,3 +212,24 @@ def test_scoring_and_rl_prompts_carry_images(inputs):
     ]
     examples = tokenize_scoring(scoring, inputs.tokenizer, max_length=100, images=inputs)
     assert all(ex.vision is not None and ex.loss_mask is None for ex in examples)
+
+
+def test_per_turn_examples_carry_the_images_their_context_shows(inputs, folder):
+    """data.per_turn on an image chat: each turn's example holds the images of the messages up to it, and
+    the last turn's example is the whole row's."""
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    spec = _write(folder, [{"messages": messages, "images": ["img/red.png", "img/blue.png"]}])
+    (whole,), _ = _sft(inputs, spec)
+    first, second = _sft(inputs, spec, per_turn=True)[0]
+    assert first.vision["image_grid_thw"].tolist() == [[1, 6, 4]]
+    assert second.vision["image_grid_thw"].tolist() == whole.vision["image_grid_thw"].tolist()
+    assert second.input_ids == whole.input_ids and torch.equal(second.rope_positions, whole.rope_positions)
+    assert first.input_ids == whole.input_ids[: len(first.input_ids)]
+    for ex, answer in ((first, "Red."), (second, "Blue.")):
+        trained = [t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
+        assert inputs.tokenizer.decode(trained) == f"{answer}<|im_end|>"

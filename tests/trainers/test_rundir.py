@@ -17,6 +17,7 @@ import pytest
 from padless.config import SFTConfig, TrainSettings
 from padless.config_loading import load_config
 from padless.errors import InputError
+from padless.runfiles import own, owned
 from padless.trainers import rundir
 from padless.trainers.sft import run_sft
 
@@ -49,15 +50,38 @@ def test_a_second_run_into_a_used_folder_is_refused_and_the_first_is_kept(tmp_pa
     assert not (tmp_path / rundir.LOCK_FILE).exists()  # released by the run that failed, too
 
 
-def test_overwrite_deletes_what_padless_wrote_and_keeps_the_rest(tmp_path, caplog):
+def test_overwrite_deletes_what_padless_wrote_by_its_manifest_and_keeps_the_rest(tmp_path, caplog):
+    """The user's own config.yaml has a name padless writes too: only the manifest says whose it is."""
     checkpoint(tmp_path, 4)
     (tmp_path / ".tmp-checkpoint-6").mkdir()
-    for name in ("metrics.jsonl", "log.txt", "notes.md"):
+    for name in ("metrics.jsonl", "log.txt", "notes.md", "config.yaml"):
         (tmp_path / name).write_text("x")
+    own(tmp_path, "checkpoint-4", "metrics.jsonl", "log.txt")
     with caplog.at_level(logging.WARNING, logger="padless"):
         assert claim(tmp_path, overwrite_output_dir=True) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
-    assert "deleted 4 entries" in caplog.text and "kept 1" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "notes.md"]
+    assert "deleted 5 entries" in caplog.text and "kept 2" in caplog.text  # 3 listed, the manifest, a .tmp
+
+
+def test_overwrite_without_a_manifest_deletes_nothing_and_says_why(tmp_path):
+    checkpoint(tmp_path, 4)
+    (tmp_path / "metrics.jsonl").write_text("x")
+    with pytest.raises(InputError, match=r"holds checkpoint-4, metrics.jsonl but no padless-manifest.json"):
+        claim(tmp_path, overwrite_output_dir=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "metrics.jsonl"]
+
+
+def test_resuming_an_older_checkpoint_is_a_branch_that_keeps_the_newer_ones(tmp_path, caplog):
+    for step in (2, 4, 6):
+        checkpoint(tmp_path, step)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    with caplog.at_level(logging.WARNING, logger="padless"):
+        assert claim(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-2")) is not None
+    (aside,) = tmp_path.glob("superseded-*-after-step-2")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl"]
+    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 6
+    assert [p.name for p in rundir.checkpoints(tmp_path)] == ["checkpoint-2"]  # latest is the branch's
+    assert "nothing deleted" in caplog.text and aside.name in owned(tmp_path)
 
 
 def test_latest_needs_a_checkpoint_and_auto_says_what_it_did(tmp_path, caplog):
@@ -77,6 +101,7 @@ def test_latest_needs_a_checkpoint_and_auto_says_what_it_did(tmp_path, caplog):
 def test_auto_starts_over_a_run_that_died_before_its_first_checkpoint(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "config.yaml").write_text("x: 1\n")
+    own(tmp_path, "metrics.jsonl", "config.yaml")
     assert claim(tmp_path, resume_from_checkpoint="auto") is None
     assert not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "mine.txt").write_text("not padless's")

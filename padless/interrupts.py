@@ -1,0 +1,71 @@
+"""Ctrl-C and SIGTERM end a command the same way at any phase: exit 130 / 143, one line, nothing left.
+
+While a command runs, SIGTERM raises :class:`~padless.errors.Terminated` (a ``KeyboardInterrupt``) in the
+main thread, so it unwinds like Ctrl-C: ``finally`` blocks remove temporary folders (a cache being built,
+a checkpoint being written), worker pools are terminated, and the run folder's lock is released. Which
+signal arrived is remembered, because cleanup code in libraries can replace the exception on its way
+out (``datasets`` collects its workers' results and raises a ``TimeoutError`` instead): the command
+still reports the interruption.
+
+Processes forked from the command (tokenizing workers) get the default dispositions back: they die on
+SIGTERM at once, as they always did (a Python handler would wait for their main thread to run Python
+again, which a worker busy in native code never does), and ignore SIGINT, so Ctrl-C in a terminal does
+not make each of them print a traceback; the command ends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from padless.errors import Terminated
+
+_arrived: list[KeyboardInterrupt] = []  # the interruption of the command running now, if any
+_forks_reset = False
+
+
+def _in_child() -> None:
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _handler(owner: int) -> Any:
+    def handle(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a child that kept the handler: end as the signal always did
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        error = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        _arrived.append(error)
+        raise error
+
+    return handle
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """Install the handlers for the command's duration (a no-op off the main thread)."""
+    global _forks_reset
+    _arrived.clear()
+    handle = _handler(os.getpid())
+    try:
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    except ValueError:  # not the main thread: signals cannot be handled here
+        previous = {}
+    if previous and not _forks_reset:
+        os.register_at_fork(after_in_child=_in_child)
+        _forks_reset = True
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def interruption(error: BaseException) -> BaseException:
+    """The interruption that arrived during the command, else ``error`` itself."""
+    return _arrived[0] if _arrived else error

@@ -32,7 +32,7 @@ from transformers import get_scheduler
 
 from padless import sequence_parallel
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
-from padless.faults import FileFault
+from padless.faults import FileFault, doing
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers import contract
@@ -261,7 +261,10 @@ class Trainer:
         resume = resume_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
         state = TrainState(strategy=self.strategy, world_size=acc.num_processes)
         if resume:
-            verify_checkpoint(resume, self.model)
+            with doing(
+                f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
+            ):
+                verify_checkpoint(resume, self.model)
             saved = read_state(resume)
             applied = contract.check(
                 resume, saved.terms, self.terms, saved.step, self.total_steps, saved.step_in_epoch > 0

@@ -65,7 +65,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo r
 except ModuleNotFoundError:
     from benchmarks import common
 
-CONTENDERS = ("padless", "trl")
+CONTENDERS = ("padless", "padless-per-prompt", "padless-stale1", "trl")
 
 # Shared by both contenders: padless's GRPO defaults (TRL's would be lr 1e-6 and a linear schedule).
 OPTIM = common.optimizer_settings(learning_rate=1e-5)
@@ -306,6 +306,8 @@ def run_contender(
     """Entry point of a contender's subprocess (``prompt_ids`` and ``rows``: TRL's, in rollout order)."""
     runner = {
         "padless": lambda: run_padless(spec),
+        "padless-per-prompt": lambda: run_padless(spec, per_prompt=True),
+        "padless-stale1": lambda: run_padless(spec, staleness=1),
         "trl": lambda: run_trl(spec, prompt_ids, rows),
     }[name]
     return common.contender_main(runner, spec, profile_name=f"grpo-{name}")
@@ -315,7 +317,12 @@ def run_contender(
 # Contender: padless (GRPORecipe on the shared Trainer loop, built as run_grpo builds it)
 
 
-def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
+def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int = 0) -> dict[str, Any]:
+    """``per_prompt``: one ``generate`` call per prompt (its samples only), the cost padless had before
+    seeded sampling was batched again (issue 22); the samples are the same, only the batching differs.
+    ``staleness``: ``rollout.max_staleness`` (the next rollout sampled in a background thread while the step
+    trains); its generation time counts only sampling on the training thread (the first rollout) and
+    waiting for the background sampler."""
     import padless.trainers.loop as loop
     from padless.config import GRPOConfig, GRPOSettings, RewardSettings, RLDataSettings, RolloutSettings
     from padless.packing import Example
@@ -337,8 +344,10 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
                 max_new_tokens=r["max_new_tokens"],
                 temperature=r["temperature"],
                 top_p=r["top_p"],
-                generation_batch_size=spec["batch_size"],  # one generate() call per rollout, as TRL
+                # one generate() call per rollout, as TRL; per_prompt: one per prompt
+                generation_batch_size=r["num_generations"] if per_prompt else spec["batch_size"],
                 mask_truncated=False,
+                max_staleness=staleness,
             ),
             reward=RewardSettings(functions=["arithmetic"]),
             grpo=GRPOSettings(beta=spec["beta"], epsilon=spec["epsilon"], loss_type="dapo"),
@@ -347,14 +356,15 @@ def run_padless(spec: dict[str, Any]) -> dict[str, Any]:
         common.require_device(session, spec["device"])
         if r["fixed_length"]:  # padless's generate leaves min_new_tokens to the generation config
             session.model.generation_config.min_new_tokens = r["max_new_tokens"]
-        engine = parts["engine"]
+        engine = parts.engine
         engine.complete = timed(engine.complete, recorder.generation)
-        recipe = GRPORecipe(**parts)
-        from padless.engine import ModelEngine
+        if staleness:  # the training thread's wait for the background sampler
+            import padless.ahead
 
-        trainer = loop.Trainer(
-            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
-        )
+            padless.ahead.AheadSampler.take = timed(padless.ahead.AheadSampler.take, recorder.generation)
+        recipe = parts.recipe(GRPORecipe)
+
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             examples: list[Example] = micro.data
@@ -484,6 +494,26 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
     )
     memory_key = "cuda_peak_mib" if cuda else "peak_rss_mib"
     ratios = {}
+    if "padless" in chosen and "padless-per-prompt" in chosen:
+        ratios["padless / padless per-prompt generate"] = {
+            "steps_per_s": results.ratio("padless", "padless-per-prompt", "steps_per_s"),
+            "completions_per_s": results.ratio("padless", "padless-per-prompt", "completions_per_s"),
+            "real_tokens_per_s": results.ratio("padless", "padless-per-prompt", "real_tokens_per_s"),
+            "without_generation": results.ratio(
+                "padless", "padless-per-prompt", "steps_per_s_without_generation"
+            ),
+            "generation": results.ratio("padless-per-prompt", "padless", "generation_s_per_step"),
+            "memory": results.ratio("padless", "padless-per-prompt", memory_key),
+        }
+    if "padless-stale1" in chosen and "padless" in chosen:
+        ratios["padless stale 1 / padless on-policy"] = {
+            "steps_per_s": results.ratio("padless-stale1", "padless", "steps_per_s"),
+            "completions_per_s": results.ratio("padless-stale1", "padless", "completions_per_s"),
+            "real_tokens_per_s": results.ratio("padless-stale1", "padless", "real_tokens_per_s"),
+            "without_generation": None,
+            "generation": results.ratio("padless", "padless-stale1", "generation_s_per_step"),
+            "memory": results.ratio("padless-stale1", "padless", memory_key),
+        }
     if "padless" in chosen and "trl" in chosen:
         ratios["padless / TRL"] = {
             "steps_per_s": results.ratio("padless", "trl", "steps_per_s"),

@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
+from padless.choices import BACKENDS, VARLEN_KERNELS
 from padless.errors import AttentionError
 
-BACKENDS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 VARLEN_NAME = "padless_varlen"  # the name under which transformers sees our backend
-VARLEN_KERNELS = ("auto", "sdpa", "torch", "flash_attn")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # all that flash-attn and PyTorch's varlen_attn take
 
 _varlen_kernel_choice = "auto"

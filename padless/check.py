@@ -23,13 +23,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
-    BACKENDS,
     attention_in_use,
     backend_problem,
-    hf_name,
     runtime_context,
 )
-from padless.engine import forward_packed, forward_padded
+from padless.choices import BACKENDS
+from padless.engine import forward_packed, forward_padded, loaded_backend, use_backend
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
 from padless.probe import ReferenceForwardError, model_name, probe_attention, probe_reference
@@ -161,13 +160,13 @@ def run_matrix(
     logps, alone = logps or layout_logps, alone or alone_logps
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    original = getattr(model, "padless_attention", "varlen")
+    original = loaded_backend(model)
     was_training = model.training
     model.eval()
     rows = []
     try:
         with torch.no_grad():
-            _switch(model, "eager")
+            use_backend(model, "eager")
             try:
                 single = alone(model, seqs)
             except Exception as e:
@@ -199,7 +198,7 @@ def run_matrix(
                             row.cells.append(Cell(backend, layout, bound=limit, error=_one_line(e)))
                 rows.append(row)
     finally:
-        _switch(model, original)
+        use_backend(model, original)
         model.train(was_training)
     return rows, limit
 
@@ -209,8 +208,8 @@ def _one_line(error: Exception) -> str:
 
 
 def _switch(model: PreTrainedModel, backend: str) -> None:
-    model.set_attn_implementation(hf_name(backend))
-    model.padless_attention = backend
+    """:func:`padless.engine.use_backend`, then a check that transformers dispatches there."""
+    use_backend(model, backend)
     running = attention_in_use(model)
     if running != backend:
         raise AttentionError(
@@ -325,7 +324,7 @@ def zoo_model(
 ) -> PreTrainedModel:
     """The zoo's ``name`` on eager, its head scaled so the largest |logit| on ``seqs`` is ``LOGIT_TARGET``."""
     model = build_zoo_model(name, "eager", dtype).to(device)
-    model.padless_attention = "eager"
+    use_backend(model, "eager")
     with torch.no_grad():
         largest = alone_logps(model, seqs).max_logit
     scale_head(model, LOGIT_TARGET / largest)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from padless.attention import BACKENDS, backend_problem, set_varlen_kernel, validate_backend_name
+from padless.attention import backend_problem, set_varlen_kernel, validate_backend_name
+from padless.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
 from padless.interrupts import handled, interruption
 from padless.logs import log_failure, setup_logging
@@ -265,13 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         "without --backends, flex_attention is left out (it compiles a kernel per shape)",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    check.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, else float32"
-    )
+    check.add_argument("--dtype", choices=DTYPE_NAMES, help="default: bfloat16 on cuda, else float32")
     check.add_argument("--backends", help=f"comma-separated subset of {','.join(BACKENDS)}")
-    check.add_argument(
-        "--varlen-kernel", choices=["auto", "sdpa", "torch", "flash_attn"], help="pin varlen's kernel"
-    )
+    check.add_argument("--varlen-kernel", choices=VARLEN_KERNELS, help="pin varlen's kernel")
     check.add_argument("--markdown", action="store_true", help="with --zoo: print the support table only")
     check.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     check.set_defaults(func=_check)

@@ -283,7 +283,7 @@ class VLLMEngine:
                 stop_token_ids=sorted(self.eos_ids),
                 ignore_eos=True,  # stop on exactly padless's EOS ids (stop_token_ids), not vLLM's own
                 seed=seed,  # per prompt: a prompt's samples do not depend on what it is batched with
-                logprobs=None if self.logprobs_mode is None else 0,  # the sampled token's only
+                logprobs=None if greedy or self.logprobs_mode is None else 0,  # the sampled token's only
             )
             for seed in seeds
         ]

@@ -11,20 +11,23 @@ goes through the prepared engine the recipe is bound to.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet
 from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import inner_engine
+from padless.engine import inner_engine, reference_engine
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
@@ -34,8 +37,8 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy
-from padless.trainers.loop import MicroBatch
+from padless.strategy import expected_strategy, unwrap
+from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
@@ -50,7 +53,7 @@ def per_target(examples: list[Example], key: str, device: torch.device) -> torch
     return torch.tensor([v for e in examples for v in e.meta[key]], device=device, dtype=torch.float32)
 
 
-class RolloutRecipe:
+class RolloutRecipe(Recipe):
     """Subclasses set ``updates`` and ``mini_batches`` and implement ``passes``, ``process`` and ``loss``."""
 
     updates: int = 1
@@ -80,6 +83,7 @@ class RolloutRecipe:
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
         self._order: tuple[int, np.ndarray] | None = None
+        self.ahead: AheadSampler | None = None  # rollout.max_staleness > 0: samples the next rollouts
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
         """The rollout's prompts: consecutive slices of a fresh seeded permutation per pass over the data."""
@@ -98,7 +102,12 @@ class RolloutRecipe:
         return self._order[1]
 
     def collect(
-        self, prompts: list[PromptExample], group: int, seed: int, greedy: bool = False
+        self,
+        prompts: list[PromptExample],
+        group: int,
+        seed: int,
+        greedy: bool = False,
+        epoch: int | None = None,
     ) -> list[Example]:
         """Sample ``group`` completions per prompt, score them and run the no-grad passes, each rank on its
         own contiguous slice of ``prompts``; returns every rank's examples in prompt order.
@@ -108,13 +117,15 @@ class RolloutRecipe:
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
         mine, real = equal_share(prompts)
-        first = data_parallel()[0] * len(mine)  # this rank's first prompt in the rollout
-        seeds = [seed + 104_729 * (first + i) for i in range(len(mine))]
-        started = time.perf_counter()
-        self.engine.sync_weights()
+        seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
-        completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
-        elapsed = time.perf_counter() - started
+        if epoch is not None and self.cfg.rollout.max_staleness > 0:
+            completions, elapsed, staleness = self.stale_completions(epoch, mine, group, seeds, vision)
+        else:
+            started = time.perf_counter()
+            self.engine.sync_weights()
+            completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
+            elapsed, staleness = time.perf_counter() - started, None
         if not greedy and self.cfg.rollout.correction() and any(c.logprobs is None for c in completions):
             raise InputError(
                 f"rollout.engine: {self.cfg.rollout.engine} returned no sampled-token log-probs, so the "
@@ -134,6 +145,8 @@ class RolloutRecipe:
             }
             if c.logprobs is not None and not greedy:
                 meta["sampler_logps"] = c.logprobs if trained else []
+            if staleness is not None:
+                meta["staleness"] = staleness
             examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
@@ -143,6 +156,57 @@ class RolloutRecipe:
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
         return gather_shares(examples)
+
+    @staticmethod
+    def prompt_seeds(count: int, seed: int) -> list[int]:
+        """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
+        first = data_parallel()[0] * count  # this rank's first prompt in the rollout
+        return [seed + 104_729 * (first + i) for i in range(count)]
+
+    def rollout_seed(self, epoch: int) -> int:
+        return self.cfg.train.seed * 1_000_003 + epoch
+
+    def stale_completions(
+        self,
+        epoch: int,
+        mine: list[PromptExample],
+        group: int,
+        seeds: list[int],
+        vision: list[dict[str, Any] | None] | None,
+    ) -> tuple[list[Completion], float, int]:
+        """``rollout.max_staleness`` k: queue the rollouts of the next k epochs (not yet queued) from the
+        weights as they are now, then take this epoch's (sampled now, on-policy, when none was queued: the
+        first rollout, or the first after a resume). Returns completions, seconds waited or spent sampling,
+        and their staleness (updates between the weights they came from and now)."""
+        k = self.cfg.rollout.max_staleness
+        model = unwrap(inner_engine(self.policy).model)
+        if self.ahead is None:
+            self.ahead = AheadSampler(model, self.tokenizer, self.cfg.rollout)
+        steps = self.cfg.train.max_steps
+        last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
+        for later in range(epoch + 1, min(epoch + k, last) + 1):
+            if not self.ahead.queued(later):
+                share, _ = equal_share(self.prompts_for(later))
+                self.ahead.queue(
+                    later,
+                    epoch,
+                    model,
+                    [p.prompt_ids for p in share],
+                    group,
+                    self.prompt_seeds(len(share), self.rollout_seed(later)),
+                    [p.vision for p in share] if self.images is not None else None,
+                )
+        started = time.perf_counter()
+        if self.ahead.queued(epoch):
+            completions, _, version = self.ahead.take(epoch)
+        else:
+            self.engine.sync_weights()
+            prompt_ids = [p.prompt_ids for p in mine]
+            completions, version = self.engine.complete(prompt_ids, group, seeds, False, vision), epoch
+        staleness = epoch - version
+        if not 0 <= staleness <= k:
+            raise RuntimeError(f"rollout {epoch} was sampled {staleness} updates ago, max_staleness is {k}")
+        return completions, time.perf_counter() - started, staleness
 
     def score(
         self,
@@ -161,7 +225,8 @@ class RolloutRecipe:
             functions, sources = self.rewards(prompt_texts, texts, fields)
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
-            scores = score_examples(self.reward_model, examples, filler=filler)
+            budget = self.cfg.train.max_tokens_per_batch
+            scores = score_examples(self.reward_model, examples, max_tokens=budget, filler=filler)
             totals += self.cfg.reward.model_weight * torch.tensor(scores)
             sources["reward_model"] = scores
         if self.cfg.reward.overlong_buffer:
@@ -207,14 +272,12 @@ class RolloutRecipe:
     def reference_pass(self) -> Pass:
         """Reference log-probs: from the frozen copy, or from the LoRA policy with its adapters off (the
         starting policy, without a second copy of the weights)."""
-        if self.ref_model is not None:
-            return self.logps_pass(self.ref_model)
 
-        def adapters_off(batch: PackedBatch) -> torch.Tensor:
-            with inner_engine(self.policy).model.disable_adapter():
-                return self.logps_pass(self.policy)(batch)
+        def reference(batch: PackedBatch) -> torch.Tensor:
+            with reference_engine(self.policy, self.ref_model) as model:
+                return self.logps_pass(model)(batch)
 
-        return adapters_off
+        return reference
 
     def correct(self, examples: list[Example]) -> dict[str, float]:
         """Sampler vs trainer log-probs of the rollout: the mismatch metrics, and with
@@ -272,8 +335,8 @@ class RolloutRecipe:
 
     def sample(self, epoch: int) -> tuple[list[Example], dict[str, float]]:
         """The rollout's scored examples (every rank's, in prompt order) and any sampling metrics."""
-        seed = self.cfg.train.seed * 1_000_003 + epoch
-        return self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed), {}
+        seed = self.rollout_seed(epoch)
+        return self.collect(self.prompts_for(epoch), self.cfg.rollout.num_generations, seed, epoch=epoch), {}
 
     def plan_state(self, epoch: int) -> list[dict[str, Any]]:
         """The sampled rollout with everything ``process`` stored, for a checkpoint taken mid-rollout."""
@@ -320,9 +383,6 @@ class RolloutRecipe:
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         return self.metrics.pop(epoch, {})
 
-    def eval_plan(self) -> list[MicroBatch]:
-        return []
-
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         """Greedy completions of the eval prompts (sharded over ranks), scored by the same rewards."""
         if not self.eval_prompts:
@@ -344,12 +404,28 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
         f"{prefix}completion_length_max": max(lengths),
         f"{prefix}truncated_fraction": sum(not e.meta["finished"] for e in examples) / len(examples),
         f"{prefix}tokens_per_s": sum(lengths) / sampling_s,
+        **staleness(examples, prefix),
     }
+
+
+def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
+    """How many updates old the weights were that sampled the rollout (``rollout.max_staleness``)."""
+    if "staleness" not in examples[0].meta:
+        return {}
+    ages = [e.meta["staleness"] for e in examples]
+    return {f"{prefix}staleness_mean": sum(ages) / len(ages), f"{prefix}staleness_max": float(max(ages))}
 
 
 def make_engine(
     cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
 ) -> Engine:
+    if cfg.rollout.max_staleness > 0 and (cfg.rollout.engine == "vllm" or strategy in ("fsdp2", "zero3")):
+        what = "rollout.engine: vllm" if cfg.rollout.engine == "vllm" else strategy
+        raise InputError(
+            f"rollout.max_staleness: {cfg.rollout.max_staleness} with {what}: padless samples ahead from a "
+            "whole copy of the policy on the HF engine, which sharded weights and vLLM do not give yet; use "
+            "rollout.engine: hf with DDP / ZeRO-2 / one process, or rollout.max_staleness: 0"
+        )
     if cfg.rollout.engine == "vllm":
         if images is not None:
             raise ValueError(
@@ -375,7 +451,43 @@ def without_dropout(model: torch.nn.Module, name: str) -> torch.nn.Module:
     return model
 
 
-def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
+R = TypeVar("R", bound=RolloutRecipe)
+
+
+@dataclass
+class RolloutSetup:
+    """What :func:`start_rl` builds and a rollout recipe is built from (see :class:`RolloutRecipe`)."""
+
+    prompts: ExampleSet[PromptExample]
+    cfg: Any
+    tokenizer: Any
+    policy: torch.nn.Module
+    engine: Engine
+    device: torch.device
+    rewards: RewardComposer | None
+    reward_model: torch.nn.Module | None
+    eval_prompts: ExampleSet[PromptExample] | None
+    ref_model: torch.nn.Module | None
+    images: ImageInputs | None
+
+    def recipe(self, cls: type[R]) -> R:
+        """A ``cls`` recipe on this setup."""
+        return cls(
+            self.prompts,
+            self.cfg,
+            self.tokenizer,
+            self.policy,
+            self.engine,
+            self.device,
+            rewards=self.rewards,
+            reward_model=self.reward_model,
+            eval_prompts=self.eval_prompts,
+            ref_model=self.ref_model,
+            images=self.images,
+        )
+
+
+def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
     """The session and everything a rollout recipe is built from: prompts, engine, rewards, and (if
     ``reference``, and the policy has no LoRA adapters to switch off) a frozen reference copy."""
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
@@ -401,20 +513,25 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
         trust = cfg.model.trust_remote_code
         pad_id = pad_token_id(load_tokenizer(cfg.reward.model, trust))  # where its scores are read
         scorer = load_model(
-            cfg.reward.model, task="score", device=device, pad_id=pad_id, trust_remote_code=trust
+            cfg.reward.model,
+            task="score",
+            device=device,
+            pad_id=pad_id,
+            trust_remote_code=trust,
+            varlen_kernel=session.settings.varlen_kernel,
         )
         require_same_inputs(session.model, scorer, f"reward.model {cfg.reward.model}")
         reward_model = session.frozen(scorer)
-    return session, {
-        "prompts": prompts(data.train, "train"),
-        "cfg": cfg,
-        "tokenizer": tokenizer,
-        "policy": session.model,
-        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
-        "device": device,
-        "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
-        "reward_model": reward_model,
-        "eval_prompts": prompts(data.eval, "eval") if data.eval else None,
-        "ref_model": session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
-        "images": images,
-    }
+    return session, RolloutSetup(
+        prompts=prompts(data.train, "train"),
+        cfg=cfg,
+        tokenizer=tokenizer,
+        policy=session.model,
+        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        device=device,
+        rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
+        reward_model=reward_model,
+        eval_prompts=prompts(data.eval, "eval") if data.eval else None,
+        ref_model=session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
+        images=images,
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import shutil
 from types import SimpleNamespace
 
@@ -305,7 +306,7 @@ def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_p
         hidden = hidden_states(session.model, probe)[0]
         head = session.model.get_output_embeddings()
         head.weight.mul_(25.0 / head(hidden).abs().max().item())
-    recipe = GRPORecipe(**parts)
+    recipe = parts.recipe(GRPORecipe)
     seen = []
     loss = recipe.loss
     monkeypatch.setattr(recipe, "loss", lambda model, micro, n: seen.append(micro) or loss(model, micro, n))
@@ -550,3 +551,59 @@ def test_correction_engages_on_a_perturbed_sampler_with_bounded_weights(tmp_path
     off = correction_run(tmp_path, monkeypatch, "off", 0.05, "rollout.importance_sampling_correction=false")
     assert "mismatch/is_weight_max" not in off and off["mismatch/kl"] == pytest.approx(on["mismatch/kl"])
     assert off["train/loss"] != pytest.approx(on["train/loss"], rel=1e-3)
+
+
+def stale_run(tmp_path, kind: str, name: str, *extra: str) -> list[dict]:
+    """Three rollouts of 2 x 2 on tiny-llama with a reward that tells a random model's samples apart."""
+    variety = tmp_path / "variety.py"
+    variety.write_text(
+        "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
+    )
+    overrides = [
+        "model.name=tiny-llama",
+        f"train.output_dir={tmp_path / name}",
+        "train.max_steps=3",
+        f"reward.functions=[{variety}:variety]",
+        "rollout.prompts_per_step=2",
+        f"rollout.num_generations={2 if kind == 'grpo' else 1}",
+        "rollout.max_new_tokens=5",
+        "rollout.mask_truncated=false",
+        *FAST,
+        *extra,
+    ]
+    if kind == "grpo":
+        run_grpo(load_config(GRPOConfig, None, overrides))
+    else:
+        run_ppo(load_config(PPOConfig, None, overrides))
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_stale_sampling_from_unmoved_weights_equals_on_policy(tmp_path):
+    """Learning rate 1e-12 (0 is refused): Adam moves each weight by ~1e-12, below float32 resolution at
+    these magnitudes, so rollouts sampled one step ahead by the background sampler (a copy of the policy,
+    its own thread) are the very samples the synchronous run draws. Losses agree to 2e-5 absolute: the
+    per-token IS weights are exp(summed round-off log-ratios) = 1 +- ~5e-6 over 5 tokens, times |advantage|
+    <= ~2 (measured 2.7e-7)."""
+    sync = stale_run(tmp_path, "grpo", "sync", "train.learning_rate=1e-12")
+    ahead = stale_run(tmp_path, "grpo", "ahead", "train.learning_rate=1e-12", "rollout.max_staleness=1")
+    for key in ("rollout/reward", "rollout/completion_length", "train/loss"):
+        want = [r[key] for r in sync if key in r]
+        got = [r[key] for r in ahead if key in r]
+        tolerance = 2e-5 if key == "train/loss" else 1e-7
+        assert len(want) == 3 and got == pytest.approx(want, rel=1e-6, abs=tolerance), key
+    assert [r["rollout/staleness_max"] for r in ahead if "rollout/staleness_max" in r] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_max_staleness_one_trains_and_logs_every_samples_staleness(tmp_path, kind):
+    """max_staleness 1: the first rollout is on-policy, every later one was sampled from the weights one
+    update old (never more); the behaviour log-probs differ from the trainer's, and the loss is finite."""
+    records = stale_run(tmp_path, kind, "run", "train.learning_rate=1e-2", "rollout.max_staleness=1")
+    rollouts = [r for r in records if "rollout/reward" in r]
+    assert [r["rollout/staleness_max"] for r in rollouts] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness_mean"] for r in rollouts] == [0.0, 1.0, 1.0]
+    assert rollouts[0]["mismatch/logp_diff_max"] <= 1e-5  # on-policy: round-off
+    assert rollouts[2]["mismatch/logp_diff_max"] > 1e-3  # one update old: a real gap, corrected
+    assert "mismatch/is_weight_max" in rollouts[2]
+    losses = [r["train/loss"] for r in records if "train/loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

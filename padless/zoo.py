@@ -260,8 +260,9 @@ ZOO: dict[str, ZooEntry] = {
 
 
 def zoo_names() -> list[str]:
-    """The whole zoo: the hand-built configs, then every causal-LM model type of transformers."""
-    return [*ZOO, *causal_lm_types()]
+    """The whole zoo: the hand-built configs, then every other causal-LM model type of transformers (a
+    hand-built config named after a model type, e.g. ``qwen2``, stands for it)."""
+    return [*ZOO, *(t for t in causal_lm_types() if t not in ZOO)]
 
 
 def zoo_config(name: str) -> PretrainedConfig:

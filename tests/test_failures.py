@@ -919,6 +919,24 @@ def test_a_branch_resume_keeps_every_newer_checkpoint_and_metric(tmp_path: Path)
     ]
 
 
+@pytest.mark.slow
+def test_a_refused_branch_resume_moves_nothing(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["sft", *RUN1, f"train.output_dir={out}", "train.save_steps=1", "train.max_steps=2"]
+    assert main(argv) == 0
+    before = sorted(p.name for p in out.iterdir())
+    metrics = (out / "metrics.jsonl").read_text()
+    changed = [
+        *argv,
+        "train.max_tokens_per_batch=2048",
+        f"train.resume_from_checkpoint={out / 'checkpoint-1'}",
+    ]
+    code, err = run(changed, capsys)
+    assert code == 2 and "data plan changed" in err, err
+    assert sorted(p.name for p in out.iterdir()) == before  # no superseded-*: checkpoint-2 stays in place
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
 def test_overwrite_deletes_only_what_the_manifest_lists_and_keeps_the_users_config(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()

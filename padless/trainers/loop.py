@@ -42,7 +42,7 @@ from padless.trainers.checkpoint import (
 )
 from padless.trainers.guard import DivergenceGuard
 from padless.trainers.reporting import Reporter
-from padless.trainers.rundir import end_run, resume_checkpoint, rotate_checkpoints
+from padless.trainers.rundir import branch, end_run, resume_checkpoint, rotate_checkpoints
 from padless.trainers.verify import verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,9 @@ class Trainer:
             state.strategy, state.world_size = self.strategy, acc.num_processes
             if plan is not None and state.step_in_epoch > 0:
                 self.recipe.restore_plan(state.epoch, plan)
+            if acc.is_main_process:
+                with doing("setting newer checkpoints aside", cfg.output_dir, setting="train.output_dir"):
+                    branch(cfg.output_dir, resume)
         reporter = Reporter(
             cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
         )

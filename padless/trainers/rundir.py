@@ -4,8 +4,9 @@
   unless the run resumes from it (``train.resume_from_checkpoint``) or ``train.overwrite_output_dir: true``
   asks to delete what padless wrote there before: what its manifest (:mod:`padless.runfiles`) lists,
   never a file by its name alone (the user's own ``config.yaml`` stays).
-- Resuming from a checkpoint older than the folder's newest is a branch: the newer checkpoints and a copy
-  of the metrics and TensorBoard logs so far are moved into ``superseded-<time>/``, never deleted.
+- Resuming from a checkpoint older than the folder's newest is a branch: once the resume is accepted, the
+  newer checkpoints and a copy of the metrics and TensorBoard logs so far are moved into
+  ``superseded-<time>/``, never deleted.
 - ``run.lock`` (pid, host, start time) refuses a second run into the same folder while the first one
   lives; a lock whose process is gone (same host) is taken over, and said so in the log.
 - ``resume_from_checkpoint: latest`` needs a checkpoint and says so when there is none; ``auto`` resumes
@@ -227,8 +228,6 @@ def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
             resume = resume_checkpoint(root, spec)
             _check_contents(root, resume, spec, overwrite)
             _sweep(root)
-            if resume is not None and resume.resolve().parent == root:
-                _branch(root, resume.resolve())
     except BaseException:
         release(root)
         raise
@@ -239,9 +238,14 @@ def _claim(root: Path, spec: str | None, overwrite: bool) -> Path | None:
     return resume
 
 
-def _branch(root: Path, resume: Path) -> None:
+def branch(output_dir: str | Path, resume: Path) -> None:
     """Resuming an older checkpoint: move the newer ones, and a copy of the metrics and TensorBoard logs
-    written so far, into ``superseded-<time>/`` (the resumed run rewrites history from its checkpoint on)."""
+    written so far, into ``superseded-<time>/`` (the resumed run rewrites history from its checkpoint on).
+
+    Called once the checkpoint's contract has accepted the resume, so a refused resume changes nothing."""
+    root, resume = Path(output_dir).resolve(), resume.resolve()
+    if resume.parent != root:
+        return
     step = int(_CHECKPOINT.match(resume.name).group(1))  # type: ignore[union-attr]
     newer = [c for c in checkpoints(root) if int(c.name.split("-")[1]) > step]
     if not newer:

@@ -76,7 +76,9 @@ def test_resuming_an_older_checkpoint_is_a_branch_that_keeps_the_newer_ones(tmp_
         checkpoint(tmp_path, step)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     with caplog.at_level(logging.WARNING, logger="padless"):
-        assert claim(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-2")) is not None
+        resume = claim(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+        assert resume is not None and not list(tmp_path.glob("superseded-*"))  # nothing moved yet
+        rundir.branch(tmp_path, resume)
     (aside,) = tmp_path.glob("superseded-*-after-step-2")
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl"]
     assert len((aside / "metrics.jsonl").read_text().splitlines()) == 6

@@ -287,9 +287,8 @@ def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         data = [PairExample(Example(c, cm), Example(r, rm)) for c, cm, r, rm in pairs]
         recipe = DPORecipe(data, cfg.train, cfg.dpo, pad_id, device, ref_model)
-        from padless.engine import ModelEngine
 
-        trainer = loop.Trainer(recipe, ModelEngine(session.model), tokenizer, cfg.train, session.accelerator)
+        trainer = loop.Trainer(recipe, session.engine(), tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             sides = [len(s) for p in micro.data for s in (p.chosen, p.rejected)]

@@ -356,18 +356,15 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
         common.require_device(session, spec["device"])
         if r["fixed_length"]:  # padless's generate leaves min_new_tokens to the generation config
             session.model.generation_config.min_new_tokens = r["max_new_tokens"]
-        engine = parts["engine"]
+        engine = parts.engine
         engine.complete = timed(engine.complete, recorder.generation)
         if staleness:  # the training thread's wait for the background sampler
             import padless.ahead
 
             padless.ahead.AheadSampler.take = timed(padless.ahead.AheadSampler.take, recorder.generation)
-        recipe = GRPORecipe(**parts)
-        from padless.engine import ModelEngine
+        recipe = parts.recipe(GRPORecipe)
 
-        trainer = loop.Trainer(
-            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
-        )
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             examples: list[Example] = micro.data

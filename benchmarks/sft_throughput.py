@@ -167,11 +167,8 @@ def run_padless(spec: dict[str, Any], examples: list[Tokenized], batching: str) 
         session = common.start_padless(cfg, out, spec["device"])
         data = [Example(ids, mask) for ids, mask in examples]
         recipe = SFTRecipe(data, cfg.train, session.tokenizer, session.accelerator.device)
-        from padless.engine import ModelEngine
 
-        trainer = loop.Trainer(
-            recipe, ModelEngine(session.model), session.tokenizer, cfg.train, session.accelerator
-        )
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
             lens = [len(e) for e in micro.data]

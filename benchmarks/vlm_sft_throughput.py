@@ -166,7 +166,6 @@ def run_contender(name: str, spec: dict[str, Any], rows: list[Row]) -> dict:
 def run_padless(spec: dict[str, Any], rows: list[Row], batching: str) -> dict[str, Any]:
     import padless.trainers.loop as loop
     from padless.config import DataSettings, SFTConfig
-    from padless.engine import ModelEngine
     from padless.trainers.sft import SFTRecipe
 
     run = common.Measurement(spec)
@@ -177,7 +176,7 @@ def run_padless(spec: dict[str, Any], rows: list[Row], batching: str) -> dict[st
         session = common.start_padless(cfg, out, spec["device"])
         examples = tokenize(spec, rows, session.model)
         recipe = SFTRecipe(examples, cfg.train, session.tokenizer, session.accelerator.device)
-        engine = ModelEngine(session.model)
+        engine = session.engine()
         trainer = loop.Trainer(recipe, engine, session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:

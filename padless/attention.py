@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
+from padless.choices import BACKENDS, VARLEN_KERNELS
 from padless.errors import AttentionError
 
-BACKENDS = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 VARLEN_NAME = "padless_varlen"  # the name under which transformers sees our backend
-VARLEN_KERNELS = ("auto", "sdpa", "torch", "flash_attn")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # all that flash-attn and PyTorch's varlen_attn take
 
 _varlen_kernel_choice = "auto"
@@ -118,8 +117,6 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return choice
 
 
-
-
 def varlen_kernel_choice() -> str:
     """The kernel ``varlen`` is pinned to (``auto``: chosen per call by :func:`varlen_kernel`)."""
     return _varlen_kernel_choice
@@ -154,6 +151,17 @@ def attention_in_use(model: torch.nn.Module) -> str:
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
+# Layer kinds padless cannot yet keep apart per sequence, and why; a kind not listed is taken to carry a
+# state. An exact packed path for one of them (issue 18) removes it from the refusals here.
+STATEFUL = "carry a state from token to token across packed sequence boundaries"
+LAYER_PROBLEMS: dict[str, str] = {
+    "chunked_attention": "attend within fixed chunks of the whole row, not cut per sequence",
+    "indexed_attention": "select the keys each query sees with an indexer over the whole row",
+    "compressed_sparse_attention": "attend to compressed blocks of the whole row",
+    "heavily_compressed_attention": "attend to compressed blocks of the whole row",
+}
+
+
 def packing_problem(model: torch.nn.Module) -> str | None:
     """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
 
@@ -161,16 +169,18 @@ def packing_problem(model: torch.nn.Module) -> str | None:
     token to token that position ids cannot reset: they need ``cu_seqlens`` / ``seq_idx`` in kernels
     that honour them. In transformers 5.23 the PyTorch path refuses those arguments and ignores
     position ids, and with flash-linear-attention alone the causal convolution still crosses sequence
-    boundaries; padless, which runs every forward packed, refuses such models.
+    boundaries; chunked and indexed attention (:data:`LAYER_PROBLEMS`) span the whole row. padless, which
+    runs every forward packed, refuses such models.
     """
     config = text_config(model)
     other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
     if other:
         name = getattr(config, "model_type", type(model).__name__)
+        why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
         return (
-            f"{name} has {', '.join(other)} layers, which carry a state across packed sequence boundaries "
-            "(transformers 5.23 keeps packed sequences apart in them only with kernels padless cannot "
-            "verify); padless runs every forward packed, so it does not support this architecture"
+            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (transformers 5.23 keeps "
+            "packed sequences apart in them only with kernels padless cannot verify); padless runs every "
+            "forward packed, so it does not support this architecture"
         )
     return None
 

@@ -13,6 +13,7 @@ with the reason). :func:`run_zoo` runs the matrix over the tiny architectures of
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,17 +23,17 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless.attention import (
-    BACKENDS,
+    attention_in_use,
     backend_problem,
-    hf_name,
     runtime_context,
 )
-from padless.engine import forward_packed, forward_padded
+from padless.choices import BACKENDS
+from padless.engine import forward_packed, forward_padded, loaded_backend, use_backend
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
-from padless.probe import probe_attention
+from padless.probe import ReferenceForwardError, model_name, probe_attention, probe_reference
 from padless.tolerance import FORMULA, bound
-from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, scale_head
+from padless.zoo import LOGIT_TARGET, build_zoo_model, exercises, scale_head, zoo_names
 
 LAYOUTS = ("alone", "left", "right", "packed")
 DEFAULT_LENGTHS = (4, 19, 77, 160)
@@ -159,15 +160,23 @@ def run_matrix(
     logps, alone = logps or layout_logps, alone or alone_logps
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    original = getattr(model, "padless_attention", "varlen")
+    original = loaded_backend(model)
     was_training = model.training
     model.eval()
     rows = []
     try:
         with torch.no_grad():
-            _switch(model, "eager")
-            single = alone(model, seqs)
+            use_backend(model, "eager")
+            try:
+                single = alone(model, seqs)
+            except Exception as e:
+                raise ReferenceForwardError(
+                    f"{model_name(model)}: transformers' own forward failed on eager attention, the "
+                    f"reference of `padless check` for {', '.join(backends)}: {_one_line(e)[:300]}"
+                ) from e
             reference, limit = single.logps, bound(dtype, single.magnitude)
+            purpose = f"the load-time probe of {', '.join(backends)}"
+            own = probe_reference(model, purpose)
             for backend in backends:
                 problem = backend_problem(backend, device)
                 if problem:
@@ -175,7 +184,7 @@ def run_matrix(
                     continue
                 try:
                     _switch(model, backend)
-                    kernel = probe_attention(model, backend)["kernel"]
+                    kernel = probe_attention(model, backend, reference=own)["kernel"]
                 except (AttentionError, ValueError) as e:  # transformers refuses with ValueError
                     rows.append(BackendRow(backend, refused=_one_line(e)))
                     continue
@@ -189,7 +198,7 @@ def run_matrix(
                             row.cells.append(Cell(backend, layout, bound=limit, error=_one_line(e)))
                 rows.append(row)
     finally:
-        _switch(model, original)
+        use_backend(model, original)
         model.train(was_training)
     return rows, limit
 
@@ -199,8 +208,14 @@ def _one_line(error: Exception) -> str:
 
 
 def _switch(model: PreTrainedModel, backend: str) -> None:
-    model.set_attn_implementation(hf_name(backend))
-    model.padless_attention = backend
+    """:func:`padless.engine.use_backend`, then a check that transformers dispatches there."""
+    use_backend(model, backend)
+    running = attention_in_use(model)
+    if running != backend:
+        raise AttentionError(
+            f"{model_name(model)} runs {running!r} attention whatever is asked: transformers does not "
+            f"dispatch this architecture to {backend!r} (its attention is written into the model)"
+        )
 
 
 def failures(rows: list[BackendRow], requested: tuple[str, ...] | None = None) -> list[str]:
@@ -261,12 +276,47 @@ def format_matrix(rows: list[BackendRow], layouts: tuple[str, ...] = LAYOUTS) ->
 # ----------------------------------------------------------------------------------------------------------
 
 
+VERDICTS = ("exact", "refused", "no tiny config", "FAILED")
+
+
 @dataclass
 class ZooResult:
+    """One zoo architecture: its matrix, or why no tiny model of it could be built and run."""
+
     name: str
     exercises: str
     rows: list[BackendRow]
     bound: float
+    no_config: str | None = None  # building it, or transformers' own forward on it, failed: why
+
+    @property
+    def verdict(self) -> str:
+        """On varlen, the backend padless trains on: ``exact`` (every cell within its bound), ``refused``
+        (loading it stops, with the reason; or a layout stops with an error, said loudly),
+        ``no tiny config``, or ``FAILED``: a cell over its bound although loading passed, numbers
+        silently wrong, what padless must never let happen."""
+        if self.no_config:
+            return "no tiny config"
+        row = self._varlen()
+        if row is None or not row.ran:
+            return "refused" if row is not None and row.refused else "no tiny config"
+        if any(c.error is None and not c.ok for c in row.cells):
+            return "FAILED"
+        return "refused" if any(c.error for c in row.cells) else "exact"
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is not exact: the refusal, the first layout that stopped, or why no tiny config."""
+        if self.no_config:
+            return self.no_config
+        row = self._varlen()
+        if row is None:
+            return "varlen was not run"
+        errored = [f"varlen/{c.layout}: {c.error}" for c in row.cells if c.error]
+        return row.refused or row.unavailable or (errored[0] if errored else None)
+
+    def _varlen(self) -> BackendRow | None:
+        return next((r for r in self.rows if r.backend == "varlen"), None)
 
 
 def zoo_model(
@@ -274,7 +324,7 @@ def zoo_model(
 ) -> PreTrainedModel:
     """The zoo's ``name`` on eager, its head scaled so the largest |logit| on ``seqs`` is ``LOGIT_TARGET``."""
     model = build_zoo_model(name, "eager", dtype).to(device)
-    model.padless_attention = "eager"
+    use_backend(model, "eager")
     with torch.no_grad():
         largest = alone_logps(model, seqs).max_logit
     scale_head(model, LOGIT_TARGET / largest)
@@ -285,17 +335,32 @@ def run_zoo(
     seqs: list[list[int]],
     pad_id: int,
     backends: tuple[str, ...] = BACKENDS,
-    names: tuple[str, ...] = tuple(ZOO),
+    names: tuple[str, ...] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     layouts: tuple[str, ...] = LAYOUTS,
 ) -> list[ZooResult]:
-    """The matrix of every zoo architecture (built in code, logits scaled to realistic size)."""
+    """The matrix of every zoo architecture (default: :func:`padless.zoo.zoo_names`), logits scaled to
+    realistic size. An architecture whose tiny config cannot be built, or whose own forward fails on
+    it, is a result (``no tiny config``, with transformers' reason), not a stop."""
     results = []
-    for name in names:
-        rows, limit = run_matrix(zoo_model(name, seqs, dtype, device), seqs, pad_id, backends, layouts)
-        results.append(ZooResult(name, ZOO[name].exercises, rows, limit))
+    for name in names or zoo_names():
+        try:
+            model = zoo_model(name, seqs, dtype, device)
+            note = exercises(name, model.config)
+            rows, limit = run_matrix(model, seqs, pad_id, backends, layouts)
+        except Exception as e:  # transformers could not build or run it: the reason is the result
+            results.append(ZooResult(name, "", [], math.nan, no_config=_one_line(e)))
+            continue
+        results.append(ZooResult(name, note, rows, limit))
     return results
+
+
+def zoo_counts(results: list[ZooResult]) -> str:
+    """``211 architectures: 150 exact, 40 refused, 21 no tiny config``."""
+    counts = Counter(z.verdict for z in results)
+    found = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if counts[v])
+    return f"{len(results)} architectures: {found}"
 
 
 def _status(row: BackendRow) -> str:
@@ -303,7 +368,9 @@ def _status(row: BackendRow) -> str:
         return "not on this machine"
     if row.refused:
         return "refused"
-    return "exact" if all(c.ok for c in row.cells) else "FAILED"
+    if any(c.error is None and not c.ok for c in row.cells):
+        return "FAILED"
+    return "error" if any(c.error for c in row.cells) else "exact"
 
 
 def zoo_failures(results: list[ZooResult], requested: tuple[str, ...] | None = None) -> list[str]:
@@ -329,27 +396,37 @@ def zoo_failures(results: list[ZooResult], requested: tuple[str, ...] | None = N
 
 
 def format_zoo(results: list[ZooResult], markdown: bool = False) -> str:
-    """One line per architecture, one column per backend: exact / refused (first sentence of the reason
-    below: ``ValueError`` is transformers refusing, ``AttentionError`` padless) / FAILED."""
-    backends = [r.backend for r in results[0].rows] if results else []
+    """One line per architecture: its verdict on varlen (:attr:`ZooResult.verdict`), then one column per
+    backend: exact / refused / FAILED, each refusal or missing tiny config numbered with the first
+    sentence of its reason below (``ValueError`` is transformers refusing, ``AttentionError`` padless).
+    The count per verdict ends the table."""
+    backends = next(([r.backend for r in z.rows] for z in results if z.rows), [])
     reasons: dict[str, int] = {}
 
-    def cell(row: BackendRow) -> str:
-        text = _status(row)
-        if row.refused:
-            number = reasons.setdefault(row.refused.split(". ")[0], len(reasons) + 1)
-            text += f" [{number}]"
-        return text
+    def numbered(reason: str) -> str:
+        first = reason.split(". ")[0][:200].replace("|", "/")
+        return f"[{reasons.setdefault(first, len(reasons) + 1)}]"
 
-    table = [[z.name, z.exercises, f"{z.bound:.1e}", *(cell(r) for r in z.rows)] for z in results]
-    head = ["architecture", "what its tiny config exercises", "bound", *backends]
+    def cell(row: BackendRow) -> str:
+        return _status(row) + (f" {numbered(row.refused)}" if row.refused else "")
+
+    table = []
+    for z in results:
+        if z.no_config:
+            cells = ["-"] * len(backends)
+            table.append([z.name, f"no tiny config {numbered(z.no_config)}", z.exercises, "-", *cells])
+            continue
+        verdict = z.verdict + (f" {numbered(z.reason)}" if z.verdict == "refused" and z.reason else "")
+        table.append([z.name, verdict, z.exercises, f"{z.bound:.1e}", *(cell(r) for r in z.rows)])
+    head = ["architecture", "verdict", "what its tiny config exercises", "bound", *backends]
+    notes = [f"[{n}] {reason}" for reason, n in reasons.items()]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in table]
-        lines += ["", *(f"[{n}] {reason}  " for reason, n in reasons.items())]
+        lines += ["", zoo_counts(results), "", *(f"{note}  " for note in notes)]
         return "\n".join(lines)
     widths = [max(len(row[i]) for row in [head, *table]) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in table]
-    lines += ["", *(f"[{n}] {reason}" for reason, n in reasons.items())]
+    lines += ["", zoo_counts(results), "", *notes]
     return "\n".join(lines)

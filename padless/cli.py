@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from padless.attention import BACKENDS, backend_problem, set_varlen_kernel, validate_backend_name
+from padless.attention import backend_problem, set_varlen_kernel, validate_backend_name
+from padless.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
 from padless.interrupts import handled, interruption
 from padless.logs import log_failure, setup_logging
@@ -31,6 +32,7 @@ def _check(args: argparse.Namespace) -> int:
     from padless.sources import load_processor
     from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
     from padless.vision import is_vision_config
+    from padless.zoo import zoo_names
 
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
@@ -79,7 +81,13 @@ def _check(args: argparse.Namespace) -> int:
             f"sequence lengths {[len(s) for s in seqs]}  backends {','.join(backends)}\n"
         )
     if args.zoo:
-        results = check.run_zoo(seqs, pad_id, backends, dtype=dtype, device=device)
+        names = None if args.zoo == "all" else tuple(n.strip() for n in args.zoo.split(","))
+        unknown = sorted(set(names or ()) - set(zoo_names()))
+        if unknown:  # stops before any work
+            raise ValueError(
+                f"unknown zoo architecture {', '.join(unknown)}; `padless check --zoo` runs them all"
+            )
+        results = check.run_zoo(seqs, pad_id, backends, names, dtype=dtype, device=device)
         print(check.format_zoo(results, markdown=args.markdown))
         failed = check.zoo_failures(results, requested)
     else:
@@ -250,18 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     which.add_argument(
         "--zoo",
-        action="store_true",
-        help="every architecture of padless.zoo (tiny configs built in code); on CPU without --backends, "
-        "flex_attention is left out (it compiles a kernel per shape: minutes per architecture)",
+        nargs="?",
+        const="all",
+        metavar="NAMES",
+        help="the model zoo: padless's hand-built tiny configs and one derived from every causal-LM "
+        "architecture of the installed transformers (or a comma-separated subset of them); on CPU "
+        "without --backends, flex_attention is left out (it compiles a kernel per shape)",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    check.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, else float32"
-    )
+    check.add_argument("--dtype", choices=DTYPE_NAMES, help="default: bfloat16 on cuda, else float32")
     check.add_argument("--backends", help=f"comma-separated subset of {','.join(BACKENDS)}")
-    check.add_argument(
-        "--varlen-kernel", choices=["auto", "sdpa", "torch", "flash_attn"], help="pin varlen's kernel"
-    )
+    check.add_argument("--varlen-kernel", choices=VARLEN_KERNELS, help="pin varlen's kernel")
     check.add_argument("--markdown", action="store_true", help="with --zoo: print the support table only")
     check.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     check.set_defaults(func=_check)

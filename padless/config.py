@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
+from padless.choices import Backend, ModelDType, VarlenKernel
 from padless.config_loading import ConfigModel, invalid
 
 REPORTERS = ("tensorboard", "jsonl")
@@ -45,9 +46,9 @@ class LoraSettings(ConfigModel):
 class ModelSettings(ConfigModel):
     name: str = "tiny-qwen2"
     """embedded name, local dir or cached HF id"""
-    attn_implementation: Literal["varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "varlen"
-    varlen_kernel: Literal["auto", "sdpa", "torch", "flash_attn"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Backend = "varlen"
+    varlen_kernel: VarlenKernel = "auto"
+    dtype: ModelDType = "auto"
     """auto: bf16 on CUDA, fp32 on CPU"""
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None

@@ -7,7 +7,8 @@ import platform
 
 import torch
 
-from padless.attention import BACKENDS, VARLEN_KERNELS, backend_problem, varlen_kernel, varlen_kernel_problem
+from padless.attention import backend_problem, varlen_kernel, varlen_kernel_problem
+from padless.choices import BACKENDS, VARLEN_KERNELS
 
 PACKAGES = (
     "torch",

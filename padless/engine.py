@@ -14,6 +14,8 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -23,23 +25,81 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from padless import sequence_parallel
-from padless.attention import assert_attention, attention_in_use, runtime_context
-from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch
+from padless.attention import (
+    assert_attention,
+    attention_in_use,
+    hf_name,
+    runtime_context,
+    set_varlen_kernel,
+    varlen_kernel_choice,
+)
+from padless.choices import VARLEN_KERNELS
+from padless.config import TrainSettings
+from padless.errors import AttentionError
+from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.strategy import unwrap
 from padless.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
 DEFAULT_LOGITS_MEMORY_MB = 1024
-_logits_memory_bytes = DEFAULT_LOGITS_MEMORY_MB * 2**20
 
 
-def set_logits_memory(megabytes: int) -> None:
-    """Set the memory the fp32 logits of one micro-batch may take before the head runs in chunks."""
-    global _logits_memory_bytes
-    if megabytes <= 0:
-        raise ValueError(f"logits memory budget must be positive, got {megabytes} MB")
-    _logits_memory_bytes = megabytes * 2**20
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every pass of one engine runs with; it travels with the engine, never in process state.
+
+    ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
+    and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
+    (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
+    runs in chunks."""
+
+    varlen_kernel: str | None = None
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
+
+    def __post_init__(self) -> None:
+        if self.logits_memory_mb <= 0:
+            raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
+        if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
+            raise AttentionError(
+                f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
+            )
+
+    def pinned(self) -> contextlib.AbstractContextManager:
+        """The kernel pin in force inside the block, the previous choice back after it."""
+        return pinned_kernel(self.varlen_kernel)
+
+
+@contextlib.contextmanager
+def pinned_kernel(kernel: str | None) -> Iterator[None]:
+    """``kernel`` behind ``varlen`` inside the block (``None``: as it is), the previous choice after it."""
+    if kernel is None:
+        yield
+        return
+    before = varlen_kernel_choice()
+    set_varlen_kernel(kernel)
+    try:
+        yield
+    finally:
+        set_varlen_kernel(before)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the engine lays a packed batch out for the model: packed (one row, explicit bounds), or padded
+    on ``side`` with ``pad_id`` (the comparison mode: pad compute and a mask). Results come back per token
+    in packed order ``[T]`` either way, so recipes never branch on the layout."""
+
+    side: Side | None = None  # None: packed
+    pad_id: int = 0
+
+    @classmethod
+    def of(cls, train: TrainSettings, pad_id: int) -> BatchLayout:
+        """The layout ``train.batching`` / ``train.padding_side`` ask for."""
+        return cls(train.padding_side if train.batching == "padded" else None, pad_id)
+
+
+PACKED = BatchLayout()
 
 
 @dataclass
@@ -51,11 +111,23 @@ class TokenOutputs:
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
 
 
+def loaded_backend(model: torch.nn.Module) -> str:
+    """The backend the model was loaded with (or switched to by :func:`use_backend`), else the one its
+    config dispatches to."""
+    inner = unwrap(model)
+    return getattr(inner, "padless_attention", None) or attention_in_use(inner)
+
+
+def use_backend(model: PreTrainedModel, backend: str) -> None:
+    """Switch a loaded model to ``backend`` and record it: every forward checks the model against it."""
+    model.set_attn_implementation(hf_name(backend))
+    model.padless_attention = backend
+
+
 def checked_backend(model: torch.nn.Module) -> str:
     """The backend the model was loaded with, after checking its config still dispatches to it."""
-    inner = unwrap(model)
-    backend = getattr(inner, "padless_attention", None) or attention_in_use(inner)
-    assert_attention(inner, backend)
+    backend = loaded_backend(model)
+    assert_attention(unwrap(model), backend)
     return backend
 
 
@@ -241,6 +313,7 @@ def forward_packed(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     logp_weights: torch.Tensor | None = None,
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
 ) -> TokenOutputs:
     """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
     hidden = hidden_states(model, batch)[0]
@@ -252,6 +325,7 @@ def forward_packed(
         temperature=temperature,
         chunk_tokens=chunk_tokens,
         logp_weights=logp_weights,
+        logits_memory_mb=logits_memory_mb,
     )
 
 
@@ -264,11 +338,12 @@ def logps_from_hidden(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     logp_weights: torch.Tensor | None = None,
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
 ) -> TokenOutputs:
     """The LM head and log-softmax over hidden states ``[T, H]``, on the positions that have a label only.
 
-    The fp32 logits of those positions are computed whole when they fit the logits memory budget
-    (:func:`set_logits_memory`), else in chunks of rows that do (``chunk_tokens`` forces a chunk size).
+    The fp32 logits of those positions are computed whole when they fit ``logits_memory_mb`` (see
+    :class:`EngineSettings`), else in chunks of rows that do (``chunk_tokens`` forces a chunk size).
     With ``logp_weights`` ``[T]`` (known before the forward: SFT's NLL), the result's ``weighted`` is
     ``sum_t w_t logp_t`` and carries the gradient, computed in the forward chunk loop at no extra head
     pass (:class:`_WeightedLogps`); ``logps`` and ``entropy`` are then values only. Without weights,
@@ -282,7 +357,7 @@ def logps_from_hidden(
         rows = None  # every position has a label: no gather
     h = hidden if rows is None else hidden[rows]
     y = labels if rows is None else labels[rows]
-    step = chunk_tokens or max(1, _logits_memory_bytes // (4 * head.vocab))
+    step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
     weighted = None
     if logp_weights is not None and head.fusable():
         w = logp_weights if rows is None else logp_weights[rows]
@@ -353,12 +428,19 @@ class EngineOutput(NamedTuple):
 
 class ModelEngine(torch.nn.Module):
     """A causal LM (policy / reference) or a scalar-head model (reward / value), optionally with a value
-    model beside a policy (PPO's actor-critic: one optimizer, one wrapper, one checkpoint for both)."""
+    model beside a policy (PPO's actor-critic: one optimizer, one wrapper, one checkpoint for both), and
+    the :class:`EngineSettings` its passes run with."""
 
-    def __init__(self, model: torch.nn.Module, value: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        value: torch.nn.Module | None = None,
+        settings: EngineSettings | None = None,
+    ):
         super().__init__()
         self.model = model
         self.value = value
+        self.settings = settings or EngineSettings()
         # FSDP2's transformer auto-wrap reads the layer classes here (the models' own lists, merged)
         self._no_split_modules = sorted(
             {name for m in (model, value) if m is not None for name in _no_split(m)}
@@ -373,8 +455,9 @@ class ModelEngine(torch.nn.Module):
 
     def forward(
         self,
-        batch: PackedBatch | PaddedBatch | None = None,
+        batch: PackedBatch | None = None,
         *,
+        layout: BatchLayout = PACKED,
         logps: bool = False,
         entropy: bool = False,
         temperature: float = 1.0,
@@ -386,26 +469,41 @@ class ModelEngine(torch.nn.Module):
         model (or from this model's own scalar head), or — with ``generate`` — token ids from
         ``generate(**generate)`` (inside this forward, so sharded parameters are gathered for it).
 
-        ``logp_weights`` ``[T]`` (a packed batch's loss weights, known before the forward: SFT) gives
-        ``weighted = sum_t w_t logps_t``, whose gradient the head computes in its forward pass; the
-        log-probs are then values only (see :func:`logps_from_hidden`).
+        The model sees ``batch`` in ``layout``; results are per token in packed order ``[T]`` either way.
+        ``logp_weights`` ``[T]`` (the loss weights, known before the forward: SFT) gives
+        ``weighted = sum_t w_t logps_t``: packed, its gradient is computed in the head's forward pass and
+        the log-probs are values only (see :func:`logps_from_hidden`).
 
         Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
         :mod:`padless.sequence_parallel`) and every rank returns the whole row's results."""
-        if generate is not None:
-            return self.model.generate(**generate)
-        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
-        if self.sequence_parallel is None:
-            return self._forward(batch, logp_weights=logp_weights, **kw)
-        if not isinstance(batch, PackedBatch):
-            raise sequence_parallel.SequenceParallelError(
-                "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens or packing"
-            )
-        return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+        with self.settings.pinned():
+            if generate is not None:
+                return self.model.generate(**generate)
+            if not isinstance(batch, PackedBatch):
+                raise ValueError(
+                    f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
+                    "passes the packed batch with layout=BatchLayout(side, pad_id)"
+                )
+            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+            if layout.side is not None:
+                if self.sequence_parallel is not None:
+                    raise sequence_parallel.SequenceParallelError(
+                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                        "or packing"
+                    )
+                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+            if self.sequence_parallel is None:
+                return self._forward(batch, logp_weights=logp_weights, **kw)
+            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+
+    @property
+    def scorer(self) -> torch.nn.Module:
+        """The model whose scalar head gives values and scores: the value model, else this model."""
+        return self.value if self.value is not None else self.model
 
     def _forward(
         self,
-        batch: PackedBatch | PaddedBatch | None,
+        batch: PackedBatch,
         *,
         logps: bool,
         entropy: bool,
@@ -413,21 +511,45 @@ class ModelEngine(torch.nn.Module):
         logp_weights: torch.Tensor | None,
         values: bool,
     ) -> EngineOutput:
+        """The packed pass (one chunk of the row under sequence parallelism)."""
         out = EngineOutput()
         if logps:
-            if isinstance(batch, PackedBatch):
-                tokens = forward_packed(
-                    self.model, batch, entropy=entropy, temperature=temperature, logp_weights=logp_weights
-                )
-                out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
-            elif logp_weights is not None:
-                raise ValueError("logp_weights applies to packed batches only")
-            else:
-                out = out._replace(logps=forward_padded(self.model, batch, temperature=temperature))
-        if values:
-            out = out._replace(
-                values=forward_scores(self.value if self.value is not None else self.model, batch)
+            tokens = forward_packed(
+                self.model,
+                batch,
+                entropy=entropy,
+                temperature=temperature,
+                logp_weights=logp_weights,
+                logits_memory_mb=self.settings.logits_memory_mb,
             )
+            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+        if values:
+            out = out._replace(values=forward_scores(self.scorer, batch))
+        return out
+
+    def _padded(
+        self,
+        batch: PackedBatch,
+        layout: BatchLayout,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
+        """The comparison mode: ``batch`` padded on ``layout.side`` (full logits, pad compute), results
+        gathered back to packed order."""
+        if entropy:
+            raise ValueError("entropy is computed on packed batches only; use train.batching: tokens")
+        padded = to_padded(batch, layout.side, layout.pad_id)
+        out = EngineOutput()
+        if logps:
+            tokens = unpad(forward_padded(self.model, padded, temperature=temperature), padded.attention_mask)
+            weighted = None if logp_weights is None else (tokens * logp_weights).sum()
+            out = out._replace(logps=tokens, weighted=weighted)
+        if values:
+            out = out._replace(values=unpad(forward_scores(self.scorer, padded), padded.attention_mask))
         return out
 
 
@@ -449,6 +571,18 @@ def inner_engine(prepared: torch.nn.Module) -> ModelEngine:
     return engine
 
 
+@contextlib.contextmanager
+def reference_engine(policy: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The engine reference passes (DPO, RL) run through inside the block: the frozen copy ``ref_model``,
+    or, without one, the (prepared) LoRA ``policy`` with its adapters off: the starting policy, without a
+    second copy of the weights."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with inner_engine(policy).model.disable_adapter():
+        yield policy
+
+
 def score_positions(batch: PackedBatch, pad_token_id: int | None) -> torch.Tensor:
     """``[N]`` where each sequence's score is read: its last token that is not ``pad_token_id``.
 
@@ -467,12 +601,12 @@ def score_positions(batch: PackedBatch, pad_token_id: int | None) -> torch.Tenso
 
 def score_pad_id(prepared: torch.nn.Module) -> int | None:
     """The pad id the scorer's config names (where its scores are read), as transformers reads it."""
-    engine = inner_engine(prepared)
-    scorer = engine.value if engine.value is not None else engine.model
-    return unwrap(scorer).config.pad_token_id
+    return unwrap(inner_engine(prepared).scorer).config.pad_token_id
 
 
-def sequence_scores(prepared: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+def sequence_scores(
+    prepared: torch.nn.Module, batch: PackedBatch, layout: BatchLayout = PACKED
+) -> torch.Tensor:
     """One score per sequence ``[N]`` through the engine, read at :func:`score_positions`."""
-    values = prepared(batch, values=True).values
+    values = prepared(batch, layout=layout, values=True).values
     return values[score_positions(batch, score_pad_id(prepared))]

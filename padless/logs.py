@@ -103,8 +103,8 @@ def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) ->
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     kernel = (
-        f"kernel {probe['kernel']} (proved by the load-time probe: {probe['calls']} calls, packed vs alone "
-        f"max |delta| {probe['max_delta_hidden']:.1e})"
+        f"kernel {probe['kernel']} (proved by the load-time probe: {probe['calls']} calls; packed through "
+        f"padless's head vs its own forward alone, max |delta log-prob| {probe['max_delta_logps']:.1e})"
         if probe
         else "kernel not probed"
     )

@@ -10,10 +10,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from padless import sources
 from padless.attention import assert_attention, hf_name, require_backend
+from padless.choices import DTYPE_NAMES
+from padless.engine import pinned_kernel
 from padless.probe import probe_attention
 
 Task = Literal["causal-lm", "score"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -46,6 +48,7 @@ def load_model(
     probe: bool = True,
     pad_id: int | None = None,
     trust_remote_code: bool = False,
+    varlen_kernel: str | None = None,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
@@ -53,22 +56,25 @@ def load_model(
     folder by :mod:`padless.sources` (never downloaded), which gives the model a config object of its own.
     A scorer whose config names no pad token gets ``pad_id`` (its tokenizer's, see :func:`pad_token_id`):
     scores are read at the last token that is not it, as transformers' sequence classifiers read them.
+    ``varlen_kernel`` is the kernel the model's engine will pin (:class:`padless.engine.EngineSettings`):
+    it is checked and proven here with that pin.
     """
-    require_backend(attn_implementation, device, training)
-    torch_dtype = resolve_dtype(dtype)
-    kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
-    model = sources.load_pretrained(
-        name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
-    )
-    if task == "score" and model.config.pad_token_id is None:
-        model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
-    model.to(device)
-    model.train(training)
-    model.padless_attention = attn_implementation
-    if probe:
-        model.padless_probe = probe_attention(model, attn_implementation)  # what ran: the run log says it
-    else:
-        assert_attention(model, attn_implementation)
+    with pinned_kernel(varlen_kernel):  # the kernel the engine pins is the one checked and proven
+        require_backend(attn_implementation, device, training)
+        torch_dtype = resolve_dtype(dtype)
+        kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
+        model = sources.load_pretrained(
+            name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
+        )
+        if task == "score" and model.config.pad_token_id is None:
+            model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
+        model.to(device)
+        model.train(training)
+        model.padless_attention = attn_implementation
+        if probe:
+            model.padless_probe = probe_attention(model, attn_implementation)  # what ran: the run log says it
+        else:
+            assert_attention(model, attn_implementation)
     return model
 
 

@@ -1,17 +1,27 @@
-"""Proof, at load time, that the requested attention backend is the one running and that packed
-sequences stay apart on it."""
+"""Proof, at load time, that a model trains on the numbers its own forward computes.
+
+On a packed row of random sequences, padless's per-token log-probs (the requested attention backend,
+padless's LM head on its whole, chunked and fused paths, a temperature applied as training applies it)
+are compared with ``log_softmax`` of the model's *own* ``forward().logits`` on each sequence alone, on
+transformers' eager attention. Whatever the model does that padless does not reproduce, whether
+attention leaking between sequences, a dropped attention argument, or a logits transform padless has no
+name for, shows as a difference over the round-off bound, and loading stops with it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from padless.attention import VARLEN_NAME, assert_attention, runtime_context, text_config
+from padless.engine import logps_from_hidden
 from padless.errors import AttentionError
+from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
 from padless.vision import uses_mrope
@@ -42,19 +52,35 @@ def count_attention_calls() -> Iterator[Counter[str]]:
         mapping.update(originals)
 
 
+# The sequences the probe packs: the lengths `padless check` compares (padless.check.DEFAULT_LENGTHS), the
+# longest grown past the model's sliding window or attention chunk when that is short enough to afford.
+PROBE_LENGTHS = (4, 19, 77, 160)
+PROBE_MAX_LENGTH = 1024
+PROBE_TEMPERATURE = 0.7  # a temperature other than 1 on one path: RL divides the logits by its own
+# Config keys whose value is a span of tokens that attention (or a layer's state) treats differently.
+SPAN_KEYS = ("sliding_window", "attention_chunk_size", "chunk_size", "conv_kernel", "local_window_size")
 
-PROBE_MAX_LENGTH = 64  # the probe's longer sequence outgrows sliding windows up to this size
+
+class ReferenceForwardError(AttentionError):
+    """transformers' own forward of the model failed, so there is nothing to prove padless against."""
 
 
-def _probe_inputs(config: Any, device: torch.device) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """Two random sequences and the kwargs of their packed row. The first outgrows the model's sliding
-    window when that is short enough to afford (longer windows are covered by tests, not at load)."""
-    gen = torch.Generator().manual_seed(0)
-    window = getattr(config, "sliding_window", None) or 0
-    lens = (max(11, min(window + 3, PROBE_MAX_LENGTH)), 5)
-    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lens]
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
-    return seqs, {
+def probe_lengths(config: Any) -> tuple[int, ...]:
+    """:data:`PROBE_LENGTHS`, the longest past every window or chunk of ``config`` up to
+    :data:`PROBE_MAX_LENGTH`, and never past the model's positions."""
+    spans = [v for k in SPAN_KEYS if isinstance(v := getattr(config, k, None), int) and v > 0]
+    longest = min(max([PROBE_LENGTHS[-1], *(s + 3 for s in spans)]), PROBE_MAX_LENGTH)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        longest = min(longest, positions)
+    return (*(min(n, longest) for n in PROBE_LENGTHS[:-1]), longest)
+
+
+def _packed_kwargs(seqs: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The forward kwargs of ``seqs`` packed in one row, with their boundaries."""
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return {
         "input_ids": torch.cat(seqs)[None],
         "position_ids": torch.cat([torch.arange(n, device=device) for n in lens])[None],
         "cu_seq_lens_q": cu,
@@ -91,23 +117,99 @@ def _eager(model: torch.nn.Module) -> Iterator[None]:
             config._attn_implementation_internal = implementation
 
 
-def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | None = None) -> dict[str, Any]:
-    """Prove ``backend`` runs and computes what eager computes on packed sequences; raise if not.
+def model_name(model: torch.nn.Module) -> str:
+    """``Qwen2ForCausalLM (qwen2)``: how errors name the architecture."""
+    model_type = getattr(model.config, "model_type", None)
+    return type(model).__name__ + (f" ({model_type})" if model_type else "")
 
-    Runs two random sequences packed on ``backend``, counting calls of the registered attention
-    functions, and compares per-token hidden states with each sequence run alone on transformers'
-    eager attention: an independent reference, so a kernel that is consistent but wrong (a dropped
-    soft-cap, sink or window) fails here as surely as one that leaks between sequences. The bound
-    scales with the hidden states' size (:mod:`padless.tolerance`); ``tolerance`` overrides it.
+
+@dataclass
+class ProbeReference:
+    """The probe's random sequences (:func:`probe_lengths`) and each run alone through the model's own
+    forward on eager attention: its logits ``[L, V]`` (fp32) and the hidden states its LM head received
+    ``[L, H]``. Independent of the backend proved: `padless check` computes it once per model."""
+
+    seqs: list[torch.Tensor]
+    logits: list[torch.Tensor]
+    head_inputs: list[torch.Tensor]
+
+
+def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
+    """``model(input_ids)`` on each probe sequence alone, eager attention, no cache: transformers' own
+    computation. A failure in it is transformers', and is said to be (``purpose``: what it is the
+    reference of, for the message)."""
+    config = text_config(model)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
+    ]
+    inputs: list[torch.Tensor] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _, args: inputs.append(args[0][0].float())
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _eager(model):
+            logits = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+    except Exception as e:
+        raise ReferenceForwardError(
+            f"{model_name(model)}: transformers' own forward failed on eager attention, the reference of "
+            f"{purpose}: {type(e).__name__}: {' '.join(str(e).split())[:300]}. Nothing can be proved "
+            "for this model, so padless does not train it; if it runs elsewhere, report it with "
+            "`padless doctor` output."
+        ) from e
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return ProbeReference(seqs, logits, inputs)
+
+
+def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits[:-1] / temperature).log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def head_paths(total: int, device: torch.device) -> dict[str, dict[str, Any]]:
+    """The ways training turns hidden states into log-probs, as keyword arguments of
+    :func:`padless.engine.logps_from_hidden`: logits whole, in chunks, with the loss's weights (fused for
+    a plain linear head, through autograd for others, as training runs them), and at a temperature."""
+    third = max(1, -(-total // 3))
+    return {
+        "whole": {"chunk_tokens": total},
+        "chunked": {"chunk_tokens": third},
+        "fused": {"logp_weights": torch.ones(total, device=device), "chunk_tokens": third},
+        f"temperature {PROBE_TEMPERATURE}": {"temperature": PROBE_TEMPERATURE, "chunk_tokens": total},
+    }
+
+
+def probe_attention(
+    model: torch.nn.Module,
+    backend: str,
+    tolerance: float | None = None,
+    reference: ProbeReference | None = None,
+) -> dict[str, Any]:
+    """Prove that ``model`` on ``backend`` trains on the log-probs its own forward computes; raise if not.
+
+    Runs the probe's sequences packed on ``backend`` (counting calls of the registered attention
+    functions: the kernel asked for must be the one running), through padless's LM head on every path
+    of :func:`head_paths`, and compares per-token log-probs with ``log_softmax`` of the model's own
+    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given).
+    The hidden states the model's own head received are compared too, to say whether attention or the
+    head differs. Bounds scale with the size of what is compared (:mod:`padless.tolerance`);
+    ``tolerance`` overrides them.
     """
     assert_attention(model, backend)
+    reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    config = text_config(model)
-    layers = config.num_hidden_layers
-    seqs, packed_kwargs = _probe_inputs(config, device)
+    layers = text_config(model).num_hidden_layers
+    seqs = reference.seqs
+    packed_kwargs = _packed_kwargs(seqs, device)
     if uses_mrope(model.config):  # packed M-RoPE ids: the text row on 3 rope rows (all equal for text)
         packed_kwargs["position_ids"] = packed_kwargs["position_ids"].expand(4, 1, -1)
+    labels = torch.cat([torch.cat([s[1:], s.new_full((1,), IGNORE_INDEX)]) for s in seqs])
+    predicted = labels != IGNORE_INDEX
     decoder = model.get_decoder()
     was_training = model.training
     model.eval()
@@ -115,21 +217,13 @@ def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | Non
         with torch.no_grad(), runtime_context(backend, device):
             kernels_before = Counter(KERNEL_CALLS)
             with count_attention_calls() as counts:
-                packed = decoder(**packed_kwargs, use_cache=False).last_hidden_state[0].float()
+                hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
             kernels = sorted((KERNEL_CALLS - kernels_before).keys())
-            with _eager(model):
-                alone = torch.cat(
-                    [
-                        decoder(
-                            input_ids=s[None],
-                            position_ids=torch.arange(len(s), device=device)[None],
-                            use_cache=False,
-                        )
-                        .last_hidden_state[0]
-                        .float()
-                        for s in seqs
-                    ]
-                )
+            paths = head_paths(len(labels), device)
+            ours = {
+                name: logps_from_hidden(model, hidden, labels, **kw).logps[predicted]
+                for name, kw in paths.items()
+            }
     finally:
         model.train(was_training)
     expected = {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" else {}
@@ -140,19 +234,74 @@ def probe_attention(model: torch.nn.Module, backend: str, tolerance: float | Non
             f"(expected {expected or 'the eager default'} over {layers} layers). transformers chose "
             "another kernel; check attn_implementation and that the kernel's package is installed."
         )
-    delta = (packed - alone).abs().max().item()
-    limit = tolerance if tolerance is not None else bound(dtype, alone.abs().max().item())
-    if not delta <= limit:
+    alone_hidden = torch.cat(reference.head_inputs)
+    delta_hidden = (hidden.float() - alone_hidden).abs().max().item()
+    limit_hidden = tolerance if tolerance is not None else bound(dtype, alone_hidden.abs().max().item())
+    deltas, magnitude = {}, 0.0
+    for name, kw in paths.items():
+        t = kw.get("temperature", 1.0)
+        own = torch.cat([_next_token_logps(x, s, t) for x, s in zip(reference.logits, seqs, strict=True)])
+        largest_logit = max(x[:-1].abs().max().item() for x in reference.logits) / t
+        magnitude = max(magnitude, own.abs().max().item(), largest_logit)
+        deltas[name] = (ours[name] - own).abs().max().item()
+    limit = tolerance if tolerance is not None else bound(dtype, magnitude)
+    worst = max(deltas, key=lambda name: deltas[name])
+    if not deltas[worst] <= limit:
         raise AttentionError(
-            f"attention {backend!r} leaks between packed sequences or drops an attention argument: packed, "
-            f"its hidden states differ from each sequence alone on eager by {delta:.3g} > {limit:.3g}; "
-            "report this with `padless doctor` output."
+            _mismatch(model, backend, worst, deltas[worst], limit, delta_hidden, limit_hidden)
         )
     kernel = ",".join(k.removeprefix("varlen:") for k in kernels) if backend == "varlen" else backend
     return {
         "backend": backend,
         "kernel": kernel,
         "calls": sum(counts.values()),
-        "max_delta_hidden": delta,
+        "lengths": [len(s) for s in seqs],
+        "max_delta_logps": deltas[worst],
         "bound": limit,
+        "max_delta_hidden": delta_hidden,
     }
+
+
+def _packed_hidden(
+    model: torch.nn.Module, decoder: torch.nn.Module, packed_kwargs: dict[str, Any], backend: str
+) -> torch.Tensor:
+    """The decoder's last hidden states ``[T, H]`` on the packed row; a failure is a refusal, said so."""
+    try:
+        return decoder(**packed_kwargs, use_cache=False).last_hidden_state[0]
+    except AttentionError:
+        raise
+    except Exception as e:
+        raise AttentionError(
+            f"{model_name(model)}: padless's packed forward on {backend!r} failed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); padless runs every forward packed through the model's "
+            "decoder, so it does not support this architecture"
+        ) from e
+
+
+def _mismatch(
+    model: torch.nn.Module,
+    backend: str,
+    path: str,
+    delta: float,
+    limit: float,
+    hidden: float,
+    hidden_limit: float,
+) -> str:
+    """Why the probe failed: attention (the hidden states the head reads differ too) or the head."""
+    measured = (
+        f"per-token log-probs ({path} head path) differ from the model's own forward on each sequence "
+        f"alone (eager) by {delta:.3g} > bound {limit:.3g}"
+    )
+    if not hidden <= hidden_limit:
+        return (
+            f"{model_name(model)}: attention {backend!r} leaks between packed sequences or drops an "
+            "attention argument: packed, "
+            f"{measured}, and the hidden states its LM head reads by {hidden:.3g} > {hidden_limit:.3g}; "
+            "report this with `padless doctor` output."
+        )
+    return (
+        f"{model_name(model)} computes logits that padless's LM head does not reproduce: {measured}, while "
+        f"the hidden states its LM head reads agree ({hidden:.2g}): its forward transforms the logits in a "
+        "way padless has no name for, and padless refuses to train on numbers other than the model's. "
+        "Report it with `padless doctor` output."
+    )

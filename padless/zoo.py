@@ -259,11 +259,46 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
+def zoo_names() -> list[str]:
+    """The whole zoo: the hand-built configs, then every other causal-LM model type of transformers (a
+    hand-built config named after a model type, e.g. ``qwen2``, stands for it)."""
+    return [*ZOO, *(t for t in causal_lm_types() if t not in ZOO)]
+
+
 def zoo_config(name: str) -> PretrainedConfig:
-    """A fresh config (transformers writes into config objects: never share one between models)."""
-    if name not in ZOO:
-        raise ValueError(f"unknown zoo architecture {name!r}; choose one of {', '.join(ZOO)}")
-    return ZOO[name].config()
+    """A fresh config (transformers writes into config objects: never share one between models): the
+    hand-built one, else one derived from the model type's defaults (:func:`derived_config`)."""
+    if name in ZOO:
+        return ZOO[name].config()
+    if name in causal_lm_types():
+        return derived_config(name)
+    raise ValueError(
+        f"unknown zoo architecture {name!r}; choose one of {', '.join(ZOO)} or a causal-LM model type of "
+        "transformers (padless check --zoo lists them)"
+    )
+
+
+def exercises(name: str, config: PretrainedConfig) -> str:
+    """What a zoo config exercises: the hand-built entry's note, or what a derived config kept."""
+    if name in ZOO:
+        return ZOO[name].exercises
+    text = config.get_text_config()
+    found = [
+        f"{k.replace('_', ' ')} {v}"
+        for k in OPTIONAL - {"num_key_value_heads", "q_lora_rank"}
+        if isinstance(v := getattr(text, k, None), int)
+    ]
+    kinds = sorted(set(getattr(text, "layer_types", None) or ()))
+    if len(kinds) > 1:
+        found.append("layers " + " / ".join(kinds))
+    if getattr(text, "kv_lora_rank", None):
+        found.append("MLA")
+    if any(
+        isinstance(getattr(text, k, None), int)
+        for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    ):
+        found.append("MoE")
+    return "derived: " + (", ".join(found) or "defaults shrunk")
 
 
 def build_zoo_model(name: str, attn_implementation: str, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -285,3 +320,87 @@ def scale_head(model: PreTrainedModel, factor: float) -> None:
         head.weight.mul_(factor)
         if getattr(head, "bias", None) is not None:
             head.bias.mul_(factor)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tiny configs derived from every causal-LM architecture transformers registers
+# ----------------------------------------------------------------------------------------------------------
+
+# Config key -> its tiny value, set wherever an architecture's config has the key (and, for the keys of
+# optional features, a value: a window or an MLA rank that is None stays off).
+TINY_SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim"), HIDDEN),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers"), LAYERS),
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads"), HEADS
+    ),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), HEAD_DIM),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "decoder_ffn_dim"), INTERMEDIATE
+    ),
+    **dict.fromkeys(("vocab_size",), VOCAB_SIZE),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "n_ctx"), 1024),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_selected_experts"), 2),
+    **dict.fromkeys(
+        ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32
+    ),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group"), 1),
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 8,
+    **dict.fromkeys(("rotary_dim", "rotary_emb_base_dim"), HEAD_DIM // 2),
+    **dict.fromkeys(("sliding_window", "attention_chunk_size", "local_window_size"), WINDOW),
+    "initializer_range": INIT_STD,
+}
+OPTIONAL = frozenset(
+    {"sliding_window", "attention_chunk_size", "local_window_size", "q_lora_rank", "num_key_value_heads"}
+)
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type in transformers' causal-LM auto mapping (the installed release's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _tiny_kwargs(defaults: dict[str, object]) -> dict[str, object]:
+    """The overrides that shrink one config (given as its defaults) to the zoo's size."""
+    kwargs: dict[str, object] = {
+        key: value
+        for key, value in TINY_SIZES.items()
+        if key in defaults and not (key in OPTIONAL and defaults[key] is None)
+    }
+    types = defaults.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = list(dict.fromkeys(types))  # every kind of layer once, in order: mixed stays mixed
+        layers = max(LAYERS, len(kinds))
+        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+        kwargs.update({k: layers for k in TINY_SIZES if TINY_SIZES[k] == LAYERS and k in defaults})
+    if defaults.get("kv_lora_rank") and "num_key_value_heads" in kwargs:  # MLA: one latent per query head
+        kwargs["num_key_value_heads"] = HEADS
+    for key, value in defaults.items():  # special tokens inside the tiny vocabulary
+        if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB_SIZE:
+            kwargs[key] = VOCAB_SIZE - 1
+    kwargs.update({"pad_token_id": PAD_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False})
+    return {k: v for k, v in kwargs.items() if k in defaults or k == "tie_word_embeddings"}
+
+
+def derived_config(model_type: str) -> PretrainedConfig:
+    """A tiny config of ``model_type``, derived from its config class's defaults: sizes shrunk
+    (:data:`TINY_SIZES`), windows and chunks cut to ``WINDOW`` tokens, every kind of layer kept. Raises
+    whatever transformers raises when the architecture cannot be built that way."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    kwargs = _tiny_kwargs(defaults)
+    for key in cls.sub_configs:  # composite configs (text + vision): shrink each part
+        if isinstance(defaults.get(key), dict):
+            kwargs[key] = {**defaults[key], **_tiny_kwargs(defaults[key])}
+    return cls(**kwargs, dtype="float32")

@@ -116,3 +116,14 @@ def models() -> dict[str, torch.nn.Module]:
 def reference(models, probe_seqs, alone_logps) -> list[torch.Tensor]:
     """Each probe sequence alone on eager: next-token log-probs ``[L_i - 1]``."""
     return alone_logps(models["eager"], probe_seqs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``zoo_full`` tests (every causal-LM architecture of transformers: minutes) run only when asked
+    for with ``-m zoo_full``; the suite runs CI's representative subset of the zoo."""
+    if "zoo_full" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="the whole zoo: run with -m zoo_full")
+    for item in items:
+        if "zoo_full" in item.keywords:
+            item.add_marker(skip)

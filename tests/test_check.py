@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -245,17 +247,24 @@ def test_zoo_failures_and_table():
     assert zoo_failures([ok, missing], requested=("flash_attention_2",)) == [
         "flash_attention_2 is not on this machine: needs CUDA"
     ]
-    table = format_zoo([ok, bad]).splitlines()
-    assert table[1].split()[:3] == ["llama3", "GQA", "1.0e-05"] and table[1].split()[3:] == [
-        "exact",
+    none = ZooResult("bert", "", [], math.nan, no_config="TypeError: no tiny config. Details")
+    assert [ok.verdict, bad.verdict, none.verdict] == ["exact", "FAILED", "no tiny config"]
+    table = format_zoo([ok, bad, none]).splitlines()
+    assert table[1].split()[:4] == ["llama3", "exact", "GQA", "1.0e-05"]
+    assert table[1].split()[4:] == ["exact", "refused", "[1]"]
+    assert table[2].split()[:2] == ["mistral", "FAILED"] and table[2].split()[4:] == [
+        "FAILED",
         "refused",
-        "[1]",
+        "[2]",
     ]
-    assert table[2].split()[3:] == ["FAILED", "refused", "[2]"]
-    assert table[-2:] == ["[1] ValueError: no", "[2] x"]  # first sentence of each reason, numbered once
+    assert table[3].split()[:5] == ["bert", "no", "tiny", "config", "[3]"]
+    assert "3 architectures: 1 exact, 1 no tiny config, 1 FAILED" in table
+    assert table[-3:] == ["[1] ValueError: no", "[2] x", "[3] TypeError: no tiny config"]
     markdown = format_zoo([ok], markdown=True).splitlines()
-    assert markdown[0] == "| architecture | what its tiny config exercises | bound | varlen | sdpa |"
-    assert markdown[2] == "| llama3 | GQA | 1.0e-05 | exact | refused [1] |"
+    assert (
+        markdown[0] == "| architecture | verdict | what its tiny config exercises | bound | varlen | sdpa |"
+    )
+    assert markdown[2] == "| llama3 | exact | GQA | 1.0e-05 | exact | refused [1] |"
 
 
 # ----------------------------------------------------------------------------------------------------------

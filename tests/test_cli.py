@@ -116,15 +116,26 @@ def test_check_zoo_that_checked_nothing_fails(capsys):
 
 
 def test_check_zoo_markdown(capsys):
-    assert main(["check", "--zoo", "--backends", "varlen", "--markdown"]) == 0
+    names = "gemma2,gpt-oss,qwen3-next,cohere"
+    assert main(["check", "--zoo", names, "--backends", "varlen", "--markdown"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| architecture | what its tiny config exercises | bound | varlen |"
+    assert lines[0] == "| architecture | verdict | what its tiny config exercises | bound | varlen |"
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:] if line.startswith("|")}
-    assert rows["gemma2"].endswith("| exact |") and rows["gpt-oss"].endswith("| exact |")
-    assert rows["qwen3-next"].endswith("| refused [1] |")
+    assert list(rows) == names.split(",")
+    assert rows["gemma2"].startswith("| gemma2 | exact |") and rows["gemma2"].endswith("| exact |")
+    assert rows["qwen3-next"].endswith("| refused [1] |") and rows["cohere"].endswith("| refused [2] |")
+    assert "4 architectures: 2 exact, 2 refused" in lines
     assert any(
         line.startswith("[1] AttentionError: qwen3_next has linear_attention layers") for line in lines
     )
+    assert any(
+        line.startswith("[2] AttentionError: CohereForCausalLM (cohere) computes logits") for line in lines
+    )
+
+
+def test_check_zoo_refuses_an_unknown_name(capsys):
+    assert main(["check", "--zoo", "llama3,lama4"]) == 2
+    assert "unknown zoo architecture lama4" in capsys.readouterr().err
 
 
 def test_check_option_errors(capsys):

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-import padless.engine as engine_module
 from padless.attention import attention_in_use
 from padless.engine import (
+    EngineSettings,
     ModelEngine,
     forward_packed,
     forward_padded,
@@ -18,7 +18,6 @@ from padless.engine import (
     logps_from_hidden,
     score_head,
     sequence_scores,
-    set_logits_memory,
 )
 from padless.model import DTYPES, disable_dropout, load_model, load_tokenizer, resolve_dtype
 from padless.packing import IGNORE_INDEX, Example, pack, to_padded, unpad
@@ -240,10 +239,11 @@ def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monke
     hidden, labels, weights = _head_inputs(model)
     kept = int((labels != IGNORE_INDEX).sum())  # only labelled positions reach the head
     calls = _count_head_matmuls(monkeypatch)
+    budget = {"logits_memory_mb": EngineSettings().logits_memory_mb}
 
     def matmuls() -> tuple[int, int]:
         calls[0] = 0
-        out = logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None)
+        out = logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None, **budget)
         forward = calls[0]
         (out.weighted if fused else (out.logps * weights).sum()).backward()
         return forward, calls[0] - forward
@@ -251,13 +251,13 @@ def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monke
     def eval_matmuls() -> int:
         calls[0] = 0
         with torch.no_grad():
-            logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None)
+            logps_from_hidden(model, hidden, labels, logp_weights=weights if fused else None, **budget)
         return calls[0]
 
     assert matmuls() == ((3, 0) if fused else (1, 0))
     assert eval_matmuls() == 1
     budget_mb = 1  # 64 rows of the 4,096-token vocabulary's fp32 logits
-    monkeypatch.setattr(engine_module, "_logits_memory_bytes", budget_mb * 2**20)
+    budget["logits_memory_mb"] = budget_mb
     chunks = -(-kept // 64)
     assert chunks > 1
     assert matmuls() == ((3 * chunks, 0) if fused else (chunks, chunks))
@@ -266,7 +266,7 @@ def test_head_chunks_only_past_the_memory_budget_and_fused_chunks_run_once(monke
 
 def test_logits_memory_budget_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
-        set_logits_memory(0)
+        EngineSettings(logits_memory_mb=0)
 
 
 def test_fused_head_gradient_scales_with_the_upstream_gradient():

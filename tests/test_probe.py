@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import padless.probe as probe
@@ -16,14 +19,17 @@ from padless.attention import (
     assert_attention,
     attention_in_use,
 )
-from padless.engine import forward_packed
+from padless.check import layout_logps, max_delta, run_matrix
+from padless.cli import main
+from padless.engine import LogitsHead, forward_packed
+from padless.errors import describe, exit_code
 from padless.model import load_model
 from padless.packing import Example, pack
 from padless.probe import (
     count_attention_calls,
     probe_attention,
 )
-from padless.tiny import tiny_config
+from padless.tiny import tiny_config, tiny_tokenizer
 from padless.varlen import (
     KERNEL_CALLS,
     varlen_attention_forward,
@@ -39,7 +45,8 @@ def test_probe_passes_and_reports_kernel(models, backend, kernel):
     info = probe_attention(models[backend], backend)
     assert info["backend"] == backend
     assert info["kernel"] == kernel
-    assert 0.0 <= info["max_delta_hidden"] <= info["bound"] < 1e-4  # fp32 round-off, far from a leak
+    assert 0.0 <= info["max_delta_logps"] <= info["bound"] < 1e-4  # fp32 round-off, far from a leak
+    assert info["max_delta_hidden"] < 1e-4 and info["lengths"] == [4, 19, 77, 160]
 
 
 @pytest.mark.parametrize("backend", ["varlen", "sdpa"])
@@ -123,3 +130,117 @@ def test_probe_catches_a_leaking_kernel(monkeypatch):
         probe_attention(model, "varlen")
     with pytest.raises(AttentionError, match="leaks between packed sequences"):
         load_model("tiny-qwen2", attn_implementation="varlen")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model's own forward is the reference: a logits transform padless has no name for is refused
+# ----------------------------------------------------------------------------------------------------------
+
+GAIN = 0.5  # what the model below multiplies its logits by, under a name padless does not know
+
+
+class GainedConfig(Qwen2Config):
+    model_type = "padless_test_gained"
+
+
+class GainedForCausalLM(Qwen2ForCausalLM):
+    """Qwen2 whose forward scales its logits by ``config.output_gain``, after the LM head: a transform
+    that no list of names in padless covers (as Cohere's ``logit_scale`` once was not)."""
+
+    config_class = GainedConfig
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * self.config.output_gain
+        return out
+
+
+@pytest.fixture(scope="module")
+def gained_folder(tmp_path_factory) -> Path:
+    """A tiny model folder of that architecture, registered with transformers' auto classes."""
+    AutoConfig.register(GainedConfig.model_type, GainedConfig, exist_ok=True)
+    AutoModelForCausalLM.register(GainedConfig, GainedForCausalLM, exist_ok=True)
+    config = GainedConfig(**tiny_config("tiny-qwen2").to_dict())
+    config.output_gain = GAIN
+    folder = tmp_path_factory.mktemp("gained")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        GainedForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_logits_transform_padless_has_no_name_for_is_refused_by_sft(gained_folder, tmp_path, capsys):
+    """`padless sft` stops at load with exit 2 and one line that gives the measured difference."""
+    run = ["data.train=tiny:sft_eval", "train.max_steps=1", "train.progress_bar=false"]
+    code = main(["sft", f"model.name={gained_folder}", *run, f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("padless sft: error: GainedForCausalLM"), err
+    match = re.search(
+        r"differ from the model's own forward on each sequence alone \(eager\) "
+        r"by ([\d.e+-]+) > bound ([\d.e+-]+)",
+        err,
+    )
+    assert match, err
+    assert float(match[1]) > 0.1 > 1e3 * float(match[2])  # halved logits: far past fp32 round-off
+    assert "hidden states its LM head reads agree" in err and "no name for" in err
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
+def test_the_same_model_passes_once_padless_reproduces_its_transform(gained_folder, monkeypatch):
+    """The proof depends on no list: taught the transform (Granite's ``logits_scaling`` divides), the
+    head computes the model's own numbers and the probe passes on every head path."""
+    of = LogitsHead.of.__func__
+
+    def reproducing(cls, model, temperature=1.0):
+        head = of(cls, model, temperature)
+        return dataclasses.replace(head, scaling=1 / model.config.output_gain)
+
+    monkeypatch.setattr(LogitsHead, "of", classmethod(reproducing))
+    model = load_model(str(gained_folder))
+    info = model.padless_probe
+    assert info["max_delta_logps"] <= info["bound"] < 1e-4
+    assert info["lengths"] == [4, 19, 77, 160]
+
+
+def test_check_shows_the_packed_cell_off_and_the_probe_refuses_varlen(gained_folder, probe_seqs, pad_id):
+    """`padless check`'s packed cell (padless's head) is off by the transform's effect; varlen, the backend
+    training would run, is refused by the probe with the same measurement: check fails => training refuses."""
+    model = load_model(str(gained_folder), probe=False)
+    rows, _ = run_matrix(model, probe_seqs, pad_id, ("varlen", "sdpa"))
+    for row in rows:
+        assert row.refused is not None and "does not reproduce" in row.refused, row
+    model.set_attn_implementation(VARLEN_NAME)
+    model.padless_attention = "varlen"
+    with torch.no_grad():
+        packed = layout_logps(model, probe_seqs, "packed", pad_id)
+        alone = layout_logps(model, probe_seqs, "alone", pad_id)
+    assert max_delta(packed, alone) > 0.1
+
+
+def test_a_failing_reference_forward_names_architecture_backend_and_transformers(monkeypatch):
+    """A failure inside transformers' own forward is said to be one, with the architecture and backend."""
+    model = load_model("tiny-qwen2", attn_implementation="sdpa", probe=False)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    layer = model.model.layers[0].self_attn
+    monkeypatch.setattr(type(layer), "forward", broken)
+    with pytest.raises(probe.ReferenceForwardError) as caught:
+        probe_attention(model, "sdpa")
+    message = str(caught.value)
+    assert "Qwen2ForCausalLM (qwen2)" in message and "'sdpa'" in message
+    assert "transformers' own forward failed" in message and "size of tensor a (4)" in message
+    assert "unexpected" not in describe(caught.value) and exit_code(caught.value) == 2
+
+
+def test_probe_lengths_cover_the_check_and_grow_past_windows_and_chunks():
+    qwen = tiny_config("tiny-qwen2")
+    assert probe.probe_lengths(qwen) == (4, 19, 77, 160)
+    qwen.sliding_window = 300
+    assert probe.probe_lengths(qwen)[-1] == 303
+    qwen.sliding_window = 100_000
+    assert probe.probe_lengths(qwen)[-1] == probe.PROBE_MAX_LENGTH

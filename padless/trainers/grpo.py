@@ -9,7 +9,6 @@ import random
 import torch
 
 from padless.config import GRPOConfig
-from padless.engine import ModelEngine
 from padless.losses import (
     cispo_policy_loss,
     clipped_policy_loss,
@@ -138,8 +137,8 @@ class GRPORecipe(RolloutRecipe):
 
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg, reference=cfg.grpo.beta > 0)
-    recipe = GRPORecipe(**parts)
-    engine = ModelEngine(session.model)
-    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    session, setup = start_rl(cfg, reference=cfg.grpo.beta > 0)
+    recipe = setup.recipe(GRPORecipe)
+    engine = session.engine()
+    saved = setup.images.processor if setup.images else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, engine, saved, cfg.train, session.accelerator).train()

@@ -5,13 +5,10 @@ and computes a micro-batch's loss as a share of the step's loss. The loop does t
 micro-batches across data-parallel ranks, the global normaliser, gradient accumulation, clipping,
 optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 
-A recipe that runs passes outside ``loss`` (reference precompute, rollouts) has ``bind(model)``: it is
-handed the prepared engine, the only model object every pass may go through.
-
-A recipe whose plan is costly and not reproducible from a seed (a sampled rollout) also has
-``steps_per_epoch()`` (so steps are counted without planning), ``plan_state(epoch)`` (the planned data, saved
-with ``torch.save`` in a checkpoint taken mid-epoch) and ``restore_plan(epoch, state)`` (so a run resumed
-mid-epoch continues on the very same data); it may have ``plan_metrics(epoch)``, logged once per epoch.
+Every hook the loop calls is declared on :class:`Recipe`, with what it does where a recipe does not
+override it: a recipe that runs passes outside ``loss`` (reference precompute, rollouts) overrides ``bind``;
+one whose plan is costly and not reproducible from a seed (a sampled rollout) overrides
+``steps_per_epoch``, ``plan_state``, ``restore_plan`` and ``plan_metrics``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -31,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from padless import sequence_parallel
+from padless.engine import EngineSettings, ModelEngine
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
 from padless.packing import balance_ranks
@@ -69,20 +67,50 @@ class MicroBatch:
         return self if isinstance(self.data, list) else replace(self, data=list(self.data))
 
 
-class Recipe(Protocol):
+class Recipe:
+    """What a trainer gives the loop: every hook the loop calls, each with its behaviour where a recipe
+    does not override it. Every recipe overrides :meth:`plan` and :meth:`loss`."""
+
     def plan(self, epoch: int) -> list[MicroBatch]:
         """The epoch's micro-batches in order: the same global list on every rank, seeded by epoch."""
+        raise NotImplementedError(f"{type(self).__name__} plans no micro-batches")
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of ``micro`` as its share of the step loss, plus metric shares that sum to step metrics."""
+        raise NotImplementedError(f"{type(self).__name__} computes no loss")
 
     def eval_plan(self) -> list[MicroBatch]:
-        """Evaluation micro-batches (the loop sums ``loss`` metrics over them); may be empty."""
+        """Evaluation micro-batches (the loop sums ``loss`` metrics over them); none by default."""
+        return []
 
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """Evaluation beyond the loss metrics (e.g. generation), run on every rank; may return nothing."""
+        """Evaluation beyond the loss metrics (e.g. generation), run on every rank; none by default."""
+        return {}
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Hand the recipe the prepared engine, once, before training: the only model object every pass
+        outside ``loss`` (reference precompute, rollouts) may go through."""
+
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch, said without planning (a sampled rollout is costly to plan); None:
+        the loop counts them on the plans."""
+        return None
+
+    def plan_state(self, epoch: int) -> Any | None:
+        """The planned data of ``epoch``, saved (``torch.save``) in a checkpoint taken mid-epoch; None:
+        the plan is rebuilt from its seed on resume."""
+        return None
+
+    def restore_plan(self, epoch: int, state: Any) -> None:
+        """Take back what :meth:`plan_state` saved, so a run resumed mid-epoch continues on the same data."""
+        raise NotImplementedError(f"{type(self).__name__} saves no plan to restore")
+
+    def plan_metrics(self, epoch: int) -> dict[str, float]:
+        """Metrics of the epoch's planning (what a rollout measured), logged once per epoch; none by
+        default."""
+        return {}
 
 
 @dataclass
@@ -148,7 +176,6 @@ class Trainer:
             eps=settings.adam_epsilon,
         )
         self.planned: tuple[int, list[Step]] | None = None
-        self.stated_steps = getattr(recipe, "steps_per_epoch", None)  # recipes with costly plans say it
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
@@ -158,18 +185,18 @@ class Trainer:
             num_warmup_steps=warmup,
             num_training_steps=self.total_steps,
         )
-        digest = None if self.stated_steps is not None else contract.plan_digest(self.steps_of(0))
+        digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
         self.terms = contract.terms(
             recipe, getattr(model, "model", model), settings, accelerator.num_processes, digest
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too
+        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
-        bind = getattr(recipe, "bind", None)  # recipes that run passes outside ``loss`` get the engine
-        if bind is not None:
-            bind(self.model)
+        recipe.bind(self.model)
 
     def steps_of(self, epoch: int) -> list[Step]:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
@@ -177,9 +204,10 @@ class Trainer:
             micros = self.recipe.plan(epoch)
             rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares its data
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
-            if self.stated_steps is not None and self.stated_steps() != len(steps):
+            stated = self.recipe.steps_per_epoch()
+            if stated is not None and stated != len(steps):
                 raise RuntimeError(
-                    f"{type(self.recipe).__name__} stated {self.stated_steps()} steps per epoch but planned "
+                    f"{type(self.recipe).__name__} stated {stated} steps per epoch but planned "
                     f"{len(steps)} for epoch {epoch}: the schedule would be wrong"
                 )
             self._check_trainable(epoch, micros)
@@ -212,7 +240,8 @@ class Trainer:
         cfg = self.cfg
 
         def per_epoch(epoch: int) -> int:
-            return self.stated_steps() if self.stated_steps is not None else len(self.steps_of(epoch))
+            stated = self.recipe.steps_per_epoch()  # recipes with costly plans say it
+            return stated if stated is not None else len(self.steps_of(epoch))
 
         if per_epoch(0) == 0:
             raise ValueError("the training data produced no micro-batch: is the dataset empty?")
@@ -238,7 +267,8 @@ class Trainer:
                 # Ranks average gradients; the normaliser is already global, so undo the mean. Under
                 # sequence parallelism each rank's gradient is its chunk's share: the sum over all
                 # processes is then the sum over data-parallel groups of whole-row gradients.
-                self.acc.backward(loss * (micro.scale * world))
+                with self.engine_settings.pinned():
+                    self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:
@@ -332,8 +362,7 @@ class Trainer:
             log.warning("stopping on %s%s", type(error).__name__, saved)
 
     def _save(self, state: TrainState) -> None:
-        plan_state = getattr(self.recipe, "plan_state", None)
-        plan = plan_state(state.epoch) if plan_state and state.step_in_epoch > 0 else None
+        plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
         self.guard.check_weights(self.model)
         save_checkpoint(
             self.acc,
@@ -362,9 +391,8 @@ class Trainer:
         window_tokens, window_time = 0, 0.0
         while state.step < self.total_steps:
             steps = self.steps_of(state.epoch)
-            plan_metrics = getattr(self.recipe, "plan_metrics", None)
-            if plan_metrics is not None and state.step_in_epoch == 0:  # e.g. what a rollout measured
-                reporter.log(state.step + 1, plan_metrics(state.epoch))
+            if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
+                reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
             started = time.perf_counter()
             self.guard.step = state.step + 1
             self._in_step = True

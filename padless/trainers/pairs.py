@@ -12,20 +12,13 @@ from padless.data import PairExample
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import PairLayout, load_set
-from padless.packing import (
-    IGNORE_INDEX,
-    PackedBatch,
-    PaddedBatch,
-    budget_batches,
-    fixed_count_batches,
-    pack,
-    to_padded,
-)
-from padless.trainers.loop import MicroBatch
+from padless.engine import BatchLayout
+from padless.packing import PackedBatch, budget_batches, fixed_count_batches, pack
+from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 
 
-class PairRecipe:
+class PairRecipe(Recipe):
     """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs.
     Plans come from the sets' length column; a micro-batch's pairs are read when it runs."""
 
@@ -37,7 +30,8 @@ class PairRecipe:
         device: torch.device,
         eval_pairs: Sequence[PairExample] | None = None,
     ):
-        self.pairs, self.cfg, self.pad_id, self.device = as_set(pairs), cfg, pad_id, device
+        self.pairs, self.cfg, self.device = as_set(pairs), cfg, device
+        self.layout = BatchLayout.of(cfg, pad_id)
         self.eval_pairs = as_set(eval_pairs or [])
 
     def _micros(self, pairs: ExampleSet[PairExample], seed: int, shuffle: bool) -> list[MicroBatch]:
@@ -53,17 +47,9 @@ class PairRecipe:
     def eval_plan(self) -> list[MicroBatch]:
         return self._micros(self.eval_pairs, 0, shuffle=False) if self.eval_pairs else []
 
-    def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        return {}
-
-    def pack(self, pairs: list[PairExample]) -> PackedBatch:
+    def collate(self, pairs: list[PairExample]) -> PackedBatch:
+        """The pairs packed as ``[c1, r1, c2, r2, ...]`` (the engine lays them out as ``self.layout``)."""
         return pack([seq for p in pairs for seq in (p.chosen, p.rejected)], device=self.device)
-
-    def collate(self, pairs: list[PairExample]) -> PackedBatch | PaddedBatch:
-        batch = self.pack(pairs)
-        if self.cfg.batching == "padded":
-            return to_padded(batch, self.cfg.padding_side, self.pad_id)
-        return batch
 
 
 def load_pairs(
@@ -92,14 +78,12 @@ def load_pairs(
 
 
 def sequence_logps(
-    model: torch.nn.Module, batch: PackedBatch | PaddedBatch
+    model: torch.nn.Module, batch: PackedBatch, layout: BatchLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs and completion lengths per sequence, ``[N]`` each, in either layout,
-    through a (prepared) engine."""
-    logps = model(batch, logps=True).logps
-    if isinstance(batch, PackedBatch):
-        return batch.sequence_sums(logps), batch.sequence_sums(batch.loss_mask[0].float())
-    return logps.sum(1), (batch.labels != IGNORE_INDEX).sum(1).float()
+    """Summed completion log-probs and completion lengths per sequence, ``[N]`` each, through a
+    (prepared) engine that lays ``batch`` out as ``layout`` says."""
+    logps = model(batch, layout=layout, logps=True).logps
+    return batch.sequence_sums(logps), batch.sequence_sums(batch.loss_mask[0].float())
 
 
 def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

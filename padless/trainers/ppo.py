@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from padless.config import PPOConfig
-from padless.engine import ModelEngine
 from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
 from padless.packing import Example, pack
 from padless.trainers.loop import MicroBatch, Trainer
@@ -91,14 +90,14 @@ class PPORecipe(RolloutRecipe):
 
 
 def run_ppo(cfg: PPOConfig) -> dict[str, float]:
-    session, parts = start_rl(cfg, reference=True)
+    session, setup = start_rl(cfg, reference=True)
     value_model = session.companion(cfg.ppo.value_model, task="score", trainable=True)
     role = f"ppo.value_model {cfg.ppo.value_model or cfg.model.name}"
     require_same_inputs(session.model, value_model, role)
     without_dropout(value_model, "value model")
-    recipe = PPORecipe(**parts)
-    model = ModelEngine(session.model, value=value_model)  # one optimizer, wrapper and checkpoint for both
+    recipe = setup.recipe(PPORecipe)
+    model = session.engine(value=value_model)  # one optimizer, wrapper and checkpoint for both
     value_lr = cfg.ppo.value_learning_rate
     rates = {"value.": value_lr} if value_lr is not None else None
-    saved = parts["images"].processor if parts["images"] else session.tokenizer  # beside each checkpoint
+    saved = setup.images.processor if setup.images else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, model, saved, cfg.train, session.accelerator, rates).train()

@@ -15,7 +15,8 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from padless.data import PromptExample, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.sets import ExampleSet
 from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import inner_engine
+from padless.engine import inner_engine, reference_engine
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
@@ -37,7 +38,7 @@ from padless.rollout import Completion, Engine, HFEngine
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
 from padless.strategy import expected_strategy, unwrap
-from padless.trainers.loop import MicroBatch
+from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
 from padless.trainers.session import Session, start_session
@@ -52,7 +53,7 @@ def per_target(examples: list[Example], key: str, device: torch.device) -> torch
     return torch.tensor([v for e in examples for v in e.meta[key]], device=device, dtype=torch.float32)
 
 
-class RolloutRecipe:
+class RolloutRecipe(Recipe):
     """Subclasses set ``updates`` and ``mini_batches`` and implement ``passes``, ``process`` and ``loss``."""
 
     updates: int = 1
@@ -224,7 +225,8 @@ class RolloutRecipe:
             functions, sources = self.rewards(prompt_texts, texts, fields)
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
-            scores = score_examples(self.reward_model, examples, filler=filler)
+            budget = self.cfg.train.max_tokens_per_batch
+            scores = score_examples(self.reward_model, examples, max_tokens=budget, filler=filler)
             totals += self.cfg.reward.model_weight * torch.tensor(scores)
             sources["reward_model"] = scores
         if self.cfg.reward.overlong_buffer:
@@ -270,14 +272,12 @@ class RolloutRecipe:
     def reference_pass(self) -> Pass:
         """Reference log-probs: from the frozen copy, or from the LoRA policy with its adapters off (the
         starting policy, without a second copy of the weights)."""
-        if self.ref_model is not None:
-            return self.logps_pass(self.ref_model)
 
-        def adapters_off(batch: PackedBatch) -> torch.Tensor:
-            with inner_engine(self.policy).model.disable_adapter():
-                return self.logps_pass(self.policy)(batch)
+        def reference(batch: PackedBatch) -> torch.Tensor:
+            with reference_engine(self.policy, self.ref_model) as model:
+                return self.logps_pass(model)(batch)
 
-        return adapters_off
+        return reference
 
     def correct(self, examples: list[Example]) -> dict[str, float]:
         """Sampler vs trainer log-probs of the rollout: the mismatch metrics, and with
@@ -383,9 +383,6 @@ class RolloutRecipe:
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         return self.metrics.pop(epoch, {})
 
-    def eval_plan(self) -> list[MicroBatch]:
-        return []
-
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         """Greedy completions of the eval prompts (sharded over ranks), scored by the same rewards."""
         if not self.eval_prompts:
@@ -454,7 +451,43 @@ def without_dropout(model: torch.nn.Module, name: str) -> torch.nn.Module:
     return model
 
 
-def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
+R = TypeVar("R", bound=RolloutRecipe)
+
+
+@dataclass
+class RolloutSetup:
+    """What :func:`start_rl` builds and a rollout recipe is built from (see :class:`RolloutRecipe`)."""
+
+    prompts: ExampleSet[PromptExample]
+    cfg: Any
+    tokenizer: Any
+    policy: torch.nn.Module
+    engine: Engine
+    device: torch.device
+    rewards: RewardComposer | None
+    reward_model: torch.nn.Module | None
+    eval_prompts: ExampleSet[PromptExample] | None
+    ref_model: torch.nn.Module | None
+    images: ImageInputs | None
+
+    def recipe(self, cls: type[R]) -> R:
+        """A ``cls`` recipe on this setup."""
+        return cls(
+            self.prompts,
+            self.cfg,
+            self.tokenizer,
+            self.policy,
+            self.engine,
+            self.device,
+            rewards=self.rewards,
+            reward_model=self.reward_model,
+            eval_prompts=self.eval_prompts,
+            ref_model=self.ref_model,
+            images=self.images,
+        )
+
+
+def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
     """The session and everything a rollout recipe is built from: prompts, engine, rewards, and (if
     ``reference``, and the policy has no LoRA adapters to switch off) a frozen reference copy."""
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
@@ -480,20 +513,25 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, dict[str, Any]]:
         trust = cfg.model.trust_remote_code
         pad_id = pad_token_id(load_tokenizer(cfg.reward.model, trust))  # where its scores are read
         scorer = load_model(
-            cfg.reward.model, task="score", device=device, pad_id=pad_id, trust_remote_code=trust
+            cfg.reward.model,
+            task="score",
+            device=device,
+            pad_id=pad_id,
+            trust_remote_code=trust,
+            varlen_kernel=session.settings.varlen_kernel,
         )
         require_same_inputs(session.model, scorer, f"reward.model {cfg.reward.model}")
         reward_model = session.frozen(scorer)
-    return session, {
-        "prompts": prompts(data.train, "train"),
-        "cfg": cfg,
-        "tokenizer": tokenizer,
-        "policy": session.model,
-        "engine": make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
-        "device": device,
-        "rewards": RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
-        "reward_model": reward_model,
-        "eval_prompts": prompts(data.eval, "eval") if data.eval else None,
-        "ref_model": session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
-        "images": images,
-    }
+    return session, RolloutSetup(
+        prompts=prompts(data.train, "train"),
+        cfg=cfg,
+        tokenizer=tokenizer,
+        policy=session.model,
+        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        device=device,
+        rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
+        reward_model=reward_model,
+        eval_prompts=prompts(data.eval, "eval") if data.eval else None,
+        ref_model=session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
+        images=images,
+    )

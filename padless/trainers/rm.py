@@ -12,11 +12,11 @@ import torch
 from padless.config import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.data.images import ImageInputs
-from padless.engine import ModelEngine, score_pad_id, score_positions, sequence_scores
+from padless.engine import ModelEngine, sequence_scores
 from padless.errors import InputError
 from padless.losses import bradley_terry_loss
 from padless.model import load_model, load_tokenizer, pad_token_id
-from padless.packing import Example, PackedBatch, budget_batches, pack, unpad
+from padless.packing import Example, budget_batches, pack
 from padless.ranks import lockstep
 from padless.sources import require_scoring_model
 from padless.trainers.loop import MicroBatch, Trainer
@@ -29,13 +29,7 @@ class RMRecipe(PairRecipe):
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         pairs: list[PairExample] = micro.data
-        packed = self.pack(pairs)
-        batch = self.collate(pairs)
-        if isinstance(batch, PackedBatch):
-            scores = sequence_scores(model, batch)
-        else:  # comparison mode: pad compute, read at the same tokens as the packed path
-            values = unpad(model(batch, values=True).values, batch.attention_mask)
-            scores = values[score_positions(packed, score_pad_id(model))]
+        scores = sequence_scores(model, self.collate(pairs), self.layout)
         chosen, rejected = split_pairs(scores)
         margin = None
         if "margin" in pairs[0].meta:
@@ -64,7 +58,7 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     eval_pairs = pairs(data.eval, "eval") if data.eval else None
     recipe = RMRecipe(pairs(data.train, "train"), cfg.train, pad_id, acc.device, eval_pairs)
     saved = images.processor if images else tokenizer  # written beside each checkpoint
-    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
+    return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()
 
 
 @torch.no_grad()

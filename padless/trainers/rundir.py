@@ -30,7 +30,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from padless.attention import set_varlen_kernel
 from padless.errors import InputError
 from padless.faults import FileFault, doing
 from padless.logs import log_to_file
@@ -291,11 +290,10 @@ def release(output_dir: str | Path) -> None:
 
 
 def end_run(output_dir: str | Path) -> None:
-    """What a run gives back when it ends: its folder's lock, its log file and the process-wide varlen
-    kernel pin (so the next run or command in this process starts from the defaults)."""
+    """What a run gives back when it ends: its folder's lock and its log file (so the next run or command
+    in this process starts from the defaults)."""
     release(output_dir)
     log_to_file(None)
-    set_varlen_kernel("auto")
 
 
 def end_all_runs() -> None:
@@ -303,7 +301,6 @@ def end_all_runs() -> None:
     for root in list(_held):
         release(root)
     log_to_file(None)
-    set_varlen_kernel("auto")
 
 
 atexit.register(end_all_runs)

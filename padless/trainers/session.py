@@ -12,11 +12,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from padless import sequence_parallel
-from padless.attention import set_varlen_kernel
 from padless.config import ModelSettings
-from padless.engine import ModelEngine, set_logits_memory
+from padless.engine import EngineSettings, ModelEngine
 from padless.logs import describe_run, log_to_file, setup_logging
-from padless.model import Task, load_model, load_tokenizer, pad_token_id
+from padless.model import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.strategy import prepare_frozen, start_accelerator
 from padless.trainers import rundir
 
@@ -29,6 +28,7 @@ class Session:
     tokenizer: Any
     model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
+    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget)
 
     def companion(
         self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
@@ -44,19 +44,24 @@ class Session:
             training=trainable,
             trust_remote_code=self.model_cfg.trust_remote_code,
             pad_id=pad_token_id(self.tokenizer),
+            varlen_kernel=self.settings.varlen_kernel,
         )
         return model if trainable else model.requires_grad_(False)
 
+    def engine(self, value: torch.nn.Module | None = None) -> ModelEngine:
+        """The trained model (with ``value`` beside it: PPO) as the engine the loop trains."""
+        return ModelEngine(self.model, value, self.settings)
+
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` as a prepared frozen engine (reference, reward model): sharded like the trained one."""
-        return prepare_frozen(self.accelerator, ModelEngine(model))
+        return prepare_frozen(self.accelerator, ModelEngine(model, settings=self.settings))
 
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on CUDA (where kernels are fast in it) and fp32 on CPU (exact)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return resolve_dtype(name)
 
 
 def start_session(
@@ -68,20 +73,24 @@ def start_session(
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
-    set_varlen_kernel(model_cfg.varlen_kernel)
-    set_logits_memory(config.train.logits_memory_mb)
+    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb)
     sequence_parallel.start(config.train.sequence_parallel)  # engines built from here on split their rows
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
-    model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer))
+    model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))
-    return Session(accelerator, tokenizer, model, model_cfg)
+    return Session(accelerator, tokenizer, model, model_cfg, settings)
 
 
 def load_trainable(
-    model_cfg: ModelSettings, device: torch.device, dtype: torch.dtype, task: Task, pad_id: int | None
+    model_cfg: ModelSettings,
+    device: torch.device,
+    dtype: torch.dtype,
+    task: Task,
+    pad_id: int | None,
+    settings: EngineSettings,
 ) -> torch.nn.Module:
     model = load_model(
         model_cfg.name,
@@ -93,6 +102,7 @@ def load_trainable(
         training=True,
         trust_remote_code=model_cfg.trust_remote_code,
         pad_id=pad_id,
+        varlen_kernel=settings.varlen_kernel,
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -16,22 +16,15 @@ from padless.data.images import ImageInputs
 from padless.data.rl import tokenize_prompts
 from padless.data.sets import ExampleSet, as_set
 from padless.data.tokenized import SFTLayout, load_set
-from padless.engine import ModelEngine
+from padless.engine import BatchLayout
 from padless.faults import doing
-from padless.losses import sft_loss, sft_token_weights
+from padless.losses import sft_token_weights
 from padless.model import pad_token_id
-from padless.packing import (
-    Example,
-    PackedBatch,
-    budget_batches,
-    fixed_count_batches,
-    pack,
-    to_padded,
-)
+from padless.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.ranks import equal_share, gather_shares
 from padless.rollout import generate
 from padless.runfiles import own
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.trainers.loop import MicroBatch, Recipe, Trainer
 from padless.trainers.reporting import report_data
 from padless.trainers.session import start_session
 
@@ -49,7 +42,7 @@ def group_examples(
     return fixed_count_batches(len(examples), cfg.batch_size, seed=seed)
 
 
-class SFTRecipe:
+class SFTRecipe(Recipe):
     """Micro-batches are planned from the sets' length and target columns; their examples are read from the
     set (memory-mapped Arrow, or a list) only when the micro-batch runs."""
 
@@ -66,18 +59,15 @@ class SFTRecipe:
         self.examples, self.cfg, self.tokenizer, self.device = as_set(examples), cfg, tokenizer, device
         self.eval_examples, self.eval_prompts = as_set(eval_examples or []), eval_prompts or []
         self.eval_vision = eval_vision  # the eval prompts' images (vision-language models)
-        self.pad_id = pad_token_id(tokenizer)
+        self.layout = BatchLayout.of(cfg, pad_token_id(tokenizer))
         self.bins = None
         if cfg.batching == "packing":  # offline: the dataset is binned once, bins are reshuffled per epoch
             self.bins = budget_batches(
                 self.examples.lengths, cfg.max_tokens_per_batch, seed=cfg.seed, shuffle=False
             )
 
-    def collate(self, examples: list[Example]) -> Any:
-        batch = pack(examples, device=self.device)
-        if self.cfg.batching == "padded":
-            return to_padded(batch, self.cfg.padding_side, self.pad_id)
-        return batch
+    def collate(self, examples: list[Example]) -> PackedBatch:
+        return pack(examples, device=self.device)
 
     def plan(self, epoch: int) -> list[MicroBatch]:
         return self.micros(self.examples, group_examples(self.examples, self.cfg, epoch, self.bins))
@@ -93,23 +83,17 @@ class SFTRecipe:
     def token_logps(
         self, model: torch.nn.Module, examples: list[Example]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and target mask, flat, in whatever layout the config asks for."""
+        """Per-token log-probs and target mask ``[T]``, computed in the layout the config asks for."""
         batch = self.collate(examples)
-        logps = model(batch, logps=True).logps
-        if isinstance(batch, PackedBatch):
-            return logps, batch.loss_mask[0]
-        return logps.flatten(), (batch.labels != -100).flatten()
+        return model(batch, layout=self.layout, logps=True).logps, batch.loss_mask[0]
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        if self.cfg.batching == "padded":
-            logps, mask = self.token_logps(model, micro.data)
-            loss = sft_loss(logps, mask, normaliser)
-        else:  # the loss weights are known before the forward: the head computes the gradient in it
-            batch = self.collate(micro.data)
-            weights = sft_token_weights(batch.loss_mask[0], normaliser)
-            loss = model(batch, logps=True, logp_weights=weights).weighted
+        # the loss weights are known before the forward: the head computes the gradient in it (packed)
+        batch = self.collate(micro.data)
+        weights = sft_token_weights(batch.loss_mask[0], normaliser)
+        loss = model(batch, layout=self.layout, logps=True, logp_weights=weights).weighted
         return loss, {"loss": loss.item()}
 
     def eval_plan(self) -> list[MicroBatch]:
@@ -216,4 +200,4 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
         eval_vision,
     )
     saved = images.processor if images else tokenizer  # written beside each checkpoint
-    return Trainer(recipe, ModelEngine(session.model), saved, cfg.train, acc).train()
+    return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()

@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 
 from padless.config import TrainSettings
-from padless.trainers.loop import MicroBatch, Trainer, parameter_groups, plan_steps
+from padless.trainers.loop import MicroBatch, Recipe, Trainer, parameter_groups, plan_steps
 
 
 class Pair(torch.nn.Module):
@@ -28,7 +28,7 @@ def test_parameter_groups_split_decay_and_learning_rates():
     }
 
 
-class Stated:
+class Stated(Recipe):
     """A recipe that says it plans 3 steps per epoch and plans 2."""
 
     def steps_per_epoch(self) -> int:
@@ -46,7 +46,7 @@ def test_a_recipe_planning_other_than_it_stated_is_stopped(tmp_path):
         trainer.steps_of(0)
 
 
-class Growing:
+class Growing(Recipe):
     """A recipe whose epoch ``e`` plans ``2 + e`` steps, as token-budget packing can differ per epoch."""
 
     def plan(self, epoch: int) -> list[MicroBatch]:

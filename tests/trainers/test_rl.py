@@ -306,7 +306,7 @@ def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_p
         hidden = hidden_states(session.model, probe)[0]
         head = session.model.get_output_embeddings()
         head.weight.mul_(25.0 / head(hidden).abs().max().item())
-    recipe = GRPORecipe(**parts)
+    recipe = parts.recipe(GRPORecipe)
     seen = []
     loss = recipe.loss
     monkeypatch.setattr(recipe, "loss", lambda model, micro, n: seen.append(micro) or loss(model, micro, n))

@@ -1,0 +1,16 @@
+"""The names a user chooses among — attention backends, varlen kernels, dtypes — each defined once: the
+config's types, the command line's choices and the code that runs them all read them here. Imports no
+torch, like the config."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Backend = Literal["varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"]
+VarlenKernel = Literal["auto", "sdpa", "torch", "flash_attn"]
+DType = Literal["float32", "bfloat16", "float16"]
+ModelDType = Literal["auto", DType]  # auto: bf16 on CUDA, fp32 on CPU
+
+BACKENDS: tuple[str, ...] = get_args(Backend)
+VARLEN_KERNELS: tuple[str, ...] = get_args(VarlenKernel)
+DTYPE_NAMES: tuple[str, ...] = get_args(DType)

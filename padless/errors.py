@@ -39,6 +39,12 @@ class DivergenceError(RuntimeError):
     """Training produced a non-finite loss, gradient norm or weight; nothing was saved from that state."""
 
 
+DIVERGENCE_FIX = (
+    "lower train.learning_rate (or raise warmup), keep train.max_grad_norm > 0 to clip gradients, check the "
+    "data of that step, or set train.on_nonfinite=skip to drop such steps and count them"
+)
+
+
 def is_input_error(error: BaseException) -> bool:
     """Config, data, path and backend problems: ``ValueError`` (ConfigError, DataError, InputError, ...),
     the attention backend asked for not running here, and files that are missing or not readable."""

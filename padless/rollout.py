@@ -21,10 +21,9 @@ from transformers import LogitsProcessorList
 
 from padless.attention import attention_in_use, hf_name
 from padless.engine import as_engine, inner_engine
-from padless.errors import DivergenceError
+from padless.errors import DIVERGENCE_FIX, DivergenceError
 from padless.model import pad_token_id
 from padless.strategy import strategy_in_use, unwrap
-from padless.trainers.guard import FIX
 from padless.vision import concat_vision, uses_mrope
 
 log = logging.getLogger(__name__)
@@ -232,7 +231,7 @@ def sampling_guard() -> Iterator[None]:
             raise
         raise DivergenceError(
             "the policy's next-token probabilities are not finite (inf, NaN or negative) while sampling a "
-            f"rollout: its weights diverged. Fix: {FIX}"
+            f"rollout: its weights diverged. Fix: {DIVERGENCE_FIX}"
         ) from None
 
 

@@ -21,16 +21,11 @@ from typing import Any
 
 import torch
 
+from padless.errors import DIVERGENCE_FIX as FIX
 from padless.errors import DivergenceError, InputError
 from padless.strategy import expected_strategy
 
 log = logging.getLogger(__name__)
-
-FIX = (
-    "lower train.learning_rate (or raise warmup), keep train.max_grad_norm > 0 to clip gradients, check the "
-    "data of that step, or set train.on_nonfinite=skip to drop such steps and count them"
-)
-
 
 class DivergenceGuard:
     def __init__(self, policy: str, accelerator: Any):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from padless.attention import VARLEN_NAME, assert_attention, runtime_context, text_config
-from padless.engine import logps_from_hidden
+from padless.engine import logps_from_hidden, score_head
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
@@ -130,8 +130,14 @@ class ProbeReference:
     ``[L, H]``. Independent of the backend proved: `padless check` computes it once per model."""
 
     seqs: list[torch.Tensor]
-    logits: list[torch.Tensor]
+    logits: list[torch.Tensor]  # a scalar-head model's: its head's own per-token outputs ``[L, 1]``
     head_inputs: list[torch.Tensor]
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The scalar head of a reward / value model, ``None`` for a causal LM (whose head is its output
+    embeddings): what the probe compares per token."""
+    return score_head(model) if model.get_output_embeddings() is None else None
 
 
 def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
@@ -145,14 +151,22 @@ def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
         torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
     ]
     inputs: list[torch.Tensor] = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(
-        lambda _, args: inputs.append(args[0][0].float())
-    )
+    outputs: list[torch.Tensor] = []
+    scalar = output_head(model)
+    head = scalar if scalar is not None else model.get_output_embeddings()
+
+    def record(_: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        inputs.append(args[0][0].float())
+        outputs.append(out[0].float())
+
+    hook = head.register_forward_hook(record)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), _eager(model):
             logits = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+        if scalar is not None:  # its forward pools one score per sequence: compare the head's per token
+            logits = outputs
     except Exception as e:
         raise ReferenceForwardError(
             f"{model_name(model)}: transformers' own forward failed on eager attention, the reference of "
@@ -219,9 +233,12 @@ def probe_attention(
             with count_attention_calls() as counts:
                 hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
             kernels = sorted((KERNEL_CALLS - kernels_before).keys())
-            paths = head_paths(len(labels), device)
+            scalar = output_head(model)
+            paths = head_paths(len(labels), device) if scalar is None else {"score": {}}
             ours = {
                 name: logps_from_hidden(model, hidden, labels, **kw).logps[predicted]
+                if scalar is None
+                else scalar(hidden)[:, 0].float()
                 for name, kw in paths.items()
             }
     finally:
@@ -240,7 +257,10 @@ def probe_attention(
     deltas, magnitude = {}, 0.0
     for name, kw in paths.items():
         t = kw.get("temperature", 1.0)
-        own = torch.cat([_next_token_logps(x, s, t) for x, s in zip(reference.logits, seqs, strict=True)])
+        if scalar is None:
+            own = torch.cat([_next_token_logps(x, s, t) for x, s in zip(reference.logits, seqs, strict=True)])
+        else:
+            own = torch.cat(reference.logits)[:, 0]
         largest_logit = max(x[:-1].abs().max().item() for x in reference.logits) / t
         magnitude = max(magnitude, own.abs().max().item(), largest_logit)
         deltas[name] = (ours[name] - own).abs().max().item()

@@ -386,7 +386,7 @@ def test_dynamic_sampling_drops_constant_groups_and_refills_them(monkeypatch):
         calls = iter([[(1, 1), (0, 1), (2, 2)], [(0, 0), (1, 0)], [(3, 4)]])  # groups' rewards per call
         asked, seeds = [], []
 
-        def collect(prompts, group, seed, greedy=False):
+        def collect(prompts, group, seed, greedy=False, epoch=None):
             asked.append(len(prompts))
             seeds.append(seed)
             return [Example([1, 2], meta={"reward": float(r)}) for g in next(calls) for r in g]

@@ -101,7 +101,7 @@ def check(
         )
         keep = ", ".join(f"train.{k}={a}" for k, (a, _) in changed.items() if k != "world_size")
         fix = f"resume with {keep or 'the data it was trained on'}" + (
-            f" on {plan_was['world_size']} process(es)" if "world_size" in changed else ""
+            f" on {plan_was['world_size']} data-parallel rank(s)" if "world_size" in changed else ""
         )
         raise InputError(
             f"{path}: the data plan changed since it was written ({what}); continuing mid-run would skip or "

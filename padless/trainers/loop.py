@@ -187,8 +187,8 @@ class Trainer:
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
         self.terms = contract.terms(
-            recipe, getattr(model, "model", model), settings, accelerator.num_processes, digest
-        )
+            recipe, getattr(model, "model", model), settings, sequence_parallel.data_parallel()[1], digest
+        )  # the plan is dealt by data-parallel rank: a sequence-parallel group reads one share
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too

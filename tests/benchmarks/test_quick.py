@@ -12,11 +12,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py")
+# benchmarks whose --quick run a test of their own already checks more closely (not run twice)
+OWN_TEST = {
+    "sp_memory.py": "tests/benchmarks/test_sp_memory.py",
+    "vllm_rollout.py": "tests/test_vllm_engine.py",
+}
+SCRIPTS = sorted(
+    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py" and p.name not in OWN_TEST
+)
 
 
 def test_every_benchmark_is_found():
     assert {"grpo_throughput.py", "sft_throughput.py", "chat_masks.py"} <= set(SCRIPTS)
+    for script, test in OWN_TEST.items():  # each one left out here is run where it says
+        assert "benchmarks" in (ROOT / test).read_text() and script in (ROOT / test).read_text(), script
 
 
 @pytest.mark.slow

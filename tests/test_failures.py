@@ -1097,11 +1097,13 @@ def test_sigterm_mid_cache_build_leaves_no_process_lock_or_half_cache(tmp_path: 
         )
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not list((tmp_path / "cache").glob(".tmp-*/work/*map*")):
-            time.sleep(0.2)
-        workers = subprocess.run(
-            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-        ).stdout.split()
+        workers: list[str] = []
+        while time.monotonic() < deadline and len(workers) < 2 and proc.poll() is None:
+            time.sleep(0.1)  # until the map's worker processes exist (a file of the map may come first)
+            if list((tmp_path / "cache").glob(".tmp-*/work/*map*")):
+                workers = subprocess.run(
+                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+                ).stdout.split()
         assert len(workers) >= 2, "the build never started its worker processes"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143

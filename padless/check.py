@@ -31,7 +31,7 @@ from padless.choices import BACKENDS
 from padless.engine import forward_packed, forward_padded, loaded_backend, use_backend
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
-from padless.probe import ReferenceForwardError, model_name, probe_attention, probe_reference
+from padless.probe import ReferenceForwardError, model_name, probe_reference, prove_packing
 from padless.tolerance import FORMULA, bound
 from padless.zoo import LOGIT_TARGET, build_zoo_model, exercises, scale_head, zoo_names
 
@@ -184,7 +184,7 @@ def run_matrix(
                     continue
                 try:
                     _switch(model, backend)
-                    kernel = probe_attention(model, backend, reference=own)["kernel"]
+                    kernel = prove_packing(model, backend, reference=own)["kernel"]
                 except (AttentionError, ValueError) as e:  # transformers refuses with ValueError
                     rows.append(BackendRow(backend, refused=_one_line(e)))
                     continue

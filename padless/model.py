@@ -12,7 +12,7 @@ from padless import sources
 from padless.attention import assert_attention, hf_name, require_backend
 from padless.choices import DTYPE_NAMES
 from padless.engine import pinned_kernel
-from padless.probe import probe_attention
+from padless.probe import prove_packing
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -72,7 +72,7 @@ def load_model(
         model.train(training)
         model.padless_attention = attn_implementation
         if probe:
-            model.padless_probe = probe_attention(model, attn_implementation)  # what ran: the run log says it
+            model.padless_probe = prove_packing(model, attn_implementation)  # what ran: the run log says it
         else:
             assert_attention(model, attn_implementation)
     return model

@@ -325,3 +325,45 @@ def _mismatch(
         "way padless has no name for, and padless refuses to train on numbers other than the model's. "
         "Report it with `padless doctor` output."
     )
+
+
+@contextlib.contextmanager
+def _float32(model: torch.nn.Module) -> Iterator[None]:
+    """The model's 16-bit parameters and buffers in float32 for a while, then exactly back: a 16-bit
+    value round-trips through float32 bit for bit, so the weights trained are the weights proven."""
+    cast = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.bfloat16, torch.float16)]
+    dtypes = [t.dtype for t in cast]
+    for t in cast:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dtype in zip(cast, dtypes, strict=True):
+            t.data = t.data.to(dtype)
+
+
+def prove_packing(
+    model: torch.nn.Module, backend: str, reference: ProbeReference | None = None
+) -> dict[str, Any]:
+    """:func:`probe_attention`; where it fails in 16 bits, the same probe on the same weights in float32.
+
+    In bf16 the round-off of a packed row and of each sequence alone differ, and in a mixture of experts
+    that flips some routing decisions, which a tiny model with logits of realistic size turns into
+    differences over the round-off bound although nothing leaks. The layout is what the probe proves,
+    and float32 separates it from round-off: if the float32 probe passes, the run goes on and its log
+    carries both measurements; if it fails too (or float32 cannot run: a 16-bit-only kernel, memory),
+    the 16-bit refusal stands, with what float32 said. ``reference`` (16-bit) serves the first probe.
+    """
+    try:
+        return probe_attention(model, backend, reference=reference)
+    except ReferenceForwardError:
+        raise
+    except AttentionError as low:
+        if next(model.parameters()).dtype == torch.float32:
+            raise
+        try:
+            with _float32(model):
+                proven = probe_attention(model, backend)
+        except (AttentionError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise AttentionError(f"{low} (the same probe in float32 fails too: {e})") from low
+        return {**proven, "float32_reprobe": str(low)}

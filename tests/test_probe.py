@@ -132,6 +132,35 @@ def test_probe_catches_a_leaking_kernel(monkeypatch):
         load_model("tiny-qwen2", attn_implementation="varlen")
 
 
+def _bf16_moe(probe_seqs):
+    """Tiny DeepSeek-V3 in bf16, logits of realistic size, on varlen: round-off flips expert routing."""
+    from padless.check import use_backend, zoo_model
+
+    model = zoo_model("deepseek-v3", probe_seqs, torch.bfloat16)
+    use_backend(model, "varlen")
+    return model
+
+
+def test_a_bf16_moe_whose_round_off_flips_routing_is_proven_in_float32_on_the_same_weights(probe_seqs):
+    model = _bf16_moe(probe_seqs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(AttentionError, match=r"by (\d+\.?\d*) > bound"):  # 16 bits alone: over the bound
+        probe_attention(model, "varlen")
+    info = probe.prove_packing(model, "varlen")
+    assert info["max_delta_logps"] <= info["bound"] < 1e-3  # float32 round-off: the layout is exact
+    assert "differ from the model's own forward" in info["float32_reprobe"]  # the 16-bit figure is kept
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_bf16_leak_is_refused_in_float32_too(probe_seqs, monkeypatch):
+    model = _bf16_moe(probe_seqs)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, VARLEN_NAME, _leaky_varlen)
+    with pytest.raises(AttentionError, match=r"the same probe in float32 fails too: .*leaks between packed"):
+        probe.prove_packing(model, "varlen")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The model's own forward is the reference: a logits transform padless has no name for is refused
 # ----------------------------------------------------------------------------------------------------------

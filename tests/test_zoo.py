@@ -206,15 +206,7 @@ def test_a_dropped_attention_argument_is_seen(name, argument, replacement, probe
     [
         "gemma2",
         "gpt-oss",
-        pytest.param(
-            "deepseek-v3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open: in bf16 the load-time probe, now on 4 random sequences up to 160 tokens "
-                "through the model's own forward, refuses this MoE (9.1 > bound 6.2 nats; bf16 round-off "
-                "flips expert routing), where the check's cells pass",
-            ),
-        ),
+        "deepseek-v3",
         "mistral",
     ],
 )

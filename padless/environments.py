@@ -30,8 +30,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from padless.errors import InputError, UserCodeError
@@ -64,8 +66,11 @@ class Step:
 class Environment:
     """The plain tool loop, and the base class of user environments (one instance per episode).
 
-    ``row`` is the prompt row as read from the data (``prompt`` and every other column).
+    ``row`` is the prompt row as read from the data (``prompt`` and every other column); ``tools``: tool
+    functions the environment brings (added to ``rollout.tools``).
     """
+
+    tools: Sequence[Callable[..., Any]] = ()
 
     def __init__(self, row: dict[str, Any]) -> None:
         self.row = row
@@ -105,7 +110,7 @@ class Tools:
         self.functions: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []
         for spec in specs:
-            fn = spec if callable(spec) else load_callable(spec, "tool", {})
+            fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
             schema = tool_schema(str(spec), fn)
             name = schema["function"]["name"]
             if name in self.functions:
@@ -226,22 +231,32 @@ def checked_step(spec: str, value: Any) -> Step:
 # --------------------------------------------------------------------------------------------------
 # Bundled: a calculator for the embedded arithmetic prompts
 
+_EXPRESSION = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*(\+|-|\*|x|/|plus|minus|times)\s*(-?\d+(?:\.\d+)?)\s*")
 
-def calculate(a: float, op: str, b: float) -> float:
-    """Compute a op b.
+
+def calculate(expression: str) -> str:
+    """Compute two numbers joined by an operator.
 
     Args:
-        a: the left number
-        op: one of + - * /
-        b: the right number
+        expression: for example "26 + 19", "47 minus 35" or "6 x 6" (+ - * x / plus minus times)
     """
-    ops = {"+": a + b, "-": a - b, "*": a * b}
-    if op == "/":
-        return a / b
-    if op not in ops:
-        raise ValueError(f"unknown operator {op!r}")
-    value = ops[op]
-    return int(value) if float(value).is_integer() else value
+    m = _EXPRESSION.fullmatch(expression)
+    if m is None:
+        raise ValueError(f"cannot read {expression!r}: write two numbers and an operator, e.g. 26 + 19")
+    a, op, b = Decimal(m.group(1)), m.group(2), Decimal(m.group(3))
+    if op in ("/",) and b == 0:
+        raise ValueError("division by zero")
+    ops = {"+": a + b, "plus": a + b, "-": a - b, "minus": a - b, "*": a * b, "x": a * b, "times": a * b}
+    value = ops[op] if op in ops else a / b
+    return str(value.normalize()) if value != value.to_integral() else str(int(value))
 
 
-BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment}
+class Calculator(Environment):
+    """The tiny:rl arithmetic prompts with a calculator tool: the plain tool loop, the reward from
+    ``reward.functions`` (e.g. ``arithmetic``) on the model's last turn."""
+
+    tools = (calculate,)
+
+
+BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment, "calculator": Calculator}
+BUNDLED_TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate}

@@ -266,9 +266,10 @@ def make_runner(tokenizer: Any, rollout: Any, eos_ids: set[int]) -> EpisodeRunne
     from padless.environments import load_environment
 
     response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
-    tools = Tools(rollout.tools, response_template)
+    env_cls = load_environment(rollout.environment)
+    tools = Tools([*rollout.tools, *getattr(env_cls, "tools", ())], response_template)
     spec = rollout.environment or "tools"
-    return EpisodeRunner(tokenizer, rollout, load_environment(rollout.environment), spec, tools, eos_ids)
+    return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids)
 
 
 __all__ = ["Environment", "Episode", "EpisodeRunner", "is_environment_run", "make_runner"]

@@ -157,7 +157,12 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The part of an HF model (or a PEFT wrapper's) that returns hidden states: embeddings, layers, norm."""
     inner = unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return inner.base_model
+    base = inner.base_model
+    if base is inner and isinstance(getattr(inner, "model", None), torch.nn.Module):
+        # Llama4ForCausalLM names its prefix "language_model" (its place inside the vision-language
+        # model) but keeps its layers in .model, so base_model is the causal LM itself
+        return inner.model
+    return base
 
 
 def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:

@@ -507,13 +507,9 @@ def make_engine(
         if images is not None:
             raise ValueError(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
-                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
-            )
-        if strategy == "zero3":
-            raise ValueError(
-                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
-                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
-                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
+                "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
+                "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
+                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
         from padless.vllm_engine import VLLMEngine
 

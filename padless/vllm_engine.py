@@ -277,7 +277,7 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(path)
 
     def sync_weights(self) -> None:
-        with trainer_state_kept():  # weights streamed: under FSDP2 gathered one at a time as vLLM loads them
+        with trainer_state_kept():  # FSDP2 / ZeRO-3 weights gathered one at a time as vLLM loads them
             self.llm.collective_rpc(_reload, args=(inference_weights(self.policy),))
             self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 

@@ -26,8 +26,8 @@ from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs
-from padless.data.sets import ExampleSet
-from padless.data.tokenized import PromptLayout, load_set
+from padless.data.rl import PromptLayout
+from padless.data.tokenized import ExampleSet, load_set
 from padless.engine import as_engine, inner_engine, reference_engine
 from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError

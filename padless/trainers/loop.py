@@ -32,6 +32,7 @@ from padless import sequence_parallel
 from padless.engine import EngineSettings, ModelEngine
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
+from padless.interrupts import deferred
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers import contract
@@ -352,7 +353,7 @@ class Trainer:
         self._saved_step, self._in_step = state.step, False
         try:
             self._loop(state, reporter, bar, window, counts, last)
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
             raise
         bar.close()
@@ -378,16 +379,18 @@ class Trainer:
             return
         self.recipe.restore_ahead(ahead)
 
-    def _stop_on(self, error: Exception, state: TrainState) -> None:
+    def _stop_on(self, error: BaseException, state: TrainState) -> None:
         """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
         and first checkpoint the steps trained since the last checkpoint (unless the failure was inside a
-        step or the weights diverged): an evaluation or a reward function never costs trained steps."""
+        step or the weights diverged): an evaluation, a reward function, Ctrl-C or SIGTERM (between steps:
+        during a rollout, say) never costs trained steps."""
         saved = ""
         if (
             not isinstance(error, (DivergenceError, FileFault))  # a full disk would fail a checkpoint too
             and not self._in_step
             and state.step > self._saved_step
-            and self.acc.num_processes == 1  # a checkpoint needs every rank, and the others are elsewhere
+            # a checkpoint needs every rank: with several, only after a failure they stopped on together
+            and (self.acc.num_processes == 1 or getattr(error, "every_rank", False))
         ):
             try:
                 self._save(state)
@@ -405,20 +408,21 @@ class Trainer:
     def _save(self, state: TrainState) -> None:
         plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
         self.guard.check_weights(self.model)
-        save_checkpoint(
-            self.acc,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.tokenizer,
-            state,
-            self.cfg.output_dir,
-            plan,
-            self.recipe.ahead_state(),
-        )
-        self._saved_step = state.step
-        if self.acc.is_main_process:
-            rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
+        with deferred():  # Ctrl-C / SIGTERM now: the checkpoint is finished first, then the run stops
+            save_checkpoint(
+                self.acc,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.tokenizer,
+                state,
+                self.cfg.output_dir,
+                plan,
+                self.recipe.ahead_state(),
+            )
+            self._saved_step = state.step
+            if self.acc.is_main_process:
+                rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
 
     def _loop(
         self,
@@ -507,9 +511,13 @@ class Trainer:
                 metrics.update(self.recipe.on_evaluate(self.model, step))
         except Exception as e:
             what = f"evaluation after step {step} failed (the eval set, data.eval, or what evaluates it)"
-            if is_input_error(e):
-                raise InputError(f"{what}: {e}") from e
-            raise UserCodeError(f"{what}: {type(e).__name__}: {e}") from e
+            error = (
+                InputError(f"{what}: {e}")
+                if is_input_error(e)
+                else UserCodeError(f"{what}: {type(e).__name__}: {e}")
+            )
+            error.every_rank = getattr(e, "every_rank", False)  # type: ignore[attr-defined]
+            raise error from e
         self.model.train()
         if metrics:
             metrics = {f"eval/{k}": v for k, v in metrics.items()}

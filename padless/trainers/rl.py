@@ -32,7 +32,7 @@ from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, gather_shares, lockstep
+from padless.ranks import agreed, equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine
 from padless.sequence_parallel import data_parallel
@@ -221,10 +221,18 @@ class RolloutRecipe(Recipe):
         """Total reward per completion and each source's part, into meta."""
         totals = torch.zeros(len(examples))
         sources: dict[str, list[float | None]] = {}
-        if self.rewards is not None and examples:
+        rewards = self.rewards
+
+        def call() -> tuple[torch.Tensor, dict[str, list[float | None]]]:
+            assert rewards is not None
+            if not examples:  # a rank with only fillers still joins the agreement
+                return torch.zeros(0), {}
             texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
             prompt_texts, fields = reward_inputs(prompts, group)
-            functions, sources = self.rewards(prompt_texts, texts, fields)
+            return rewards(prompt_texts, texts, fields)
+
+        if rewards is not None:  # a failure on one rank stops every rank here, together
+            functions, sources = agreed(call, "a reward function")
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
             budget = self.cfg.train.max_tokens_per_batch

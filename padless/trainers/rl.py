@@ -28,7 +28,7 @@ from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs
 from padless.data.rl import PromptLayout
 from padless.data.tokenized import ExampleSet, load_set
-from padless.engine import as_engine, inner_engine, reference_engine
+from padless.engine import as_engine, inner_engine, reference_engine, unwrap
 from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
@@ -39,7 +39,7 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy, unwrap
+from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples

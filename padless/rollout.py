@@ -44,6 +44,11 @@ class Completion:
     completion_ids: list[int]  # up to and including the first EOS
     finished: bool  # False when max_new_tokens ran out before an EOS
     logprobs: list[float] | None = None
+    # a multi-turn episode (padless.episodes): which completion tokens the model wrote (the rest are the
+    # environment's), the text reward functions read (the last model turn) and the episode's statistics
+    model_mask: list[bool] | None = None
+    text: str | None = None
+    episode: dict[str, Any] | None = None
 
 
 def left_pad(

@@ -39,7 +39,6 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -530,7 +529,7 @@ def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
 
 
 def make_engine(
-    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, images: ImageInputs | None = None
 ) -> Engine:
     if cfg.rollout.max_staleness > 0 and cfg.rollout.engine == "vllm":
         raise InputError(
@@ -636,7 +635,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         cfg=cfg,
         tokenizer=tokenizer,
         policy=session.model,
-        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        engine=make_engine(cfg, session.model, tokenizer, images),
         device=device,
         rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         reward_model=reward_model,

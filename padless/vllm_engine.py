@@ -25,9 +25,9 @@ import torch
 from accelerate import PartialState
 from safetensors.torch import save_file
 
+from padless.engine import unwrap
 from padless.model import pad_token_id
 from padless.rollout import Completion, cut_at_eos, eos_token_ids
-from padless.strategy import unwrap
 
 log = logging.getLogger(__name__)
 MIN_CPU_KV_CACHE = 64 << 20  # vLLM allocates whole blocks: a floor keeps tiny models from a too-small cache

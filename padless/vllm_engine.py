@@ -232,6 +232,8 @@ class VLLMEngine:
         self._write_policy(Path(self.tmp.name))
         dtype = next(unwrap(policy).parameters()).dtype
         max_model_len = max_prompt_length + rollout.max_new_tokens
+        if rollout.episodes():  # every turn's prompt is the episode so far, within its token budget
+            max_model_len = rollout.max_episode_tokens + rollout.max_new_tokens
         memory: dict[str, Any] = {"gpu_memory_utilization": rollout.vllm_gpu_memory_utilization}
         if on_cpu():
             memory = {"enforce_eager": True}  # compiling takes minutes on CPU, more than tiny rollouts gain

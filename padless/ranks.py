@@ -14,6 +14,7 @@ from accelerate import PartialState
 from accelerate.utils import gather, gather_object, reduce
 
 from padless import sequence_parallel
+from padless.errors import UserCodeError
 
 T = TypeVar("T")
 
@@ -70,3 +71,29 @@ def gather_shares(items: list[T]) -> list[T]:
     if PartialState().num_processes == 1:
         return items
     return gather_object(items if sequence_parallel.leads_group() else [])
+
+
+def agreed(run: Callable[[], T], what: str) -> T:
+    """``run()``, rank-local user code (reward functions), such that a failure on any rank stops every rank
+    here, at the same point: the failing rank raises its own error, the others one naming it. Such errors
+    carry ``every_rank = True``: the ranks are together, so they can checkpoint the trained steps before
+    stopping (a rank that stopped alone would leave the others waiting in their next collective)."""
+    state = PartialState()
+    failed: Exception | None = None
+    try:
+        result = run()
+    except Exception as e:
+        failed = e
+    if state.num_processes > 1:
+        flags = gather(torch.tensor([failed is not None], device=state.device, dtype=torch.int64))
+        first = next((rank for rank, flag in enumerate(flags.tolist()) if flag), None)
+    else:
+        first = None if failed is None else 0
+    if failed is not None:
+        failed.every_rank = True  # type: ignore[attr-defined]
+        raise failed
+    if first is not None:
+        error = UserCodeError(f"{what} failed on rank {first} (its error is in that rank's output)")
+        error.every_rank = True  # type: ignore[attr-defined]
+        raise error
+    return result

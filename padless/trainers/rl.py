@@ -26,20 +26,19 @@ from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs
-from padless.data.sets import ExampleSet
-from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import as_engine, inner_engine, reference_engine
+from padless.data.rl import PromptLayout
+from padless.data.tokenized import ExampleSet, load_set
+from padless.engine import as_engine, inner_engine, reference_engine, unwrap
 from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, gather_shares, lockstep
+from padless.ranks import agreed, equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy, unwrap
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -85,7 +84,11 @@ class RolloutRecipe(Recipe):
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
         self._order: tuple[int, np.ndarray] | None = None
-        self.ahead: AheadSampler | None = None  # rollout.max_staleness > 0: samples the next rollouts
+        # rollout.max_staleness > 0: samples the next rollouts, from a copy made before the policy is
+        # prepared (whole, even where FSDP2 / ZeRO-3 will shard the trained one)
+        stale = cfg.rollout.max_staleness > 0
+        model = unwrap(inner_engine(as_engine(policy)).model)
+        self.ahead = AheadSampler(model, tokenizer, cfg.rollout) if stale else None
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment / tools)
         self.rows: dict[tuple[str, int], dict[str, Any]] = {}  # the prompts' data rows, for environments
         if cfg.rollout.episodes():
@@ -97,7 +100,7 @@ class RolloutRecipe(Recipe):
             self.episodes = make_runner(
                 tokenizer,
                 cfg.rollout,
-                eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), tokenizer),
+                eos_token_ids(model, tokenizer),
             )
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
@@ -230,8 +233,7 @@ class RolloutRecipe(Recipe):
         and their staleness (updates between the weights they came from and now)."""
         k = self.cfg.rollout.max_staleness
         model = unwrap(inner_engine(self.policy).model)
-        if self.ahead is None:
-            self.ahead = AheadSampler(model, self.tokenizer, self.cfg.rollout)
+        assert self.ahead is not None, "max_staleness > 0 builds the sampler with the recipe"
         steps = self.cfg.train.max_steps
         last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
         for later in range(epoch + 1, min(epoch + k, last) + 1):
@@ -269,7 +271,12 @@ class RolloutRecipe(Recipe):
         """Total reward per completion and each source's part, into meta."""
         totals = torch.zeros(len(examples))
         sources: dict[str, list[float | None]] = {}
-        if self.rewards is not None and examples:
+        rewards = self.rewards
+
+        def call() -> tuple[torch.Tensor, dict[str, list[float | None]]]:
+            assert rewards is not None
+            if not examples:  # a rank with only fillers still joins the agreement
+                return torch.zeros(0), {}
             texts = [
                 c.text
                 if c.text is not None
@@ -277,7 +284,10 @@ class RolloutRecipe(Recipe):
                 for c in completions
             ]
             prompt_texts, fields = reward_inputs(prompts, group)
-            functions, sources = self.rewards(prompt_texts, texts, fields)
+            return rewards(prompt_texts, texts, fields)
+
+        if rewards is not None:  # a failure on one rank stops every rank here, together
+            functions, sources = agreed(call, "a reward function")
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
             budget = self.cfg.train.max_tokens_per_batch
@@ -411,6 +421,31 @@ class RolloutRecipe(Recipe):
         ]
         self.rollout = (epoch, examples)
 
+    def ahead_state(self) -> list[dict[str, Any]] | None:
+        """The rollouts sampled ahead, not yet trained (``rollout.max_staleness``), for each checkpoint."""
+        return self.ahead.pending() if self.ahead is not None and self.ahead.jobs else None
+
+    def restore_ahead(self, state: list[dict[str, Any]]) -> None:
+        """Take back what :meth:`ahead_state` saved: the resumed run trains on those very samples."""
+        assert self.ahead is not None, "the contract drops rollouts sampled ahead when max_staleness changed"
+        self.ahead.restore(state)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The RL settings a rollout is sampled, scored and trained with (the resume contract compares
+        them): every key of ``rollout``, ``reward`` and the trainer's section (``grpo`` / ``ppo``) except
+        those that change no number (how many sequences one ``generate`` call takes, vLLM's memory share)
+        and the value model's learning rate (the contract applies it to its parameter group)."""
+        inert = {
+            "rollout.generation_batch_size",
+            "rollout.vllm_gpu_memory_utilization",
+            "ppo.value_learning_rate",
+        }
+        sections = [s for s in ("rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
+        flat = {
+            f"{s}.{k}": v for s in sections for k, v in getattr(self.cfg, s).model_dump(mode="json").items()
+        }
+        return {k: v for k, v in flat.items() if k not in inert}
+
     def example(
         self, ids: list[int], targets: list[bool], meta: dict[str, Any], vision: dict[str, Any] | None
     ) -> Example:
@@ -494,26 +529,22 @@ def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
 
 
 def make_engine(
-    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, images: ImageInputs | None = None
 ) -> Engine:
-    if cfg.rollout.max_staleness > 0 and (cfg.rollout.engine == "vllm" or strategy in ("fsdp2", "zero3")):
-        what = "rollout.engine: vllm" if cfg.rollout.engine == "vllm" else strategy
+    if cfg.rollout.max_staleness > 0 and cfg.rollout.engine == "vllm":
         raise InputError(
-            f"rollout.max_staleness: {cfg.rollout.max_staleness} with {what}: padless samples ahead from a "
-            "whole copy of the policy on the HF engine, which sharded weights and vLLM do not give yet; use "
-            "rollout.engine: hf with DDP / ZeRO-2 / one process, or rollout.max_staleness: 0"
+            f"rollout.max_staleness: {cfg.rollout.max_staleness} with rollout.engine: vllm: padless samples "
+            "ahead on a copy of the policy in a thread beside training, and its vLLM engine holds one set of "
+            "weights that every sync replaces (and, in process on CPU, pins torch to 1 thread, which would "
+            "starve the training beside it); use rollout.engine: hf, or rollout.max_staleness: 0"
         )
     if cfg.rollout.engine == "vllm":
         if images is not None:
             raise ValueError(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
-                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
-            )
-        if strategy == "zero3":
-            raise ValueError(
-                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
-                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
-                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
+                "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
+                "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
+                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
         from padless.vllm_engine import VLLMEngine
 
@@ -604,7 +635,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         cfg=cfg,
         tokenizer=tokenizer,
         policy=session.model,
-        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        engine=make_engine(cfg, session.model, tokenizer, images),
         device=device,
         rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         reward_model=reward_model,

@@ -135,7 +135,7 @@ class RolloutRecipe(Recipe):
         the engine gives them) the sampler's per-target log-probs ``sampler_logps``; targets are the
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
-        mine, real = equal_share(prompts)
+        mine, real = equal_share(prompts, self.cfg.train.sequence_parallel)
         seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
         if epoch is not None and self.cfg.rollout.max_staleness > 0:
@@ -180,7 +180,7 @@ class RolloutRecipe(Recipe):
             if "sampler_logps" in filler.meta:  # the trainer's side of the mismatch, at sampling time
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
-        return gather_shares(examples)
+        return gather_shares(examples, self.cfg.train.sequence_parallel)
 
     def run_episodes(
         self, prompts: list[PromptExample], group: int, seeds: list[int], greedy: bool
@@ -211,10 +211,9 @@ class RolloutRecipe(Recipe):
                 self.rows.update({(r.source, r.index): r.data for r in load_rows(spec)})
         return self.rows[key]
 
-    @staticmethod
-    def prompt_seeds(count: int, seed: int) -> list[int]:
+    def prompt_seeds(self, count: int, seed: int) -> list[int]:
         """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
-        first = data_parallel()[0] * count  # this rank's first prompt in the rollout
+        first = data_parallel(self.cfg.train.sequence_parallel)[0] * count  # this rank's first prompt
         return [seed + 104_729 * (first + i) for i in range(count)]
 
     def rollout_seed(self, epoch: int) -> int:
@@ -239,7 +238,7 @@ class RolloutRecipe(Recipe):
         last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
         for later in range(epoch + 1, min(epoch + k, last) + 1):
             if not self.ahead.queued(later):
-                share, _ = equal_share(self.prompts_for(later))
+                share, _ = equal_share(self.prompts_for(later), self.cfg.train.sequence_parallel)
                 self.ahead.queue(
                     later,
                     epoch,

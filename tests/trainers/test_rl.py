@@ -681,3 +681,13 @@ def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     other = [r["rollout/staleness_max"] for r in resampled if "rollout/staleness_max" in r]
     assert other == [0.0, 1.0]  # step 2 sampled again on-policy: not the uninterrupted run
+
+
+def test_sampling_ahead_with_vllm_is_refused_with_the_reason():
+    """vLLM holds one set of weights that each sync replaces: no second, older copy to sample ahead from."""
+    from padless.errors import InputError
+    from padless.trainers.rl import make_engine
+
+    cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.max_staleness=1"])
+    with pytest.raises(InputError, match=r"max_staleness: 1 with rollout.engine: vllm: .* one set of"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, "ddp")

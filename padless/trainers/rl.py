@@ -87,9 +87,9 @@ class RolloutRecipe(Recipe):
         self._order: tuple[int, np.ndarray] | None = None
         # rollout.max_staleness > 0: samples the next rollouts, from a copy made before the policy is
         # prepared (whole, even where FSDP2 / ZeRO-3 will shard the trained one)
-        stale = cfg.rollout.max_staleness > 0
-        model = unwrap(inner_engine(as_engine(policy)).model)
-        self.ahead = AheadSampler(model, tokenizer, cfg.rollout) if stale else None
+        self.ahead: AheadSampler | None = None
+        if cfg.rollout.max_staleness > 0:
+            self.ahead = AheadSampler(unwrap(inner_engine(as_engine(policy)).model), tokenizer, cfg.rollout)
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment / tools)
         self.rows: dict[tuple[str, int], dict[str, Any]] = {}  # the prompts' data rows, for environments
         if cfg.rollout.episodes():
@@ -101,7 +101,7 @@ class RolloutRecipe(Recipe):
             self.episodes = make_runner(
                 tokenizer,
                 cfg.rollout,
-                eos_token_ids(model, tokenizer),
+                eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), tokenizer),
             )
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:

@@ -37,7 +37,6 @@ from padless.choices import VARLEN_KERNELS
 from padless.config import TrainSettings
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
-from padless.strategy import unwrap
 from padless.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
@@ -562,6 +561,11 @@ def _no_split(model: torch.nn.Module) -> list[str]:
 def as_engine(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` itself when it is (a prepared) :class:`ModelEngine`, else a new engine around it."""
     return model if isinstance(getattr(model, "module", model), ModelEngine) else ModelEngine(model)
+
+
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The model inside a DDP / FSDP wrapper (PEFT wrappers forward attribute access themselves)."""
+    return getattr(model, "module", model)
 
 
 def inner_engine(prepared: torch.nn.Module) -> ModelEngine:

@@ -20,11 +20,12 @@ import torch
 from transformers import LogitsProcessorList
 
 from padless.attention import attention_in_use, hf_name
-from padless.engine import as_engine, inner_engine
+from padless.engine import as_engine, inner_engine, unwrap
 from padless.errors import DIVERGENCE_FIX, DivergenceError
 from padless.model import pad_token_id
-from padless.strategy import strategy_in_use, unwrap
-from padless.vision import concat_vision, uses_mrope
+from padless.packing import concat_vision
+from padless.strategy import strategy_in_use
+from padless.vision import uses_mrope
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}

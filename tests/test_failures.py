@@ -802,7 +802,8 @@ def test_a_cache_dir_that_is_a_file_is_named(tmp_path: Path, capsys) -> None:
 def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: Path, caplog) -> None:
     import logging
 
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in GOOD * 3))
@@ -828,7 +829,8 @@ def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: P
 
 
 def test_a_data_file_edited_in_place_with_the_same_size_and_time_is_a_new_set(tmp_path: Path) -> None:
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(chat("What is 2 + 3?", "5")) + "\n")

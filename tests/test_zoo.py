@@ -30,10 +30,18 @@ from padless.check import (
     run_zoo,
     zoo_model,
 )
-from padless.probe import probe_attention
+from padless.probe import prove_packing
 from padless.tolerance import bound
 from padless.varlen import varlen_attention_forward
-from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, causal_lm_types, zoo_config, zoo_names
+from padless.zoo import (
+    LOGIT_TARGET,
+    ZOO,
+    build_zoo_model,
+    causal_lm_types,
+    image_text_types,
+    zoo_config,
+    zoo_names,
+)
 
 BACKENDS = ("varlen", "sdpa", "eager")
 SDPA_UNSUPPORTED = (
@@ -51,9 +59,21 @@ REFUSALS = {
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
 # Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
 # padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), chunked attention
-# (Llama 4), a state-space layer in every block (Mamba, Falcon-H1). The whole list runs behind `zoo_full`.
-CI_DERIVED = ("cohere", "gpt2", "llama4_text", "mamba", "falcon_h1")
+# (Llama 4), a state-space layer in every block (Mamba, Falcon-H1), and an image-text-to-text model on its
+# text (Qwen2.5-VL: M-RoPE sections cut to the tiny head). The whole list runs behind `zoo_full`.
+CI_DERIVED = ("cohere", "gpt2", "llama4_text", "mamba", "falcon_h1", "qwen2_5_vl")
 CI_ZOO = (*ZOO, *CI_DERIVED)
+
+
+def test_zoo_adds_the_image_text_models_padless_loads():
+    """Vision-language configs (a vision tower: padless loads them) join the causal-LM types, once each."""
+    from transformers import CONFIG_MAPPING
+
+    names, vlms = zoo_names(), image_text_types()
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"} <= set(vlms) <= set(names)
+    assert len(names) == len(set(names)) and not set(vlms) & set(causal_lm_types())
+    assert all(zoo_config(t).vision_config is not None for t in ("qwen2_5_vl", "llava"))
+    assert all("vision_config" in CONFIG_MAPPING[t].sub_configs for t in vlms)
 
 
 def test_zoo_covers_the_architectures_the_issue_lists():
@@ -87,7 +107,7 @@ def test_zoo_lists_every_causal_lm_architecture_of_transformers():
     assert causal_lm_types() == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert zoo_names()[: len(ZOO)] == list(ZOO) and set(causal_lm_types()) <= set(zoo_names())
     assert len(zoo_names()) == len(set(zoo_names()))
-    assert set(CI_DERIVED) <= set(causal_lm_types())
+    assert set(CI_DERIVED) <= set(causal_lm_types()) | set(image_text_types())
 
 
 @pytest.mark.parametrize("name", CI_DERIVED)
@@ -308,7 +328,7 @@ def _check_fails_implies_training_refuses(name, seqs, pad_id) -> None:
     cells = _varlen_cells(model, seqs, pad_id)
     model.set_attn_implementation(VARLEN_NAME)
     try:
-        probe_attention(model, "varlen")  # what load_model runs before training
+        prove_packing(model, "varlen")  # what load_model runs before training
     except Exception as e:
         refused: str | None = str(e)
     else:

@@ -26,9 +26,9 @@ from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs
-from padless.data.sets import ExampleSet
-from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import as_engine, inner_engine, reference_engine
+from padless.data.rl import PromptLayout
+from padless.data.tokenized import ExampleSet, load_set
+from padless.engine import as_engine, inner_engine, reference_engine, unwrap
 from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
@@ -39,7 +39,6 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy, unwrap
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -530,7 +529,7 @@ def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
 
 
 def make_engine(
-    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, images: ImageInputs | None = None
 ) -> Engine:
     if cfg.rollout.max_staleness > 0 and cfg.rollout.engine == "vllm":
         raise InputError(
@@ -543,13 +542,9 @@ def make_engine(
         if images is not None:
             raise ValueError(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
-                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
-            )
-        if strategy == "zero3":
-            raise ValueError(
-                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
-                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
-                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
+                "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
+                "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
+                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
         from padless.vllm_engine import VLLMEngine
 
@@ -640,7 +635,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         cfg=cfg,
         tokenizer=tokenizer,
         policy=session.model,
-        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        engine=make_engine(cfg, session.model, tokenizer, images),
         device=device,
         rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         reward_model=reward_model,

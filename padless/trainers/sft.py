@@ -14,8 +14,8 @@ from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
 from padless.data.rl import tokenize_prompts
-from padless.data.sets import ExampleSet, as_set
-from padless.data.tokenized import SFTLayout, load_set
+from padless.data.sft import SFTLayout
+from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.engine import BatchLayout
 from padless.faults import doing
 from padless.losses import sft_token_weights

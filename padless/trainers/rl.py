@@ -432,15 +432,18 @@ class RolloutRecipe(Recipe):
 
     def plan_settings(self) -> dict[str, Any]:
         """The RL settings a rollout is sampled, scored and trained with (the resume contract compares
-        them): every key of ``rollout``, ``reward`` and the trainer's section (``grpo`` / ``ppo``) except
-        those that change no number (how many sequences one ``generate`` call takes, vLLM's memory share)
-        and the value model's learning rate (the contract applies it to its parameter group)."""
+        them): every key of ``data`` (the prompts), ``rollout``, ``reward`` and the trainer's section
+        (``grpo`` / ``ppo``) except those that change no number (where and how the prompts are tokenized
+        and cached, how many sequences one ``generate`` call takes, vLLM's memory share) and the value
+        model's learning rate (the contract applies it to its parameter group)."""
         inert = {
+            "data.cache_dir",
+            "data.num_proc",
             "rollout.generation_batch_size",
             "rollout.vllm_gpu_memory_utilization",
             "ppo.value_learning_rate",
         }
-        sections = [s for s in ("rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
+        sections = [s for s in ("data", "rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
         flat = {
             f"{s}.{k}": v for s in sections for k, v in getattr(self.cfg, s).model_dump(mode="json").items()
         }

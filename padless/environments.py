@@ -37,7 +37,7 @@ from decimal import Decimal
 from typing import Any
 
 from padless.errors import InputError, UserCodeError
-from padless.rewards import load_callable
+from padless.rewards import first_number, load_callable
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -252,10 +252,23 @@ def calculate(expression: str) -> str:
 
 
 class Calculator(Environment):
-    """The tiny:rl arithmetic prompts with a calculator tool: the plain tool loop, the reward from
-    ``reward.functions`` (e.g. ``arithmetic``) on the model's last turn."""
+    """The tiny:rl arithmetic prompts with a calculator tool and a teacher: tool results go back to the
+    model; an answer whose first number is not the row's ``answer`` gets "not right, try again", up to
+    ``answers`` answers; a right one ends the episode. The reward comes from ``reward.functions`` (e.g.
+    ``arithmetic``) on the last turn."""
 
     tools = (calculate,)
+    answers = 2
+
+    def step(self, turn: Turn) -> Step:
+        if turn.tool_messages:
+            return Step(messages=turn.tool_messages)
+        self.given = getattr(self, "given", 0) + 1
+        answer = self.row.get("answer")
+        right = answer is None or first_number(turn.text) == first_number(str(answer))
+        if right or self.given == self.answers:
+            return Step(done=True)
+        return Step(messages=[{"role": "user", "content": "That is not right. Try again: just the number."}])
 
 
 BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment, "calculator": Calculator}

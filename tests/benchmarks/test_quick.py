@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OWN_TEST = {
     "sp_memory.py": "tests/benchmarks/test_sp_memory.py",
     "vllm_rollout.py": "tests/test_vllm_engine.py",
+    "row_to_loss.py": "tests/benchmarks/test_row_to_loss.py",
 }
 SCRIPTS = sorted(
     p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py" and p.name not in OWN_TEST

@@ -1,6 +1,6 @@
 """Tiny configs, built in code, of the architectures people fine-tune, each set up to exercise what makes
 its attention different (sliding windows, soft-capping, sinks, MLA head sizes, NoPE layers, scaling
-multipliers, linear-attention layers).
+multipliers, chunked attention, linear-attention layers).
 
 Every model is 2 layers of hidden size 64 over the embedded tokenizer's 4096-token vocabulary, so the
 whole zoo runs through ``padless check --zoo`` and the test suite in seconds on a CPU. Weights are drawn
@@ -232,6 +232,23 @@ def _qwen3_next() -> PretrainedConfig:
     )
 
 
+def _llama4_text() -> PretrainedConfig:
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            intermediate_size_mlp=INTERMEDIATE,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=WINDOW,
+            no_rope_layer_interval=2,  # layer 0: RoPE, chunked; layer 1: NoPE, full, temperature-tuned
+            floor_scale=4 * WINDOW,
+        )
+    )
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """One architecture of the zoo and what its tiny config exercises."""
@@ -258,6 +275,11 @@ ZOO: dict[str, ZooEntry] = {
     "gpt-oss": ZooEntry(_gpt_oss, f"attention sinks, sliding window {WINDOW} / full layers, YaRN, MoE"),
     "deepseek-v3": ZooEntry(_deepseek_v3, "MLA: q/k head size 24, value head size 8; MoE"),
     "qwen3-next": ZooEntry(_qwen3_next, "hybrid: gated delta-net linear attention + gated full attention"),
+    "llama4_text": ZooEntry(
+        _llama4_text,
+        f"chunked attention (chunks of {WINDOW}) / NoPE layers with query temperature tuning from "
+        f"{4 * WINDOW} tokens on, MoE top-1",
+    ),
 }
 
 

@@ -55,13 +55,15 @@ REFUSALS = {
     # the load-time probe measures the leak and refuses.
     ("gpt-oss", "eager"): "leaks between packed sequences",
     **{("qwen3-next", b): "has linear_attention layers" for b in BACKENDS},
+    # Llama 4's NoPE layers scale queries by their place in the row: only varlen moves it into the sequence
+    **{("llama4_text", b): "NoPE layers by each token's place in the whole row" for b in ("sdpa", "eager")},
 }
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
 # Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
-# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), chunked attention
-# (Llama 4), a state-space layer in every block (Mamba, Falcon-H1), and an image-text-to-text model on its
-# text (Qwen2.5-VL: M-RoPE sections cut to the tiny head). The whole list runs behind `zoo_full`.
-CI_DERIVED = ("cohere", "gpt2", "llama4_text", "mamba", "falcon_h1", "qwen2_5_vl")
+# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), a state-space layer
+# in every block (Mamba, Falcon-H1), and an image-text-to-text model on its text (Qwen2.5-VL: M-RoPE
+# sections cut to the tiny head). The whole list runs behind `zoo_full`.
+CI_DERIVED = ("cohere", "gpt2", "mamba", "falcon_h1", "qwen2_5_vl")
 CI_ZOO = (*ZOO, *CI_DERIVED)
 
 
@@ -114,8 +116,6 @@ def test_zoo_lists_every_causal_lm_architecture_of_transformers():
 def test_derived_configs_are_tiny_and_keep_what_matters(name):
     config = zoo_config(name).get_text_config()
     assert getattr(config, "hidden_size", 64) == 64 and config.vocab_size == 4096
-    if name == "llama4_text":
-        assert config.attention_chunk_size == 8  # chunks far shorter than the probe sequences
     if name == "falcon_h1":
         assert config.num_hidden_layers == 2
 
@@ -130,6 +130,9 @@ def test_zoo_configs_exercise_what_they_claim():
     bidirectional = build_zoo_model("gemma3-bidirectional", "eager")
     assert not any(layer.self_attn.is_causal for layer in bidirectional.model.layers)
     assert "linear_attention" in zoo_config("qwen3-next").layer_types
+    llama4 = zoo_config("llama4_text")  # chunks and the temperature floor far shorter than the probe's rows
+    assert llama4.layer_types == ["chunked_attention", "full_attention"] and llama4.no_rope_layers == [1, 0]
+    assert llama4.attention_chunk_size == 8 and llama4.floor_scale == 32 and llama4.attn_temperature_tuning
 
 
 @pytest.fixture(scope="module")

@@ -193,12 +193,17 @@ class Trainer:
         the rest train at ``settings.learning_rate``. The schedule scales every group alike."""
         self.recipe, self.tokenizer, self.cfg, self.acc = recipe, tokenizer, settings, accelerator
         groups = parameter_groups(model, settings.learning_rate, settings.weight_decay, learning_rates or {})
+        # the rates as configured: the scheduler rewrites each group's lr in place (0 at the start of warmup)
+        configured = [{"name": g["name"], "lr": g["lr"]} for g in groups]
         optimizer = torch.optim.AdamW(
             groups,
             lr=settings.learning_rate,
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
+        # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
+        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
+        self.degree = self.engine_settings.degree
         self.planned: tuple[int, list[Step]] | None = None
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
@@ -210,12 +215,12 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
-        world = sequence_parallel.data_parallel()[1]  # a sequence-parallel group reads one share of the plan
-        self.terms = contract.terms(recipe, getattr(model, "model", model), settings, world, digest, groups)
+        world = sequence_parallel.data_parallel(self.degree)[1]  # a sequence-parallel group reads one share
+        self.terms = contract.terms(
+            recipe, getattr(model, "model", model), settings, world, digest, configured
+        )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too
-        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
@@ -225,7 +230,7 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares its data
+            rank, world = sequence_parallel.data_parallel(self.degree)  # a sequence-parallel group shares it
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
@@ -306,7 +311,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= sequence_parallel.data_parallel()[1]
+            metrics["grad_norm"] /= sequence_parallel.data_parallel(self.degree)[1]
         return metrics
 
     def train(self) -> dict[str, float]:
@@ -486,7 +491,7 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        rank, world = sequence_parallel.data_parallel()
+        rank, world = sequence_parallel.data_parallel(self.degree)
         step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
@@ -499,7 +504,7 @@ class Trainer:
         """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
         the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        mine = [sums[k] if sequence_parallel.leads_group() else 0.0 for k in keys]
+        mine = [sums[k] if sequence_parallel.leads_group(self.degree) else 0.0 for k in keys]
         totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 

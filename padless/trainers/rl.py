@@ -39,7 +39,6 @@ from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -87,9 +86,9 @@ class RolloutRecipe(Recipe):
         self._order: tuple[int, np.ndarray] | None = None
         # rollout.max_staleness > 0: samples the next rollouts, from a copy made before the policy is
         # prepared (whole, even where FSDP2 / ZeRO-3 will shard the trained one)
-        stale = cfg.rollout.max_staleness > 0
-        model = unwrap(inner_engine(as_engine(policy)).model)
-        self.ahead = AheadSampler(model, tokenizer, cfg.rollout) if stale else None
+        self.ahead: AheadSampler | None = None
+        if cfg.rollout.max_staleness > 0:
+            self.ahead = AheadSampler(unwrap(inner_engine(as_engine(policy)).model), tokenizer, cfg.rollout)
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment / tools)
         self.rows: dict[tuple[str, int], dict[str, Any]] = {}  # the prompts' data rows, for environments
         if cfg.rollout.episodes():
@@ -101,7 +100,7 @@ class RolloutRecipe(Recipe):
             self.episodes = make_runner(
                 tokenizer,
                 cfg.rollout,
-                eos_token_ids(model, tokenizer),
+                eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), tokenizer),
             )
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
@@ -135,7 +134,7 @@ class RolloutRecipe(Recipe):
         the engine gives them) the sampler's per-target log-probs ``sampler_logps``; targets are the
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
-        mine, real = equal_share(prompts)
+        mine, real = equal_share(prompts, self.cfg.train.sequence_parallel)
         seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
         if epoch is not None and self.cfg.rollout.max_staleness > 0:
@@ -180,7 +179,7 @@ class RolloutRecipe(Recipe):
             if "sampler_logps" in filler.meta:  # the trainer's side of the mismatch, at sampling time
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
-        return gather_shares(examples)
+        return gather_shares(examples, self.cfg.train.sequence_parallel)
 
     def run_episodes(
         self, prompts: list[PromptExample], group: int, seeds: list[int], greedy: bool
@@ -211,10 +210,9 @@ class RolloutRecipe(Recipe):
                 self.rows.update({(r.source, r.index): r.data for r in load_rows(spec)})
         return self.rows[key]
 
-    @staticmethod
-    def prompt_seeds(count: int, seed: int) -> list[int]:
+    def prompt_seeds(self, count: int, seed: int) -> list[int]:
         """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
-        first = data_parallel()[0] * count  # this rank's first prompt in the rollout
+        first = data_parallel(self.cfg.train.sequence_parallel)[0] * count  # this rank's first prompt
         return [seed + 104_729 * (first + i) for i in range(count)]
 
     def rollout_seed(self, epoch: int) -> int:
@@ -239,7 +237,7 @@ class RolloutRecipe(Recipe):
         last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
         for later in range(epoch + 1, min(epoch + k, last) + 1):
             if not self.ahead.queued(later):
-                share, _ = equal_share(self.prompts_for(later))
+                share, _ = equal_share(self.prompts_for(later), self.cfg.train.sequence_parallel)
                 self.ahead.queue(
                     later,
                     epoch,
@@ -433,15 +431,18 @@ class RolloutRecipe(Recipe):
 
     def plan_settings(self) -> dict[str, Any]:
         """The RL settings a rollout is sampled, scored and trained with (the resume contract compares
-        them): every key of ``rollout``, ``reward`` and the trainer's section (``grpo`` / ``ppo``) except
-        those that change no number (how many sequences one ``generate`` call takes, vLLM's memory share)
-        and the value model's learning rate (the contract applies it to its parameter group)."""
+        them): every key of ``data`` (the prompts), ``rollout``, ``reward`` and the trainer's section
+        (``grpo`` / ``ppo``) except those that change no number (where and how the prompts are tokenized
+        and cached, how many sequences one ``generate`` call takes, vLLM's memory share) and the value
+        model's learning rate (the contract applies it to its parameter group)."""
         inert = {
+            "data.cache_dir",
+            "data.num_proc",
             "rollout.generation_batch_size",
             "rollout.vllm_gpu_memory_utilization",
             "ppo.value_learning_rate",
         }
-        sections = [s for s in ("rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
+        sections = [s for s in ("data", "rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
         flat = {
             f"{s}.{k}": v for s in sections for k, v in getattr(self.cfg, s).model_dump(mode="json").items()
         }
@@ -530,7 +531,7 @@ def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
 
 
 def make_engine(
-    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, images: ImageInputs | None = None
 ) -> Engine:
     if cfg.rollout.max_staleness > 0 and cfg.rollout.engine == "vllm":
         raise InputError(
@@ -543,13 +544,9 @@ def make_engine(
         if images is not None:
             raise ValueError(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
-                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
-            )
-        if strategy == "zero3":
-            raise ValueError(
-                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
-                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
-                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
+                "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
+                "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
+                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
         from padless.vllm_engine import VLLMEngine
 
@@ -640,7 +637,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         cfg=cfg,
         tokenizer=tokenizer,
         policy=session.model,
-        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        engine=make_engine(cfg, session.model, tokenizer, images),
         device=device,
         rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         reward_model=reward_model,

@@ -631,18 +631,17 @@ def test_max_staleness_one_trains_and_logs_every_samples_staleness(tmp_path, kin
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "ppo"])
-def test_max_staleness_zero_is_the_synchronous_run(tmp_path, kind, monkeypatch):
-    """``rollout.max_staleness: 0`` is the synchronous run it was before sampling ahead existed: no sampler
-    copy is built, no staleness is logged, no rollout is carried in a checkpoint, and per step the loss,
-    the rewards and the final weights equal those of a run that leaves the key out (1e-6: the same
-    operations in the same order)."""
+def test_max_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
+    """``rollout.max_staleness: 0`` is the synchronous run it was before sampling ahead existed (GRPO; PPO
+    samples through the same ``collect``): no sampler copy is built, no staleness is logged, no rollout
+    is carried in a checkpoint, and per step the loss, the rewards and the final weights equal those of a
+    run that leaves the key out (1e-6: the same operations in the same order)."""
     import padless.trainers.rl as rl
 
     built = []
     monkeypatch.setattr(rl, "AheadSampler", lambda *a, **k: built.append(a))
-    sync = stale_run(tmp_path, kind, "sync", "train.learning_rate=1e-2")
-    zero = stale_run(tmp_path, kind, "zero", "train.learning_rate=1e-2", "rollout.max_staleness=0")
+    sync = stale_run(tmp_path, "grpo", "sync", "train.learning_rate=1e-2")
+    zero = stale_run(tmp_path, "grpo", "zero", "train.learning_rate=1e-2", "rollout.max_staleness=0")
     assert built == [] and not any(k.startswith("rollout/staleness") for r in zero for k in r)
     for key in ("train/loss", "rollout/reward", "rollout/completion_length"):
         want, got = [r[key] for r in sync if key in r], [r[key] for r in zero if key in r]
@@ -682,3 +681,13 @@ def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     other = [r["rollout/staleness_max"] for r in resampled if "rollout/staleness_max" in r]
     assert other == [0.0, 1.0]  # step 2 sampled again on-policy: not the uninterrupted run
+
+
+def test_sampling_ahead_with_vllm_is_refused_with_the_reason():
+    """vLLM holds one set of weights that each sync replaces: no second, older copy to sample ahead from."""
+    from padless.errors import InputError
+    from padless.trainers.rl import make_engine
+
+    cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.max_staleness=1"])
+    with pytest.raises(InputError, match=r"max_staleness: 1 with rollout.engine: vllm: .* one set of"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, "ddp")

@@ -143,7 +143,10 @@ class EpisodeRunner:
             )
         end += len(eos)
         if not after.startswith(before[:end]):
-            k = next(i for i, (a, b) in enumerate(zip(after, before[:end], strict=False)) if a != b)
+            k = next(
+                (i for i, (a, b) in enumerate(zip(after, before[:end], strict=False)) if a != b),
+                min(len(after), end),
+            )
             raise ChatTemplateError(
                 "the chat template cannot append an environment turn to a sampled episode without changing "
                 f"earlier tokens: with the next messages it renders character {k} as {after[k : k + 40]!r} "
@@ -257,11 +260,6 @@ class EpisodeRunner:
         e.text += appended
 
 
-def is_environment_run(rollout: Any) -> bool:
-    """Whether a rollout runs multi-turn episodes (an environment or tools configured)."""
-    return rollout.environment is not None or bool(rollout.tools)
-
-
 def make_runner(tokenizer: Any, rollout: Any, eos_ids: set[int]) -> EpisodeRunner:
     from padless.environments import load_environment
 
@@ -272,4 +270,4 @@ def make_runner(tokenizer: Any, rollout: Any, eos_ids: set[int]) -> EpisodeRunne
     return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids)
 
 
-__all__ = ["Environment", "Episode", "EpisodeRunner", "is_environment_run", "make_runner"]
+__all__ = ["Environment", "Episode", "EpisodeRunner", "make_runner"]

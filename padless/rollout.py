@@ -35,10 +35,10 @@ DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
 class Completion:
     """One sampled completion.
 
-    ``logprobs``: one per completion token, the log-prob of the sampled token under the distribution it was
-    sampled from, ``log_softmax(logits / temperature)``, *before* any top-p (or top-k) renormalisation, so
-    it compares with the trainer's ``logps`` at the same temperature; None where the engine gives none
-    (greedy decoding).
+    ``logprobs``: one per completion token (per model token, for an episode), the log-prob of the sampled
+    token under the distribution it was sampled from, ``log_softmax(logits / temperature)``, *before* any
+    top-p (or top-k) renormalisation, so it compares with the trainer's ``logps`` at the same temperature;
+    None where the engine gives none (greedy decoding).
     """
 
     prompt_ids: list[int]

@@ -91,7 +91,45 @@ def _qwen3_vl() -> Qwen3VLConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, **TOKENS)
 
 
-FAMILIES = {"qwen2-vl": (_qwen2_vl, 14), "qwen2.5-vl": (tiny_qwen2_5_vl, 14), "qwen3-vl": (_qwen3_vl, 16)}
+def _qwen3_5_vl():
+    from transformers import Qwen3_5Config
+
+    text = {
+        **TEXT,
+        "head_dim": 32,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "patch_size": 16,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 64,
+    }
+    return Qwen3_5Config(text_config=text, vision_config=vision, **TOKENS)
+
+
+FAMILIES = {
+    "qwen2-vl": (_qwen2_vl, 14),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, 14),
+    "qwen3-vl": (_qwen3_vl, 16),
+    "qwen3.5-vl": (_qwen3_5_vl, 16),
+}
+HYBRIDS = ("qwen3.5-vl",)  # their own test below; the matrix of tests over `family` runs the others
 
 
 def _build(family: str, backend: str) -> torch.nn.Module:
@@ -170,7 +208,7 @@ def _packed_logps(model: torch.nn.Module, batch) -> list[torch.Tensor]:
     return [s[:-1] for s in batch.split(logps)]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f not in HYBRIDS])
 def family(request) -> str:
     return request.param
 
@@ -436,3 +474,24 @@ def test_internvl_vision_features_packed_equal_per_tile(internvl_examples):
         packed = features(tiles).pooler_output
         alone = [features(ex.vision["pixel_values"]).pooler_output for ex in internvl_examples if ex.vision]
     assert _delta(list(packed), [tile for per_row in alone for tile in per_row]) < FP32_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Qwen3.5 VL: a hybrid language model (gated delta-nets + attention) under M-RoPE
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_qwen3_5_vl_hybrid_packs_with_per_sample_mrope():
+    """Qwen3.5's vision-language model: images of different sizes and text-only rows packed, M-RoPE rows
+    per sample as for Qwen2.5-VL, gated delta-net layers restarting per sequence: packed equals each
+    sample alone (transformers computing its own positions); without the M-RoPE rows it does not."""
+    from padless import hybrid
+
+    examples = [_example("qwen3.5-vl", pieces, images) for pieces, images in _samples("qwen3.5-vl")]
+    reference = [_alone(_build("qwen3.5-vl", "sdpa"), ex) for ex in examples]
+    model = _build("qwen3.5-vl", "varlen")
+    assert hybrid.install(model)  # its gated delta-net layers, as load_model installs them
+    batch = pack(examples)
+    assert _delta(_packed_logps(model, batch), reference) <= FP32_TOL
+    flat = _packed_logps(model, dataclasses.replace(batch, position_ids=batch.position_ids[0]))
+    assert _delta(flat, reference) > LEAK_MIN

@@ -1,5 +1,6 @@
 """Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
-launched with its config from ``examples/accelerate/``: each of SFT (text, and the embedded VLM), DPO
+launched with its config from ``examples/accelerate/``: each of SFT (text, the embedded hybrid and the
+embedded VLM), DPO
 (frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the
 adapters-off policy as reference), RM, GRPO (on-policy, one step off-policy: ``rollout.max_staleness:
 1``, the rollout sampled ahead carried through a checkpoint per rank, and multi-turn calculator episodes
@@ -78,6 +79,13 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
+    "sft_hybrid": [  # the embedded hybrid: its gated delta-net layers restart their state per sequence
+        "model.name=tiny-qwen3.5",
+        "data.train=tiny:sft_eval",
+        "data.max_length=1024",
+        "train.max_steps=3",
+        "train.save_steps=2",
+    ],
     "dpo": [
         "data.train=tiny:preference_eval",
         "data.max_length=1024",
@@ -123,7 +131,8 @@ TRAINERS = {
     ],
 }
 # the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
-# rollout plan); the VLM and precomputed-reference variants add nothing to resume and are not resumed
+# rollout plan); the VLM, hybrid and precomputed-reference variants add nothing to resume and are not
+# resumed
 RESUME_FROM = {
     "sft": 2,
     "dpo": 2,

@@ -187,12 +187,10 @@ class _PerSequence:
         bounds = Boundaries(spans, batch, length, where.get("cu_seq_lens_q"))
         return RUNNERS[self.kind](self.forward.__self__, self.forward, hidden, bounds, rest_kwargs)
 
-
-def _remember_boundaries(wrapper: _PerSequence) -> Callable[..., None]:
-    def hook(_: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        wrapper.context = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if k in kwargs}
-
-    return hook
+    def remember(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Pre-hook of the decoder layer: the boundary kwargs of its call. A bound method, so a deep copy
+        of the model (``copy.deepcopy``) hooks its own copy of this wrapper."""
+        self.context = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if k in kwargs}
 
 
 def install(model: torch.nn.Module) -> list[str]:
@@ -214,7 +212,7 @@ def install(model: torch.nn.Module) -> list[str]:
         module.forward = wrapper
         layer = _layer_of(model, name)
         if layer is not None:
-            layer.register_forward_pre_hook(_remember_boundaries(wrapper), with_kwargs=True)
+            layer.register_forward_pre_hook(wrapper.remember, with_kwargs=True)
     return installed
 
 

@@ -8,6 +8,8 @@ grouping sequences into other batch shapes changes only fp32 round-off (a few ul
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -112,6 +114,19 @@ def test_without_the_wrapper_a_packed_row_leaks_and_is_refused(probe_seqs):
             raw(input_ids=batch.input_ids, position_ids=batch.position_ids, **batch.attention_kwargs())
         hybrid.install(raw)
         assert packing_problem(raw) is None
+
+
+def test_a_deep_copy_reads_its_own_boundaries():
+    """Jamba's decoder layer hands its mixer no boundaries: the layer's pre-hook records them for it. A
+    deep copy of the model (stale sampling copies the policy) must record them for its own mixer."""
+    model = build_zoo_model("jamba", "eager")
+    twin = copy.deepcopy(model)
+    mixer, twin_mixer = model.model.layers[0].mamba, twin.model.layers[0].mamba
+    assert twin_mixer.forward is not mixer.forward and twin_mixer.forward.forward.__self__ is twin_mixer
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    with torch.no_grad():
+        twin(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=positions, use_cache=False)
+    assert twin_mixer.forward.context["position_ids"] is positions and mixer.forward.context == {}
 
 
 def test_kinds_padless_does_not_cover_stay_refused():

@@ -161,11 +161,31 @@ class _PerSequence:
     def __init__(self, module: torch.nn.Module, kind: str) -> None:
         self.forward = module.forward
         self.kind = kind
-        self.context: dict[str, Any] = {}  # boundary kwargs of the decoder layer's current call
+        self.hooked = False  # its decoder layer records the boundaries of each call (see remember)
+        self.context: dict[str, Any] | None = {}  # ... of the current call; None once used
+
+    def _where(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The boundary kwargs of this call: its own, else those its decoder layer received, used once.
+
+        A second use means the layer's forward ran again without its hooks: gradient checkpointing
+        recomputing it in backward (transformers checkpoints ``forward``, not ``__call__``), when the
+        recorded boundaries may be another batch's. That stops rather than guess.
+        """
+        own = {k: v for k, v in kwargs.items() if k in BOUNDARY_KWARGS}
+        if "cu_seq_lens_q" in own or "position_ids" in own or not self.hooked:
+            return own
+        if self.context is None:
+            raise AttentionError(
+                f"{type(self.forward.__self__).__name__} gets no sequence boundaries from its decoder layer "
+                "and ran again without it (gradient checkpointing recomputes layers in backward), so padless "
+                "cannot tell where its packed sequences start; set model.gradient_checkpointing: false"
+            )
+        where, self.context = {**self.context, **own}, None
+        return where
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
-        rest = args[1:] if "hidden_states" not in kwargs and args else args
+        rest = args[1:] if args and hidden is args[0] else args
         if rest:
             raise AttentionError(
                 f"{type(self.forward.__self__).__name__} got {len(rest)} positional arguments after its "
@@ -174,7 +194,7 @@ class _PerSequence:
         cache = kwargs.get("cache", kwargs.get("cache_params"))
         if cache is not None:
             return self.forward(hidden, **kwargs)
-        where = {**self.context, **{k: v for k, v in kwargs.items() if k in BOUNDARY_KWARGS}}
+        where = self._where(kwargs)
         position_ids = where.get("position_ids")
         if position_ids is not None and position_ids.dim() == 3:  # M-RoPE rows: the text row leads
             where["position_ids"] = position_ids[0]
@@ -213,6 +233,7 @@ def install(model: torch.nn.Module) -> list[str]:
         layer = _layer_of(model, name)
         if layer is not None:
             layer.register_forward_pre_hook(wrapper.remember, with_kwargs=True)
+            wrapper.hooked = True
     return installed
 
 

@@ -126,7 +126,19 @@ def test_a_deep_copy_reads_its_own_boundaries():
     positions = torch.tensor([[0, 1, 2, 0, 1]])
     with torch.no_grad():
         twin(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=positions, use_cache=False)
-    assert twin_mixer.forward.context["position_ids"] is positions and mixer.forward.context == {}
+    assert twin_mixer.forward.context is None and mixer.forward.context == {}  # the twin's own, used once
+
+
+def test_boundaries_only_the_decoder_layer_knew_are_not_reused_by_a_recompute(probe_seqs):
+    """transformers checkpoints a layer's ``forward``, not ``__call__``: the recompute in backward runs
+    without the layer's pre-hook, so Jamba's mixer would see no fresh boundaries. It stops, saying so."""
+    model = build_zoo_model("jamba", "padless_varlen").train()
+    model.padless_attention = "varlen"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _packed_batch([s[:12] for s in probe_seqs])
+    out = forward_packed(model, batch).logps.sum()
+    with pytest.raises(AttentionError, match=r"set model\.gradient_checkpointing: false"):
+        out.backward()
 
 
 def test_kinds_padless_does_not_cover_stay_refused():

@@ -110,7 +110,8 @@ def rss() -> dict[str, int]:
 
 
 def child_build(data: str, cache: str, num_proc: int) -> dict[str, Any]:
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
     from padless.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -135,7 +136,8 @@ def child_rank(data: str, cache: str) -> dict[str, Any]:
     import torch
 
     from padless.config import TrainSettings
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
     from padless.tiny import tiny_tokenizer
     from padless.trainers.sft import SFTRecipe
 

@@ -49,7 +49,7 @@ def worker(tokens: int, out: Path) -> None:
 
     from padless import sequence_parallel
     from padless.attention import hf_name
-    from padless.engine import ModelEngine
+    from padless.engine import EngineSettings, ModelEngine
     from padless.losses import sft_token_weights
     from padless.packing import Example, pack
 
@@ -71,7 +71,7 @@ def worker(tokens: int, out: Path) -> None:
     batch = pack([Example(torch.randint(3, 4096, (length,), generator=gen).tolist()) for _ in range(4)])
     weights = sft_token_weights(batch.loss_mask[0], float(batch.loss_mask.sum()))
     sp = sequence_parallel.start(state.num_processes)
-    engine = ModelEngine(model)
+    engine = ModelEngine(model, settings=EngineSettings(sequence_parallel=sp))
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = _status("VmRSS")

@@ -147,13 +147,15 @@ def attention_in_use(model: torch.nn.Module) -> str:
     return "varlen" if impl == VARLEN_NAME else str(impl)
 
 
-# Layer kinds that mix tokens only through attention, which padless isolates per sequence.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Layer kinds that mix tokens only through attention, which padless isolates per sequence (chunked
+# attention, Llama 4: varlen attends within each chunk of each sequence, see
+# padless.varlen.attention_chunk; transformers' masks count chunks from the packed position ids).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
 # Layer kinds that call the attention function once each: attention layers, and Falcon-H1's hybrid blocks
 # (attention beside a Mamba mixer). Stateful and token-wise kinds call none.
-CALLS_ATTENTION = ATTENTION_LAYER_TYPES | {"chunked_attention", "hybrid"}
+CALLS_ATTENTION = ATTENTION_LAYER_TYPES | {"hybrid"}
 
 
 def attention_layers(model: torch.nn.Module) -> int:
@@ -170,7 +172,6 @@ def attention_layers(model: torch.nn.Module) -> int:
 # state. An exact packed path for one of them (issue 18) removes it from the refusals here.
 STATEFUL = "carry a state from token to token across packed sequence boundaries"
 LAYER_PROBLEMS: dict[str, str] = {
-    "chunked_attention": "attend within fixed chunks of the whole row, not cut per sequence",
     "indexed_attention": "select the keys each query sees with an indexer over the whole row",
     "compressed_sparse_attention": "attend to compressed blocks of the whole row",
     "heavily_compressed_attention": "attend to compressed blocks of the whole row",
@@ -182,8 +183,8 @@ def packing_problem(model: torch.nn.Module) -> str | None:
 
     Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
     from token to token that position ids cannot reset; :func:`padless.hybrid.install` makes each
-    sequence start at zero state in the kinds it knows. Any other stateful layer, and chunked or
-    indexed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
+    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
+    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
     """
     from padless import hybrid
 
@@ -212,13 +213,40 @@ def packing_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
+def row_position_problem(model: torch.nn.Module, backend: str, sequence_parallel: bool = False) -> str | None:
+    """Why ``backend`` would see each token's place in the packed row instead of in its sequence
+    (``None``: it would not).
+
+    Llama 4's NoPE layers with ``attn_temperature_tuning`` scale queries by a token's position taken
+    from ``arange`` over the row the layer receives (not from ``position_ids``): packed, from
+    ``floor_scale`` tokens on, later sequences would be scaled by their place in the row. Only
+    ``varlen`` moves each scale to the token's place in its sequence, and only on whole rows (under
+    sequence parallelism each rank's layer sees its own chunk of the row).
+    """
+    config = text_config(model)
+    if not getattr(config, "attn_temperature_tuning", False) or 0 not in (
+        getattr(config, "no_rope_layers", None) or ()
+    ):
+        return None
+    if backend == "varlen" and not sequence_parallel:
+        return None
+    where = "under sequence parallelism" if sequence_parallel else f"on {backend!r}"
+    fix = "set train.sequence_parallel: 1" if sequence_parallel else "use attn_implementation=varlen"
+    name = getattr(config, "model_type", type(model).__name__)
+    return (
+        f"{name} scales the queries of its NoPE layers by each token's place in the whole row "
+        f"(attn_temperature_tuning, from {config.floor_scale} tokens on), which padless cannot move to "
+        f"the token's place in its own sequence {where}; {fix}"
+    )
+
+
 def assert_attention(model: torch.nn.Module, backend: str) -> None:
     """Cheap guard before each forward: the model packs, and its config still dispatches to ``backend``.
 
     transformers writes ``attn_implementation`` into config objects, so a second model built from a
     shared config can silently switch this one's kernel.
     """
-    problem = packing_problem(model)
+    problem = packing_problem(model) or row_position_problem(model, backend)
     if problem:
         raise AttentionError(problem)
     running = attention_in_use(model)

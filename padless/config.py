@@ -9,7 +9,7 @@ quickly.
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
@@ -395,6 +395,19 @@ class RolloutSettings(ConfigModel):
     """lower bound C_min of the ratio (null: none)"""
     max_staleness: NonNegativeInt = 0
     """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+    environment: str | None = None
+    """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
+    tools: the plain tool loop); max_new_tokens is then per model turn"""
+    tools: list[str] = Field(default_factory=list)
+    """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
+    template's tools"""
+    max_turns: PositiveInt = 4
+    """model turns per episode (environment or tools); an episode still going then is truncated"""
+    max_episode_tokens: PositiveInt | None = None
+    """tokens per episode, prompt and environment turns included (null: no limit but max_turns)"""
+    response_template: dict[str, Any] | None = None
+    """how tool calls are read from a model turn (transformers' response_template schema); null: the
+    tokenizer's own"""
 
     def correction(self) -> bool:
         """Whether the importance-sampling correction runs (its default resolved)."""
@@ -402,7 +415,33 @@ class RolloutSettings(ConfigModel):
             return self.importance_sampling_correction
         return self.engine == "vllm" or self.max_staleness > 0
 
+    def episodes(self) -> bool:
+        """Whether rollouts are multi-turn episodes (an environment or tools)."""
+        return self.environment is not None or bool(self.tools)
+
     def _check(self) -> None:
+        if not self.episodes():
+            for key in ("max_episode_tokens", "response_template"):
+                if getattr(self, key) is not None:
+                    raise invalid(
+                        (key, "environment", "tools"),
+                        f"{key} shapes multi-turn episodes, but neither an environment nor tools are set",
+                        "set rollout.environment (or rollout.tools), or remove the key",
+                    )
+        if self.episodes() and self.engine == "vllm" and self.max_episode_tokens is None:
+            raise invalid(
+                ("max_episode_tokens", "engine"),
+                "vLLM sizes its context when it starts, and an episode's turns have no length limit without "
+                "a token budget",
+                "set rollout.max_episode_tokens (e.g. 1024)",
+            )
+        if self.episodes() and self.max_staleness > 0:
+            raise invalid(
+                ("max_staleness", "environment"),
+                "multi-turn episodes are sampled on-policy only for now (the ahead sampler runs single "
+                "completions)",
+                "set max_staleness: 0",
+            )
         if self.max_staleness > 0 and self.importance_sampling_correction is False:
             raise invalid(
                 ("max_staleness", "importance_sampling_correction"),
@@ -636,6 +675,12 @@ def _check_rl_run(
             "set train.eval_generate to false",
         )
     _check_eval_set(data.eval, train, "a prompt data set")
+    if rollout.episodes() and reward.overlong_buffer:
+        raise invalid(
+            ("reward.overlong_buffer", "rollout.environment"),
+            "the soft overlong penalty reads one completion's length, and an episode has several model turns",
+            "set reward.overlong_buffer: 0, or cap episodes with rollout.max_episode_tokens",
+        )
     if reward.overlong_buffer > rollout.max_new_tokens:
         raise invalid(
             ("reward.overlong_buffer", "rollout.max_new_tokens"),

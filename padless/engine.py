@@ -37,7 +37,7 @@ from padless.choices import VARLEN_KERNELS
 from padless.config import TrainSettings
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
-from padless.strategy import unwrap
+from padless.sequence_parallel import SequenceParallel
 from padless.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
@@ -52,10 +52,17 @@ class EngineSettings:
     ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
     and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
-    runs in chunks."""
+    runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
+    packed row over (:mod:`padless.sequence_parallel`)."""
 
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
+    sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+
+    @property
+    def degree(self) -> int:
+        """The sequence-parallel degree (1: rows run whole); data is dealt by data-parallel rank for it."""
+        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
 
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
@@ -157,7 +164,12 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The part of an HF model (or a PEFT wrapper's) that returns hidden states: embeddings, layers, norm."""
     inner = unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return inner.base_model
+    base = inner.base_model
+    if base is inner and isinstance(getattr(inner, "model", None), torch.nn.Module):
+        # Llama4ForCausalLM names its prefix "language_model" (its place inside the vision-language
+        # model) but keeps its layers in .model, so base_model is the causal LM itself
+        return inner.model
+    return base
 
 
 def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
@@ -446,8 +458,8 @@ class ModelEngine(torch.nn.Module):
             {name for m in (model, value) if m is not None for name in _no_split(m)}
         )
         self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
-        # the running session's sequence-parallel group: every packed forward is split over it
-        self.sequence_parallel = sequence_parallel.current()
+        # the group every packed forward is split over (None: rows run whole)
+        self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
             for m in (model, value):
                 if m is not None:
@@ -562,6 +574,11 @@ def _no_split(model: torch.nn.Module) -> list[str]:
 def as_engine(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` itself when it is (a prepared) :class:`ModelEngine`, else a new engine around it."""
     return model if isinstance(getattr(model, "module", model), ModelEngine) else ModelEngine(model)
+
+
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The model inside a DDP / FSDP wrapper (PEFT wrappers forward attribute access themselves)."""
+    return getattr(model, "module", model)
 
 
 def inner_engine(prepared: torch.nn.Module) -> ModelEngine:

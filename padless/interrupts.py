@@ -7,6 +7,10 @@ signal arrived is remembered, because cleanup code in libraries can replace the 
 out (``datasets`` collects its workers' results and raises a ``TimeoutError`` instead): the command
 still reports the interruption.
 
+A checkpoint being written is finished first (:func:`deferred`): the signal is held until the write
+ends, then raised, so the trained steps it saves are not lost; a second signal stops the write at once
+(its temporary folder is removed, earlier checkpoints stay as they were).
+
 Processes forked from the command (tokenizing workers) get the default dispositions back: they die on
 SIGTERM at once, as they always did (a Python handler would wait for their main thread to run Python
 again, which a worker busy in native code never does), and ignore SIGINT, so Ctrl-C in a terminal does
@@ -24,6 +28,8 @@ from typing import Any
 from padless.errors import Terminated
 
 _arrived: list[KeyboardInterrupt] = []  # the interruption of the command running now, if any
+_held: list[KeyboardInterrupt] = []  # one that arrived inside a deferred() block, raised at its end
+_deferring = [0]  # depth of deferred() blocks open now
 _forks_reset = False
 
 
@@ -41,6 +47,9 @@ def _handler(owner: int) -> Any:
             return
         error = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         _arrived.append(error)
+        if _deferring[0] and not _held:  # the first one waits for the block; a second one ends it
+            _held.append(error)
+            return
         raise error
 
     return handle
@@ -51,6 +60,7 @@ def handled() -> Iterator[None]:
     """Install the handlers for the command's duration (a no-op off the main thread)."""
     global _forks_reset
     _arrived.clear()
+    _held.clear()
     handle = _handler(os.getpid())
     try:
         previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -64,6 +74,19 @@ def handled() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold Ctrl-C / SIGTERM until the block ends, then raise it (a checkpoint being written is finished,
+    not thrown away); a second signal inside the block raises at once."""
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
+    if not _deferring[0] and _held:
+        raise _held.pop()
 
 
 def interruption(error: BaseException) -> BaseException:

@@ -16,8 +16,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from padless.vision import concat_vision
-
 IGNORE_INDEX = -100
 
 
@@ -141,6 +139,18 @@ def _validate(ex: Example, index: int) -> None:
             f"example {index}: loss_mask has {len(ex.loss_mask)} entries but input_ids has "
             f"{len(ex.input_ids)}; they must be the same length"
         )
+
+
+def concat_vision(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+    """Concatenate per-sample vision kwargs (``pixel_values``, ``image_grid_thw``, ...) in sample order."""
+    present = [p for p in parts if p]
+    if not present:
+        return None
+    keys = set(present[0])
+    for p in present[1:]:
+        if set(p) != keys:
+            raise ValueError(f"samples carry different vision inputs: {sorted(keys)} vs {sorted(p)}")
+    return {k: torch.cat([p[k] for p in present]) for k in sorted(keys)}
 
 
 def pack(examples: Sequence[Example], device: torch.device | str = "cpu") -> PackedBatch:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from padless.attention import VARLEN_NAME, assert_attention, attention_layers, runtime_context, text_config
-from padless.engine import logps_from_hidden, score_head
+from padless.engine import backbone, logps_from_hidden, score_head
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
@@ -59,6 +59,41 @@ PROBE_MAX_LENGTH = 1024
 PROBE_TEMPERATURE = 0.7  # a temperature other than 1 on one path: RL divides the logits by its own
 # Config keys whose value is a span of tokens that attention (or a layer's state) treats differently.
 SPAN_KEYS = ("sliding_window", "attention_chunk_size", "chunk_size", "conv_kernel", "local_window_size")
+
+
+# While the probe runs, spans that restart per sequence but are longer than the probe's sequences (Llama 4's
+# 8192-token attention chunks and temperature floor) are cut to these, so that the probe crosses them:
+# where a chunk or a scale restarts does not depend on its size. The probe's result says what it cut.
+PROBE_CHUNK = 16
+PROBE_FLOOR_SCALE = 64
+
+
+@contextlib.contextmanager
+def spans_within_probe(model: torch.nn.Module) -> Iterator[dict[str, tuple[int, int]]]:
+    """Cut ``attention_chunk_size`` to :data:`PROBE_CHUNK` and the ``floor_scale`` of temperature-tuned
+    NoPE layers to :data:`PROBE_FLOOR_SCALE` inside the block (transformers reads the first from the
+    config at each forward, the layers copied the second at init), then restore them exactly. Yields
+    what was cut: ``{key: (model's value, probe's value)}``."""
+    config = text_config(model)
+    cut: dict[str, tuple[int, int]] = {}
+    saved: list[tuple[Any, str, Any]] = []
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    if chunked and isinstance(chunk, int) and chunk > PROBE_CHUNK:
+        saved.append((config, "attention_chunk_size", chunk))
+        cut["attention_chunk_size"] = (chunk, PROBE_CHUNK)
+    tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)]
+    floor = getattr(config, "floor_scale", None)
+    if tuned and isinstance(floor, int) and floor > PROBE_FLOOR_SCALE:
+        saved += [(m, "floor_scale", m.floor_scale) for m in tuned] + [(config, "floor_scale", floor)]
+        cut["floor_scale"] = (floor, PROBE_FLOOR_SCALE)
+    try:
+        for owner, key, _ in saved:
+            setattr(owner, key, cut[key][1])
+        yield cut
+    finally:
+        for owner, key, value in saved:
+            setattr(owner, key, value)
 
 
 class ReferenceForwardError(AttentionError):
@@ -144,6 +179,11 @@ def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
     """``model(input_ids)`` on each probe sequence alone, eager attention, no cache: transformers' own
     computation. A failure in it is transformers', and is said to be (``purpose``: what it is the
     reference of, for the message)."""
+    with spans_within_probe(model):
+        return _probe_reference(model, purpose)
+
+
+def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
     config = text_config(model)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
@@ -225,10 +265,11 @@ def probe_attention(
     labels = torch.cat([torch.cat([s[1:], s.new_full((1,), IGNORE_INDEX)]) for s in seqs])
     predicted = labels != IGNORE_INDEX
     decoder = model.get_decoder()
+    decoder = backbone(model) if decoder is model else decoder  # Llama4ForCausalLM's decoder is .model
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), runtime_context(backend, device):
+        with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model) as cut:
             kernels_before = Counter(KERNEL_CALLS)
             with count_attention_calls() as counts:
                 hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
@@ -281,6 +322,7 @@ def probe_attention(
         "max_delta_logps": deltas[worst],
         "bound": limit,
         "max_delta_hidden": delta_hidden,
+        **({"spans_cut": cut} if cut else {}),
     }
 
 

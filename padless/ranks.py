@@ -14,17 +14,19 @@ from accelerate import PartialState
 from accelerate.utils import gather, gather_object, reduce
 
 from padless import sequence_parallel
+from padless.errors import UserCodeError
 
 T = TypeVar("T")
 
 
-def equal_share(items: list[T]) -> tuple[list[T], int]:
+def equal_share(items: list[T], degree: int) -> tuple[list[T], int]:
     """This rank's contiguous slice of ``items`` padded with fillers (copies of ``items[0]``) to the same
     length on every rank; returns the slice and how many of its items are real (they come first).
-    Ranks are data-parallel ranks: the processes of a sequence-parallel group get the same slice."""
+    Ranks are data-parallel ranks: the processes of a sequence-parallel group (of ``degree``, the engine's)
+    get the same slice."""
     if not items:
         raise ValueError("nothing to share out between ranks")
-    rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares one slice
+    rank, world = sequence_parallel.data_parallel(degree)  # a sequence-parallel group shares one slice
     size = math.ceil(len(items) / world)
     mine = items[rank * size : (rank + 1) * size]
     return mine + [items[0]] * (size - len(mine)), len(mine)
@@ -46,7 +48,7 @@ def lockstep(batches: list[T], filler: T) -> Iterator[tuple[T, bool]]:
 
 
 def shared_pass(
-    groups: list[list[int]], run: Callable[[list[int]], torch.Tensor], total: int, width: int
+    groups: list[list[int]], run: Callable[[list[int]], torch.Tensor], total: int, width: int, degree: int
 ) -> torch.Tensor:
     """A whole-dataset pass split between ranks: ``groups`` (item indices, the same on every rank) dealt
     out round robin, each rank running ``run(group)`` -> ``[len(group), width]`` on its share in lockstep,
@@ -56,17 +58,43 @@ def shared_pass(
     out = torch.zeros(total, width, dtype=torch.float64, device=state.device)
     if not groups:
         return out
-    rank, world = sequence_parallel.data_parallel()
+    rank, world = sequence_parallel.data_parallel(degree)
     for group, real in lockstep(groups[rank::world], groups[0]):
         values = run(group)
-        if real and sequence_parallel.leads_group():  # a sequence-parallel group's first counts it once
+        if real and sequence_parallel.leads_group(degree):  # a sequence-parallel group's first counts it once
             out[group] = values.to(out)
     return reduce(out, reduction="sum") if state.num_processes > 1 else out
 
 
-def gather_shares(items: list[T]) -> list[T]:
+def gather_shares(items: list[T], degree: int) -> list[T]:
     """Every data-parallel rank's ``items`` in rank order, on every process (the processes of a
     sequence-parallel group hold the same items: their group's first gives them)."""
     if PartialState().num_processes == 1:
         return items
-    return gather_object(items if sequence_parallel.leads_group() else [])
+    return gather_object(items if sequence_parallel.leads_group(degree) else [])
+
+
+def agreed(run: Callable[[], T], what: str) -> T:
+    """``run()``, rank-local user code (reward functions), such that a failure on any rank stops every rank
+    here, at the same point: the failing rank raises its own error, the others one naming it. Such errors
+    carry ``every_rank = True``: the ranks are together, so they can checkpoint the trained steps before
+    stopping (a rank that stopped alone would leave the others waiting in their next collective)."""
+    state = PartialState()
+    failed: Exception | None = None
+    try:
+        result = run()
+    except Exception as e:
+        failed = e
+    if state.num_processes > 1:
+        flags = gather(torch.tensor([failed is not None], device=state.device, dtype=torch.int64))
+        first = next((rank for rank, flag in enumerate(flags.tolist()) if flag), None)
+    else:
+        first = None if failed is None else 0
+    if failed is not None:
+        failed.every_rank = True  # type: ignore[attr-defined]
+        raise failed
+    if first is not None:
+        error = UserCodeError(f"{what} failed on rank {first} (its error is in that rank's output)")
+        error.every_rank = True  # type: ignore[attr-defined]
+        raise error
+    return result

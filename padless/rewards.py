@@ -151,11 +151,11 @@ BUNDLED: dict[str, RewardFunction] = {"arithmetic": arithmetic, "arithmetic_dist
 # Loading
 
 
-def _error(spec: str, problem: str, fix: str) -> RewardError:
-    return RewardError(f"reward function {spec!r}: {problem}; fix: {fix}")
+def _error(spec: str, problem: str, fix: str, kind: str = "reward function") -> RewardError:
+    return RewardError(f"{kind} {spec!r}: {problem}; fix: {fix}")
 
 
-def _load_file(spec: str, target: str) -> Any:
+def _load_file(spec: str, target: str, kind: str) -> Any:
     path = Path(target).expanduser()
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -163,13 +163,14 @@ def _load_file(spec: str, target: str) -> Any:
             spec,
             f"the file {target} {what} (resolved to {path.absolute()})",
             "give the path of a .py file, relative to the directory you run from or absolute",
+            kind,
         )
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     name = f"padless_reward_file_{digest}_{re.sub(r'[^A-Za-z0-9_]', '_', resolved.stem)}"
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise _error(spec, f"cannot load {target} as a Python module", "give a .py file")
+        raise _error(spec, f"cannot load {target} as a Python module", "give a .py file", kind)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up here
     try:
@@ -180,16 +181,18 @@ def _load_file(spec: str, target: str) -> Any:
             spec,
             f"running {target} raised {type(e).__name__}: {e}",
             "make the file import cleanly (install what it imports)",
+            kind,
         ) from e
     return module
 
 
-def _import_module(spec: str, target: str) -> Any:
+def _import_module(spec: str, target: str, kind: str) -> Any:
     if not _IDENT.fullmatch(target):
         raise _error(
             spec,
             f"{target!r} is neither a module path nor a .py file",
             f"write {SPEC_FORMS}",
+            kind,
         )
     try:
         return importlib.import_module(target)
@@ -200,15 +203,17 @@ def _import_module(spec: str, target: str) -> Any:
                 f"no module named {e.name!r}",
                 "check the spelling and that the package is installed in this environment; for a file of "
                 "your own, write 'path/to/file.py:function' (or put its directory on PYTHONPATH)",
+                kind,
             ) from e
         raise _error(
             spec,
             f"importing {target} failed: it needs module {e.name!r}, which is not installed",
             f"install the package that provides {e.name!r}",
+            kind,
         ) from e
     except Exception as e:
         raise _error(
-            spec, f"importing {target} raised {type(e).__name__}: {e}", "make the module import cleanly"
+            spec, f"importing {target} raised {type(e).__name__}: {e}", "make the module import cleanly", kind
         ) from e
 
 
@@ -233,30 +238,37 @@ def load_reward_function(spec: str) -> RewardFunction:
     The attribute may be dotted (``"module:Class.method"``). Every failure is a :class:`RewardError` that
     names the spec and says how to fix it, raised when the run starts rather than at the first rollout.
     """
+    fn = load_callable(spec, "reward function", BUNDLED)
+    _check_signature(spec.strip(), fn)
+    return fn
+
+
+def load_callable(spec: str, kind: str, bundled: Mapping[str, Any]) -> Any:
+    """What ``spec`` names (a function or class): a ``bundled`` name, ``"package.module:attr"`` or
+    ``"file.py:attr"``; every failure a :class:`RewardError` naming the ``kind`` of object, the spec and
+    the fix. Reward functions, tools and environments are all loaded this way."""
     if not isinstance(spec, str) or not spec.strip():
-        raise RewardError(
-            f"reward function spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}"
-        )
+        raise RewardError(f"{kind} spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}")
     spec = spec.strip()
-    if spec in BUNDLED:
-        return BUNDLED[spec]
+    noun = "reward" if kind == "reward function" else kind
+    thing = "class" if kind == "environment" else "function"
+    if spec in bundled:
+        return bundled[spec]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        close = difflib.get_close_matches(spec, list(BUNDLED), n=1)
+        close = difflib.get_close_matches(spec, list(bundled), n=1)
         hint = f"did you mean {close[0]!r}? Otherwise write " if close else "write "
         raise _error(
             spec,
-            f"not a bundled reward (bundled: {', '.join(BUNDLED)}) and not of the form 'module:function'",
+            f"not a bundled {noun} (bundled: {', '.join(bundled) or 'none'}) and not of the form "
+            f"'module:{thing}'",
             hint + SPEC_FORMS,
+            kind,
         )
     if not _IDENT.fullmatch(attr):
-        raise _error(
-            spec,
-            f"{attr!r} after the last ':' is not a function name",
-            f"write {SPEC_FORMS}",
-        )
+        raise _error(spec, f"{attr!r} after the last ':' is not a {thing} name", f"write {SPEC_FORMS}", kind)
     is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(spec, target) if is_file else _import_module(spec, target)
+    module = _load_file(spec, target, kind) if is_file else _import_module(spec, target, kind)
     obj: Any = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
@@ -268,16 +280,19 @@ def load_reward_function(spec: str) -> RewardFunction:
             raise _error(
                 spec,
                 f"{owner} has no attribute {part!r}",
-                f"{hint}name a function defined there (callables found: {listed or 'none'})",
+                f"{hint}name one defined there (callables found: {listed or 'none'})",
+                kind,
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise _error(
             spec,
-            f"{attr} is not a function (its type is {type(obj).__name__})",
-            f"point the spec at a function defined as {_SIGNATURE}",
+            f"{attr} is not a {thing} (its type is {type(obj).__name__})",
+            f"point the spec at the {kind} itself"
+            if kind != "reward function"
+            else f"point the spec at a function defined as {_SIGNATURE}",
+            kind,
         )
-    _check_signature(spec, obj)
     return obj
 
 

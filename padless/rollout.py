@@ -20,11 +20,12 @@ import torch
 from transformers import LogitsProcessorList
 
 from padless.attention import attention_in_use, hf_name
-from padless.engine import as_engine, inner_engine
+from padless.engine import as_engine, inner_engine, unwrap
 from padless.errors import DIVERGENCE_FIX, DivergenceError
 from padless.model import pad_token_id
-from padless.strategy import strategy_in_use, unwrap
-from padless.vision import concat_vision, uses_mrope
+from padless.packing import concat_vision
+from padless.strategy import strategy_in_use
+from padless.vision import uses_mrope
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
@@ -34,16 +35,21 @@ DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
 class Completion:
     """One sampled completion.
 
-    ``logprobs``: one per completion token, the log-prob of the sampled token under the distribution it was
-    sampled from, ``log_softmax(logits / temperature)``, *before* any top-p (or top-k) renormalisation, so
-    it compares with the trainer's ``logps`` at the same temperature; None where the engine gives none
-    (greedy decoding).
+    ``logprobs``: one per completion token (per model token, for an episode), the log-prob of the sampled
+    token under the distribution it was sampled from, ``log_softmax(logits / temperature)``, *before* any
+    top-p (or top-k) renormalisation, so it compares with the trainer's ``logps`` at the same temperature;
+    None where the engine gives none (greedy decoding).
     """
 
     prompt_ids: list[int]
     completion_ids: list[int]  # up to and including the first EOS
     finished: bool  # False when max_new_tokens ran out before an EOS
     logprobs: list[float] | None = None
+    # a multi-turn episode (padless.episodes): which completion tokens the model wrote (the rest are the
+    # environment's), the text reward functions read (the last model turn) and the episode's statistics
+    model_mask: list[bool] | None = None
+    text: str | None = None
+    episode: dict[str, Any] | None = None
 
 
 def left_pad(

@@ -1,7 +1,8 @@
 """Sequence parallelism on packed rows (Ulysses): one packed row split over the N ranks of a group.
 
 The world's W processes form W / N data-parallel groups of N consecutive ranks. Every rank of a group
-holds the same packed row (the data is dealt by data-parallel rank, :func:`data_parallel`). Its labels
+holds the same packed row (the data is dealt by data-parallel rank, :func:`data_parallel`). The group is
+the engine's (``EngineSettings.sequence_parallel``, started by the session), not the process's. Its labels
 were shifted per sequence when it was packed (:func:`padless.packing.pack`), before any split, so no
 prediction crosses a sequence or a chunk. The row is padded at its end to a multiple of N with tokens
 that form a sequence of their own and carry no label, then cut into N equal contiguous chunks; each rank
@@ -32,7 +33,7 @@ from accelerate import PartialState
 from transformers import AttentionInterface
 
 from padless import hybrid
-from padless.attention import VARLEN_NAME, attention_in_use, packing_problem
+from padless.attention import VARLEN_NAME, attention_in_use, packing_problem, row_position_problem
 from padless.packing import IGNORE_INDEX, PackedBatch
 from padless.varlen import sequence_bounds  # registers the varlen backend this module wraps
 
@@ -147,7 +148,7 @@ def _ulysses(module: torch.nn.Module, query, key, value, attention_mask, *args: 
     ``cu_seq_lens_q`` span), all-to-all, exact per-sequence attention over the whole row, all-to-all back;
     on anything else, ``varlen`` as it is. Decided from the call alone, so activations recomputed in
     backward (gradient checkpointing, outside any forward context) split exactly as the forward did."""
-    sp, cu = _current, kwargs.get("cu_seq_lens_q")
+    sp, cu = _attending, kwargs.get("cu_seq_lens_q")
     row = sequence_bounds(cu)[-1] if cu is not None else query.shape[2]
     if sp is None or row == query.shape[2]:
         return _varlen(module, query, key, value, attention_mask, *args, **kwargs)
@@ -222,14 +223,18 @@ class _Sum(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple[int, int], Any] = {}  # (world, degree) -> this process's group; made once per process
-_degree = 1  # the degree of the running session: data is dealt by data-parallel rank
-_current: SequenceParallel | None = None  # what engines built in the running session split rows with
+# The group the ``varlen`` attention function splits chunks with. transformers keeps one attention function
+# per backend name in a process, and layers recomputed in backward (gradient checkpointing) call it outside
+# any engine pass: it is bound when the group starts. It splits only chunks of a row (see _ulysses); which
+# rows are split, and how data is dealt, is the engine's (``EngineSettings.sequence_parallel``).
+_attending: SequenceParallel | None = None
 
 
 def start(degree: int) -> SequenceParallel | None:
-    """This process's sequence-parallel group for ``degree`` (``None`` for 1); from now on data is dealt
-    by data-parallel rank (:func:`data_parallel`). Every process must call it (groups are collective)."""
-    global _degree, _current
+    """This process's sequence-parallel group for ``degree`` (``None`` for 1), for the engines that split
+    their rows over it (``EngineSettings.sequence_parallel``). Every process must call it (groups are
+    collective)."""
+    global _attending
     state = PartialState()
     world = state.num_processes
     if degree > 1 and world % degree:
@@ -237,7 +242,7 @@ def start(degree: int) -> SequenceParallel | None:
             f"train.sequence_parallel={degree} does not divide the {world} process(es): launch a multiple of "
             f"{degree} processes (data parallel = processes / sequence_parallel)"
         )
-    _degree, _current = degree, None
+    _attending = None
     if degree == 1:
         return None
     AttentionInterface.register(VARLEN_NAME, _ulysses)  # passes whole rows through untouched
@@ -247,29 +252,20 @@ def start(degree: int) -> SequenceParallel | None:
             group = dist.new_group(list(range(first, first + degree)))
             if first <= state.process_index < first + degree:
                 _GROUPS[key] = group
-    _current = SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
-    return _current
+    _attending = SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
+    return _attending
 
 
-def current() -> SequenceParallel | None:
-    """The group of the running session (``None`` without sequence parallelism)."""
-    return _current
-
-
-def data_parallel() -> tuple[int, int]:
-    """``(rank, world)`` of data parallelism: processes of one sequence-parallel group share a rank."""
+def data_parallel(degree: int) -> tuple[int, int]:
+    """``(rank, world)`` of data parallelism under sequence parallelism of ``degree`` (the engine's,
+    ``EngineSettings.degree``): processes of one sequence-parallel group share a rank."""
     state = PartialState()
-    return state.process_index // _degree, state.num_processes // _degree
+    return state.process_index // degree, state.num_processes // degree
 
 
-def degree() -> int:
-    """The sequence-parallel degree data is dealt for (1: none)."""
-    return _degree
-
-
-def leads_group() -> bool:
+def leads_group(degree: int) -> bool:
     """Whether this process is its group's first: the one whose results count once in sums over ranks."""
-    return PartialState().process_index % _degree == 0
+    return PartialState().process_index % degree == 0
 
 
 def check_model(model: torch.nn.Module, degree: int) -> None:
@@ -280,7 +276,7 @@ def check_model(model: torch.nn.Module, degree: int) -> None:
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     config = inner.config.get_text_config()
     name = getattr(config, "model_type", type(inner).__name__)
-    problem = packing_problem(inner)
+    problem = packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
     if problem:
         raise SequenceParallelError(problem)
     stateful = hybrid.installed_layers(inner)

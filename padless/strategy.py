@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +232,3 @@ def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn
     if found != expected:
         raise StrategyError(f"the frozen model was meant to run under {expected} but runs under {found}")
     return prepared
-
-
-def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The model inside a DDP / FSDP wrapper (PEFT wrappers forward attribute access themselves)."""
-    return getattr(model, "module", model)

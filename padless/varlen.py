@@ -325,8 +325,11 @@ class SequenceGroups:
         return cls(as_tensor(slots), as_tensor(owner), as_tensor(back), tuple(shapes), covered, padded)
 
 
-# cu_seqlens tensor -> the groups of its packed row, planned once per batch like its bounds.
+# cu_seqlens tensor -> chunk size (None: whole sequences) -> the groups of its packed row, planned once per
+# batch like its bounds.
 _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# cu_seqlens tensor -> chunk size -> the cu_seqlens of the chunks of its sequences, for the fused kernels.
+_CHUNK_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _Gather(torch.autograd.Function):
@@ -488,6 +491,11 @@ def varlen_attention_forward(
     args = _attention_args(module, query, dropout, scaling, sliding_window, softcap, s_aux, is_causal, kwargs)
     batch, _, length, _ = query.shape
     spans = _spans(batch, length, attention_mask, kwargs)
+    query = _query_temperature_per_sequence(module, query, spans)
+    cu = kwargs.get("cu_seq_lens_q")
+    chunk = attention_chunk(module)
+    if chunk is not None:  # attention within chunks of each sequence: the chunks are the sequences
+        spans = [(row, c, min(c + chunk, e)) for row, s, e in spans for c in range(s, e, chunk)]
     kernel = attention.varlen_kernel(query.device, query.dtype)
     if kernel != "sdpa":
         lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
@@ -506,16 +514,77 @@ def varlen_attention_forward(
     if not spans:  # every row is padding
         return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
     if kernel == "sdpa" and args.causal:
-        cu = kwargs.get("cu_seq_lens_q")
-        groups = _GROUPS.get(cu) if cu is not None else None
+        planned = _GROUPS.setdefault(cu, {}) if cu is not None else {}
+        groups = planned.get(chunk)
         if groups is None:
-            groups = SequenceGroups.plan(spans, batch, length, query.device)
-            if cu is not None:
-                _GROUPS[cu] = groups
+            groups = planned[chunk] = SequenceGroups.plan(spans, batch, length, query.device)
         return _grouped_causal(query, key, value, groups, args), None
     if kernel == "sdpa":
         return _exact_per_sequence(query, key, value, spans, args), None
-    return _fused_varlen(kernel, query, key, value, spans, args, kwargs.get("cu_seq_lens_q")), None
+    packed_cu = cu
+    if chunk is not None and cu is not None:  # the kernel's cu_seqlens are the chunks', made once a batch
+        chunked = _CHUNK_BOUNDS.setdefault(cu, {})
+        if chunk not in chunked:
+            starts = [0, *accumulate(e - s for _, s, e in spans)]
+            chunked[chunk] = torch.tensor(starts, dtype=torch.int32, device=query.device)
+        packed_cu = chunked[chunk]
+    return _fused_varlen(kernel, query, key, value, spans, args, packed_cu), None
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's ``chunked_attention`` layers: a query sees
+    the keys of its own chunk of ``attention_chunk_size`` positions only), ``None`` for any other layer.
+
+    transformers expresses chunks only in the masks it builds, which ``varlen`` builds none of, so the
+    layer's kind is read from its config's ``layer_types`` at its ``layer_idx``. Chunks count from each
+    sequence's first token (position 0 in a packed row; the first real token of a padded row, where
+    transformers counts them from too), so varlen attends within each chunk of each sequence.
+    """
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" not in types:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int):
+        raise AttentionError(
+            f"{architecture(module)} belongs to a model with chunked-attention layers but has no layer_idx, "
+            "so varlen cannot tell whether it attends in chunks; use attn_implementation=sdpa or eager"
+        )
+    if types[index] != "chunked_attention":
+        return None
+    size = getattr(config, "attention_chunk_size", None)
+    if not isinstance(size, int) or size <= 0:
+        raise AttentionError(
+            f"{architecture(module)} is a chunked_attention layer but its config's attention_chunk_size is "
+            f"{size!r}; set a positive attention_chunk_size"
+        )
+    return size
+
+
+def _query_temperature_per_sequence(
+    module: torch.nn.Module, query: torch.Tensor, spans: list[Span]
+) -> torch.Tensor:
+    """Llama 4's NoPE layers with ``attn_temperature_tuning`` scale each query by
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` of its position ``p``, which the layer takes
+    from ``arange`` over the whole row, not from ``position_ids``: in a packed row the later sequences
+    would be scaled by their place in the row. Here each query's scale is moved to its position in its
+    own sequence. Up to ``floor_scale - 1`` tokens every scale is exactly 1 and the query passes as it is.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    length = query.shape[2]
+    floor_scale, attn_scale = module.floor_scale, module.attn_scale
+    if length < floor_scale:
+        return query
+    within = torch.arange(length, device=query.device).expand(query.shape[0], -1).clone()
+    for row, s, e in spans:
+        within[row, s:e] -= s
+
+    def scales(positions: torch.Tensor) -> torch.Tensor:  # as Llama4TextAttention computes them
+        return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+    ratio = scales(within) / scales(torch.arange(length, device=query.device))
+    return (query * ratio[:, None, :, None]).to(query.dtype)
 
 
 _logged: set[str] = set()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from padless.strategy import unwrap
+from padless.engine import unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -93,18 +93,6 @@ def image_only(processor_class: type) -> type:
     ImageOnly.__name__ = processor_class.__name__
     ImageOnly.__qualname__ = processor_class.__qualname__
     return ImageOnly
-
-
-def concat_vision(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
-    """Concatenate per-sample vision kwargs (``pixel_values``, ``image_grid_thw``, ...) in sample order."""
-    present = [p for p in parts if p]
-    if not present:
-        return None
-    keys = set(present[0])
-    for p in present[1:]:
-        if set(p) != keys:
-            raise ValueError(f"samples carry different vision inputs: {sorted(keys)} vs {sorted(p)}")
-    return {k: torch.cat([p[k] for p in present]) for k in sorted(keys)}
 
 
 def load_image_text_model(path: str | Path, task: str, **kwargs: Any) -> PreTrainedModel:

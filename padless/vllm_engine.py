@@ -25,9 +25,9 @@ import torch
 from accelerate import PartialState
 from safetensors.torch import save_file
 
+from padless.engine import unwrap
 from padless.model import pad_token_id
 from padless.rollout import Completion, cut_at_eos, eos_token_ids
-from padless.strategy import unwrap
 
 log = logging.getLogger(__name__)
 MIN_CPU_KV_CACHE = 64 << 20  # vLLM allocates whole blocks: a floor keeps tiny models from a too-small cache
@@ -111,43 +111,64 @@ def logprobs_mode(rollout: Any) -> str | None:
     return None
 
 
-def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{base-layer weight name: its active adapters' delta}`` of every LoRA layer (empty for a plain
-    model): merging is computed out of place, so the base weights are never written — an in-place merge
-    and unmerge in bf16 does not give the base weights back, and the adapters-off reference would drift."""
+def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """``{base-layer weight name: its LoRA layer}`` of every unmerged LoRA layer with an active adapter (empty
+    for a plain model)."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {}
-    for name, module in unwrap(model).named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            active = [a for a in module.active_adapters if a in module.lora_A]
-            if active:
-                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in active)
-    return deltas
+    return {
+        f"{name}.base_layer.weight": module
+        for name, module in unwrap(model).named_modules()
+        if isinstance(module, LoraLayer)
+        and not module.merged
+        and any(a in module.lora_A for a in module.active_adapters)
+    }
+
+
+def _lora_delta(layer: Any) -> torch.Tensor:
+    """The active adapters' delta of one LoRA layer, computed out of place so the base weights are never
+    written: an in-place merge and unmerge in bf16 does not give the base weights back, and the adapters-off
+    reference would drift."""
+    return sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+
+
+def _gathered(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """The full values of ZeRO-3 partitioned parameters for the duration of the block (a collective: every
+    rank enters it alike), then partitioned again; anything else as it is."""
+    partitioned = [t for t in tensors if hasattr(t, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 @torch.no_grad()
 def inference_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` as in the base model's own checkpoint, LoRA adapters merged into new tensors:
     PEFT prefixes and LoRA factors dropped, a tied weight given once. Tensors without an adapter are the
-    live parameters (detached): copy them if they must outlive the next optimizer step. Under FSDP2 each
-    parameter is gathered as it is reached (every rank must iterate alike), so a consumer that loads as it
-    goes never holds a second full copy."""
+    live parameters (detached): copy them if they must outlive the next optimizer step (or, under ZeRO-3,
+    the next item). Sharded parameters are gathered as they are reached, a LoRA layer's base weight with its
+    factors (FSDP2: one DTensor at a time; ZeRO-3: a ``GatheredParameters`` block around each item, open
+    while the consumer holds it): every rank must iterate alike, and a consumer that loads as it goes never
+    holds a second full copy."""
     from torch.distributed.tensor import DTensor
 
     inner = unwrap(model)
-    deltas = _lora_deltas(model)
+    layers = _lora_layers(model)
     first: dict[int, str] = {}
     tied = {n for n, p in inner.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
-    for full, tensor in inner.state_dict().items():
+    for full, value in inner.state_dict(keep_vars=True).items():
         if "lora_" in full or ".original_module." in full or full in tied:
             continue
         name = full.removeprefix("base_model.model.").replace(".base_layer.", ".")
         name = name.replace(".modules_to_save.default.", ".")
-        delta = deltas.get(full)
-        if delta is not None:
-            tensor = tensor + delta.to(tensor.dtype)
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        layer = layers.get(full)
+        with _gathered([value, *(layer.parameters() if layer is not None else ())]):
+            tensor = value.detach()
+            if layer is not None:
+                tensor = tensor + _lora_delta(layer).to(tensor.dtype)
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def to_completions(
@@ -211,6 +232,8 @@ class VLLMEngine:
         self._write_policy(Path(self.tmp.name))
         dtype = next(unwrap(policy).parameters()).dtype
         max_model_len = max_prompt_length + rollout.max_new_tokens
+        if rollout.episodes():  # every turn's prompt is the episode so far, within its token budget
+            max_model_len = rollout.max_episode_tokens + rollout.max_new_tokens
         memory: dict[str, Any] = {"gpu_memory_utilization": rollout.vllm_gpu_memory_utilization}
         if on_cpu():
             memory = {"enforce_eager": True}  # compiling takes minutes on CPU, more than tiny rollouts gain
@@ -256,7 +279,7 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(path)
 
     def sync_weights(self) -> None:
-        with trainer_state_kept():  # weights streamed: under FSDP2 gathered one at a time as vLLM loads them
+        with trainer_state_kept():  # FSDP2 / ZeRO-3 weights gathered one at a time as vLLM loads them
             self.llm.collective_rpc(_reload, args=(inference_weights(self.policy),))
             self.llm.reset_prefix_cache()  # cached prompt states were computed with the old weights
 
@@ -269,7 +292,10 @@ class VLLMEngine:
         vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
         if vision is not None and any(v is not None for v in vision):
-            raise ValueError("padless hands no images to vLLM yet; use rollout.engine: hf with image prompts")
+            raise ValueError(
+                "padless hands no images to vLLM yet (README: vLLM on CPU says why); use rollout.engine: hf "
+                "with image prompts"
+            )
         r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [

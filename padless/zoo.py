@@ -1,6 +1,6 @@
 """Tiny configs, built in code, of the architectures people fine-tune, each set up to exercise what makes
 its attention different (sliding windows, soft-capping, sinks, MLA head sizes, NoPE layers, scaling
-multipliers, linear-attention layers).
+multipliers, chunked attention, linear-attention layers).
 
 Every model is 2 layers of hidden size 64 over the embedded tokenizer's 4096-token vocabulary, so the
 whole zoo runs through ``padless check --zoo`` and the test suite in seconds on a CPU. Weights are drawn
@@ -19,6 +19,7 @@ import torch
 
 from padless import hybrid
 from padless.tiny import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
+from padless.vision import is_vision_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -28,6 +29,7 @@ LAYERS = 2
 HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 16
+MAX_PARAMETERS = 150_000_000  # janus's image head is the largest that builds (121M); the rest are < 45M
 INTERMEDIATE = 128
 WINDOW = 8  # sliding windows far shorter than the probe sequences, so the window decides results
 INIT_STD = 0.1
@@ -237,6 +239,23 @@ def _lfm2() -> PretrainedConfig:
     return Lfm2Config(**_common(layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True))
 
 
+def _llama4_text() -> PretrainedConfig:
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        **_common(
+            head_dim=HEAD_DIM,
+            intermediate_size_mlp=INTERMEDIATE,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=WINDOW,
+            no_rope_layer_interval=2,  # layer 0: RoPE, chunked; layer 1: NoPE, full, temperature-tuned
+            floor_scale=4 * WINDOW,
+        )
+    )
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """One architecture of the zoo and what its tiny config exercises."""
@@ -264,13 +283,19 @@ ZOO: dict[str, ZooEntry] = {
     "deepseek-v3": ZooEntry(_deepseek_v3, "MLA: q/k head size 24, value head size 8; MoE"),
     "qwen3-next": ZooEntry(_qwen3_next, "hybrid: gated delta-net linear attention + gated full attention"),
     "lfm2": ZooEntry(_lfm2, "hybrid: short causal convolution (kernel 3) + full attention"),
+    "llama4_text": ZooEntry(
+        _llama4_text,
+        f"chunked attention (chunks of {WINDOW}) / NoPE layers with query temperature tuning from "
+        f"{4 * WINDOW} tokens on, MoE top-1",
+    ),
 }
 
 
 def zoo_names() -> list[str]:
     """The whole zoo: the hand-built configs, then every other causal-LM model type of transformers (a
-    hand-built config named after a model type, e.g. ``qwen2``, stands for it)."""
-    return [*ZOO, *(t for t in causal_lm_types() if t not in ZOO)]
+    hand-built config named after a model type, e.g. ``qwen2``, stands for it), then the
+    image-text-to-text ones padless loads (:func:`image_text_types`)."""
+    return [*ZOO, *(t for t in (*causal_lm_types(), *image_text_types()) if t not in ZOO)]
 
 
 def zoo_config(name: str) -> PretrainedConfig:
@@ -278,7 +303,7 @@ def zoo_config(name: str) -> PretrainedConfig:
     hand-built one, else one derived from the model type's defaults (:func:`derived_config`)."""
     if name in ZOO:
         return ZOO[name].config()
-    if name in causal_lm_types():
+    if name in causal_lm_types() or name in image_text_types():
         return derived_config(name)
     raise ValueError(
         f"unknown zoo architecture {name!r}; choose one of {', '.join(ZOO)} or a causal-LM model type of "
@@ -310,14 +335,23 @@ def exercises(name: str, config: PretrainedConfig) -> str:
 
 
 def build_zoo_model(name: str, attn_implementation: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Randomly initialised zoo model on CPU (same seed, same weights), in eval mode, head not yet scaled."""
-    from transformers import AutoModelForCausalLM
+    """Randomly initialised zoo model on CPU (same seed, same weights), in eval mode, head not yet scaled.
+    A vision-language config builds its image-text-to-text class, as padless loads it (text-only
+    sequences run through its language model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config = zoo_config(name)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    with torch.device("meta"):  # sized before a byte is allocated: a part left large stops here
+        size = sum(p.numel() for p in auto.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(
+            f"the derived config still has {size / 1e6:.0f}M parameters (a part the shrinking does not "
+            f"reach); the zoo builds at most {MAX_PARAMETERS / 1e6:.0f}M"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            zoo_config(name), attn_implementation=attn_implementation, dtype=dtype
-        )
+        model = auto.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     hybrid.install(model)
     return model.eval()
 
@@ -387,6 +421,19 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def image_text_types() -> list[str]:
+    """The image-text-to-text model types padless loads (their config has a vision tower,
+    :func:`padless.vision.is_vision_config`) that the causal-LM mapping does not list already."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(
+        t
+        for t in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(causal_lm_types())
+        if t in CONFIG_MAPPING and "vision_config" in getattr(CONFIG_MAPPING[t], "sub_configs", {})
+    )
+
+
 def _tiny_kwargs(defaults: dict[str, object]) -> dict[str, object]:
     """The overrides that shrink one config (given as its defaults) to the zoo's size."""
     kwargs: dict[str, object] = {
@@ -417,8 +464,25 @@ def derived_config(model_type: str) -> PretrainedConfig:
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    kwargs = _tiny_kwargs(defaults)
-    for key in cls.sub_configs:  # composite configs (text + vision): shrink each part
+    kwargs = {**_tiny_kwargs(defaults), **_mrope(cls, defaults)}
+    for key, sub in cls.sub_configs.items():  # composite configs (text + vision): shrink each part
         if isinstance(defaults.get(key), dict):
-            kwargs[key] = {**defaults[key], **_tiny_kwargs(defaults[key])}
+            kind = defaults[key].get("model_type")
+            # AutoConfig names no class; the lazy mapping's .get skips its __getitem__, hence no .get
+            part = CONFIG_MAPPING[kind] if kind in CONFIG_MAPPING else sub  # noqa: SIM401
+            kwargs[key] = {**defaults[key], **_tiny_kwargs(defaults[key]), **_mrope(part, defaults[key])}
     return cls(**kwargs, dtype="float32")
+
+
+def _mrope(cls: type, defaults: dict[str, object]) -> dict[str, object]:
+    """M-RoPE's sections (temporal, height, width) cut to the tiny head: they must sum to half of it.
+    Unset, the modeling code's default (16, 24, 24: a 128-wide head) is the one scaled."""
+    rope = defaults.get("rope_parameters")
+    mrope = "mrope_section" in getattr(cls, "ignore_keys_at_rope_validation", ())
+    if not mrope or not isinstance(rope, dict):
+        return {}
+    section = list(rope.get("mrope_section") or (16, 24, 24))
+    half = HEAD_DIM // 2
+    tiny = [max(1, round(s * half / sum(section))) for s in section]
+    tiny[-1] += half - sum(tiny)
+    return {"rope_parameters": {**rope, "mrope_section": tiny}}

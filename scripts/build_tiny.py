@@ -34,12 +34,18 @@ MAX_FILE_BYTES = 300_000
 SPLIT_PATTERN = r"'(?:s|t|re|ve|m|ll|d)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 # Qwen2-style ChatML. Assistant content plus its <|im_end|> sit inside {% generation %} so transformers
-# can build an assistant-token mask; the header and the trailing newline stay outside it.
+# can build an assistant-token mask; the header and the trailing newline stay outside it. With tools, a
+# system turn names them, and an assistant's tool calls are written <call>{"name": ..., "arguments": ...}
+# </call> after its text (RESPONSE_TEMPLATE reads them back); without tools the rendering is unchanged.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | map(attribute='function.name') | join(', '))"
+    " + '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
     "{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}{{ '<call>' + (call['function'] | tojson) + '</call>' }}"
+    "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
     "{{ '\\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -47,6 +53,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# transformers' response parsing of CHAT_TEMPLATE's assistant turns: text, then <call>{json}</call> calls.
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"close": "<call>", "content": "text"},
+        "tool_calls": {
+            "open": "<call>",
+            "close": "</call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
 
 # (file stem, seed, row count): eval splits use the same generators with a different seed.
 SPLITS: list[tuple[str, int, int]] = [
@@ -1005,6 +1026,7 @@ def tokenizer_config() -> dict:
         },
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,
+        "response_template": RESPONSE_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "extra_special_tokens": ["<|im_start|>"],

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 
 from padless import sequence_parallel
-from padless.engine import ModelEngine
+from padless.engine import EngineSettings, ModelEngine
 from padless.losses import clipped_policy_loss, dpo_loss, group_advantages, kl_k3, sft_token_weights
 from padless.model import load_model
 from padless.packing import Example, pack
@@ -98,8 +98,9 @@ def main(path: str, degree: int) -> None:
     sp = sequence_parallel.start(degree)
 
     def compare() -> dict[str, float]:
-        got, got_grads = _measure(ModelEngine(model), model, sp, ref["logps"])
-        values = ModelEngine(scorer)(pack(_batch()[0]), values=True).values
+        split = EngineSettings(sequence_parallel=sp)  # the engine owns the group its rows are split over
+        got, got_grads = _measure(ModelEngine(model, settings=split), model, sp, ref["logps"])
+        values = ModelEngine(scorer, settings=split)(pack(_batch()[0]), values=True).values
         return {
             **{f"{k}_delta": (got[k] - ref[k]).abs().max().item() for k in ref},
             **{f"{k}_grad_delta": (got_grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads},

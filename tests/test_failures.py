@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -801,7 +802,8 @@ def test_a_cache_dir_that_is_a_file_is_named(tmp_path: Path, capsys) -> None:
 def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: Path, caplog) -> None:
     import logging
 
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in GOOD * 3))
@@ -827,7 +829,8 @@ def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: P
 
 
 def test_a_data_file_edited_in_place_with_the_same_size_and_time_is_a_new_set(tmp_path: Path) -> None:
-    from padless.data.tokenized import SFTLayout, load_set
+    from padless.data.sft import SFTLayout
+    from padless.data.tokenized import load_set
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(chat("What is 2 + 3?", "5")) + "\n")
@@ -1117,6 +1120,84 @@ def test_sigterm_mid_cache_build_leaves_no_process_lock_or_half_cache(tmp_path: 
     assert "Traceback" not in text and "padless sft: error: terminated (SIGTERM)" in text, text[-2000:]
     assert list((tmp_path / "cache").iterdir()) == []  # no half-built entry, no temporary folder
     assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "model.safetensors")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_rollout_checkpoints_the_trained_steps_and_the_resume_continues(
+    tmp_path: Path, capsys
+) -> None:
+    """SIGTERM while a reward function scores the second rollout (one step per rollout, no checkpoint
+    asked for before step 3): exit 143 with one line, step 1 checkpointed on the way out; resumed, the run
+    ends with the very weights of an uninterrupted one (1e-6: the same operations)."""
+    armed = tmp_path / "armed"
+    reward = tmp_path / "stopper.py"
+    reward.write_text(
+        "import os, pathlib, signal\n\n\ndef stopper(prompts, completions, **fields):\n"
+        f"    armed = pathlib.Path({str(armed)!r})\n"
+        "    if armed.exists() and armed.read_text() == '1':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    if armed.exists():\n        armed.write_text('1')\n"
+        "    return [float(len(set(c))) for c in completions]\n"
+    )
+    argv = [
+        "grpo",
+        *GRPO,
+        "train.max_steps=3",
+        "train.learning_rate=1e-3",
+        f"reward.functions=[{reward}:stopper]",
+    ]
+    assert main([*argv, f"train.output_dir={tmp_path / 'straight'}"]) == 0
+    out = tmp_path / "run"
+    armed.write_text("0")  # the first rollout passes and arms it; the second is interrupted
+    code, err = run([*argv, f"train.output_dir={out}"], capsys)
+    assert code == 143, err
+    check_message(err, "grpo", ("terminated (SIGTERM)",))
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    assert not (out / "run.lock").exists()
+    armed.unlink()
+    assert main([*argv, f"train.output_dir={out}", "train.resume_from_checkpoint=latest"]) == 0
+    assert _max_diff(_weights(out / "checkpoint-3"), _weights(tmp_path / "straight" / "checkpoint-3")) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_checkpoint_write_finishes_it_and_the_resume_continues(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """SIGTERM while checkpoint 2 is being written (its optimizer state, half way): the write is finished,
+    then the run stops with 143; nothing half-written is left, and the resumed run ends with the weights
+    of an uninterrupted one."""
+    from padless.trainers import checkpoint
+
+    argv = ["sft", *RUN1, "train.max_steps=4", "train.save_steps=2"]
+    assert main([*argv, f"train.output_dir={tmp_path / 'straight'}"]) == 0
+    write = checkpoint.save_tree
+
+    def interrupted(tree, path: Path) -> None:
+        if path.parent.parent.name == ".tmp-checkpoint-2" and path.name.startswith("optimizer"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        write(tree, path)
+
+    monkeypatch.setattr(checkpoint, "save_tree", interrupted)
+    out = tmp_path / "run"
+    code, err = run([*argv, f"train.output_dir={out}"], capsys)
+    assert code == 143, err
+    check_message(err, "sft", ("terminated (SIGTERM)",))
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+    assert (out / "checkpoint-2" / "trainer_state.json").exists() and not (out / "run.lock").exists()
+    monkeypatch.setattr(checkpoint, "save_tree", write)
+    assert main([*argv, f"train.output_dir={out}", "train.resume_from_checkpoint=latest"]) == 0
+    assert _max_diff(_weights(out / "checkpoint-4"), _weights(tmp_path / "straight" / "checkpoint-4")) <= 1e-6
 
 
 def _image(mode: str) -> bytes:

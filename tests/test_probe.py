@@ -273,3 +273,57 @@ def test_probe_lengths_cover_the_check_and_grow_past_windows_and_chunks():
     assert probe.probe_lengths(qwen)[-1] == 303
     qwen.sliding_window = 100_000
     assert probe.probe_lengths(qwen)[-1] == probe.PROBE_MAX_LENGTH
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Llama 4: chunked attention and query temperature, proved on the model's own forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _llama4(chunk: int, floor_scale: int):
+    """The zoo's tiny Llama 4 text model on varlen with the given chunk size and temperature floor."""
+    from padless.engine import use_backend
+    from padless.zoo import zoo_config
+
+    config = zoo_config("llama4_text")
+    config.attention_chunk_size, config.floor_scale = chunk, floor_scale
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    use_backend(model, "varlen")
+    return model
+
+
+def test_llama4_spans_longer_than_the_probe_are_cut_while_it_runs_and_restored():
+    """Llama 4's real chunks and temperature floor (8192 tokens) are longer than the probe's sequences: the
+    probe cuts them so its sequences cross them, proves the layout there, says so, and restores them."""
+    model = _llama4(8192, 8192)
+    info = probe_attention(model, "varlen")
+    assert info["spans_cut"] == {"attention_chunk_size": (8192, 16), "floor_scale": (8192, 64)}
+    assert info["max_delta_logps"] <= info["bound"] and info["lengths"] == [4, 19, 77, 160]
+    assert model.config.attention_chunk_size == 8192 and model.config.floor_scale == 8192
+    assert all(layer.self_attn.floor_scale == 8192 for layer in model.model.layers)
+
+
+@pytest.mark.parametrize(
+    ("planted", "replacement"),
+    [("attention_chunk", lambda module: None), ("_query_temperature_per_sequence", lambda m, q, s: q)],
+)
+def test_llama4_planted_leak_fails_the_probe(planted, replacement, monkeypatch):
+    """Chunks that run across sequence boundaries (a chunk of the row, not of each sequence), or queries
+    scaled by their place in the row: the probe refuses either at Llama 4's own sizes (which it cuts)."""
+    import padless.varlen as varlen
+
+    monkeypatch.setattr(varlen, planted, replacement)
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        probe_attention(_llama4(8192, 8192), "varlen")
+
+
+def test_llama4_temperature_tuning_is_refused_where_only_varlen_corrects_it():
+    from padless.sequence_parallel import SequenceParallelError, check_model
+
+    model = _llama4(8, 32)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(AttentionError, match="NoPE layers by each token's place in the whole row"):
+        assert_attention(model, "sdpa")
+    with pytest.raises(SequenceParallelError, match="under sequence parallelism"):
+        check_model(_llama4(8, 32), 2)

@@ -647,3 +647,96 @@ def test_sdpa_reference_agrees_with_naive():
     q, k, v = _qkv(1, 5, heads=2, kv_heads=2)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.4)[0].transpose(0, 1)
     torch.testing.assert_close(_naive(q[0], k[0], v[0], 0.4), want, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Llama 4: chunked attention and query temperature per sequence
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Llama4Layer(torch.nn.Module):
+    """What varlen reads from a Llama 4 attention layer: its kind (config.layer_types at layer_idx), the
+    chunk size, and for NoPE layers the query temperature settings."""
+
+    def __init__(self, kind: str, chunk: int = 4, use_rope: bool = True, floor_scale: int = 8):
+        super().__init__()
+        self.config = type(
+            "Config", (), {"model_type": "llama4_text", "layer_types": [kind], "attention_chunk_size": chunk}
+        )()
+        self.layer_idx = 0
+        self.is_causal = True
+        self.use_rope = use_rope
+        self.attn_temperature_tuning = True
+        self.floor_scale = floor_scale
+        self.attn_scale = 0.1
+
+
+def _expected_chunked(q, k, v, scale, chunk):
+    """Each sequence of LENS cut into chunks counted from its first token, each chunk attended alone."""
+    out, start = [], 0
+    for n in LENS:
+        for c in range(start, start + n, chunk):
+            piece = slice(c, min(c + chunk, start + n))
+            out.append(_naive(q[0, :, piece], k[0, :, piece], v[0, :, piece], scale))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "torch", "flash_attn"])
+def test_chunked_attention_attends_within_chunks_of_each_sequence(kernel):
+    """Llama 4's chunked layers in a packed row: chunks start at each sequence's first token, on the exact
+    path and on the fused kernels' branch (their stand-ins), whose cu_seqlens become the chunks'."""
+    from padless.testing.kernels import fused_kernels_on_cpu
+
+    q, k, v = _qkv(1, sum(LENS), seed=7)
+    fused = fused_kernels_on_cpu(FP32_ONLY) if kernel != "sdpa" else contextlib.nullcontext()
+    with fused:
+        set_varlen_kernel(kernel)
+        chunked, _ = varlen_attention_forward(
+            _Llama4Layer("chunked_attention"), q, k, v, None, scaling=0.4, cu_seq_lens_q=CU
+        )
+        whole, _ = varlen_attention_forward(
+            _Llama4Layer("full_attention"), q, k, v, None, scaling=0.4, cu_seq_lens_q=CU
+        )
+    torch.testing.assert_close(chunked[0], _expected_chunked(q, k, v, 0.4, 4), rtol=0, atol=1e-5)
+    torch.testing.assert_close(whole[0], _expected_packed(q, k, v, 0.4), rtol=0, atol=1e-5)
+    assert (chunked - whole).abs().max() > 1e-2  # the 9- and 6-token sequences span chunks
+
+
+def test_chunked_attention_on_padded_rows_counts_chunks_from_the_first_real_token():
+    q, k, v = _qkv(2, 7, seed=8)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])
+    out, _ = varlen_attention_forward(_Llama4Layer("chunked_attention", chunk=3), q, k, v, mask.bool())
+    for row, (s, e) in enumerate([(2, 7), (0, 6)]):
+        want = torch.cat(
+            [
+                _naive(
+                    q[row, :, c : min(c + 3, e)],
+                    k[row, :, c : min(c + 3, e)],
+                    v[row, :, c : min(c + 3, e)],
+                    8**-0.5,
+                )
+                for c in range(s, e, 3)
+            ]
+        )
+        torch.testing.assert_close(out[row, s:e], want, rtol=0, atol=1e-5)
+
+
+def test_llama4_query_temperature_is_taken_at_the_place_in_each_sequence():
+    """A NoPE layer scaled each query by its place in the row (transformers' arange); varlen moves the scale
+    to the place in its sequence: the result is each sequence alone, scaled as it scales alone."""
+    layer = _Llama4Layer("full_attention", use_rope=False, floor_scale=4)
+    q, k, v = _qkv(1, sum(LENS), seed=9)
+
+    def scales(positions):
+        return torch.log1p(torch.floor((positions.float() + 1) / 4)) * 0.1 + 1
+
+    row_scaled = q * scales(torch.arange(sum(LENS)))[None, None, :, None]  # what the layer hands on
+    own = q * torch.cat([scales(torch.arange(n)) for n in LENS])[None, None, :, None]
+    out, _ = varlen_attention_forward(layer, row_scaled, k, v, None, scaling=0.4, cu_seq_lens_q=CU)
+    torch.testing.assert_close(out[0], _expected_packed(own, k, v, 0.4), rtol=0, atol=1e-5)
+    assert (_expected_packed(row_scaled, k, v, 0.4) - out[0]).abs().max() > 1e-2  # the row's scales differ
+    # below floor_scale tokens every scale is 1: the query passes as it is
+    short = _Llama4Layer("full_attention", use_rope=False, floor_scale=sum(LENS) + 1)
+    out, _ = varlen_attention_forward(short, q, k, v, None, scaling=0.4, cu_seq_lens_q=CU)
+    torch.testing.assert_close(out[0], _expected_packed(q, k, v, 0.4), rtol=0, atol=1e-5)

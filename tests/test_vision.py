@@ -23,7 +23,7 @@ import padless.attention as attention
 import padless.varlen as varlen
 from padless.engine import forward_packed, forward_padded, forward_scores, score_head
 from padless.model import load_model
-from padless.packing import Example, pack, to_padded, unpad
+from padless.packing import Example, concat_vision, pack, to_padded, unpad
 from padless.sources import load_processor
 from padless.tiny import PAD_TOKEN_ID
 from padless.tiny.vlm import (
@@ -37,7 +37,6 @@ from padless.tiny.vlm import (
 from padless.vision import (
     RopeIndex,
     add_score_head,
-    concat_vision,
     is_vision_config,
     uses_mrope,
 )

@@ -30,10 +30,18 @@ from padless.check import (
     run_zoo,
     zoo_model,
 )
-from padless.probe import probe_attention
+from padless.probe import prove_packing
 from padless.tolerance import bound
 from padless.varlen import varlen_attention_forward
-from padless.zoo import LOGIT_TARGET, ZOO, build_zoo_model, causal_lm_types, zoo_config, zoo_names
+from padless.zoo import (
+    LOGIT_TARGET,
+    ZOO,
+    build_zoo_model,
+    causal_lm_types,
+    image_text_types,
+    zoo_config,
+    zoo_names,
+)
 
 BACKENDS = ("varlen", "sdpa", "eager")
 SDPA_UNSUPPORTED = (
@@ -46,13 +54,28 @@ REFUSALS = {
     # transformers 5.23 builds gpt-oss's masks without position_ids, so eager cannot see packed boundaries:
     # the load-time probe measures the leak and refuses.
     ("gpt-oss", "eager"): "leaks between packed sequences",
+    # Llama 4's NoPE layers scale queries by their place in the row: only varlen moves it into the sequence
+    **{("llama4_text", b): "NoPE layers by each token's place in the whole row" for b in ("sdpa", "eager")},
 }
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
 # Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
-# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), chunked attention
-# (Llama 4), a state-space layer in every block (Mamba, Falcon-H1). The whole list runs behind `zoo_full`.
-CI_DERIVED = ("cohere", "gpt2", "llama4_text", "mamba", "falcon_h1", "qwen3_5_text")
+# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), a state-space layer
+# in every block (Mamba), Mamba-2 beside attention (Falcon-H1), Qwen3.5's gated delta-nets, and an
+# image-text-to-text model on its text (Qwen2.5-VL: M-RoPE sections cut to the tiny head). The whole list
+# runs behind `zoo_full`.
+CI_DERIVED = ("cohere", "gpt2", "mamba", "falcon_h1", "qwen3_5_text", "qwen2_5_vl")
 CI_ZOO = (*ZOO, *CI_DERIVED)
+
+
+def test_zoo_adds_the_image_text_models_padless_loads():
+    """Vision-language configs (a vision tower: padless loads them) join the causal-LM types, once each."""
+    from transformers import CONFIG_MAPPING
+
+    names, vlms = zoo_names(), image_text_types()
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"} <= set(vlms) <= set(names)
+    assert len(names) == len(set(names)) and not set(vlms) & set(causal_lm_types())
+    assert all(zoo_config(t).vision_config is not None for t in ("qwen2_5_vl", "llava"))
+    assert all("vision_config" in CONFIG_MAPPING[t].sub_configs for t in vlms)
 
 
 def test_zoo_covers_the_architectures_the_issue_lists():
@@ -86,15 +109,13 @@ def test_zoo_lists_every_causal_lm_architecture_of_transformers():
     assert causal_lm_types() == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert zoo_names()[: len(ZOO)] == list(ZOO) and set(causal_lm_types()) <= set(zoo_names())
     assert len(zoo_names()) == len(set(zoo_names()))
-    assert set(CI_DERIVED) <= set(causal_lm_types())
+    assert set(CI_DERIVED) <= set(causal_lm_types()) | set(image_text_types())
 
 
 @pytest.mark.parametrize("name", CI_DERIVED)
 def test_derived_configs_are_tiny_and_keep_what_matters(name):
     config = zoo_config(name).get_text_config()
     assert getattr(config, "hidden_size", 64) == 64 and config.vocab_size == 4096
-    if name == "llama4_text":
-        assert config.attention_chunk_size == 8  # chunks far shorter than the probe sequences
     if name == "falcon_h1":
         assert config.num_hidden_layers == 2
 
@@ -109,6 +130,9 @@ def test_zoo_configs_exercise_what_they_claim():
     bidirectional = build_zoo_model("gemma3-bidirectional", "eager")
     assert not any(layer.self_attn.is_causal for layer in bidirectional.model.layers)
     assert "linear_attention" in zoo_config("qwen3-next").layer_types
+    llama4 = zoo_config("llama4_text")  # chunks and the temperature floor far shorter than the probe's rows
+    assert llama4.layer_types == ["chunked_attention", "full_attention"] and llama4.no_rope_layers == [1, 0]
+    assert llama4.attention_chunk_size == 8 and llama4.floor_scale == 32 and llama4.attn_temperature_tuning
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +308,7 @@ def _check_fails_implies_training_refuses(name, seqs, pad_id) -> None:
     cells = _varlen_cells(model, seqs, pad_id)
     model.set_attn_implementation(VARLEN_NAME)
     try:
-        probe_attention(model, "varlen")  # what load_model runs before training
+        prove_packing(model, "varlen")  # what load_model runs before training
     except Exception as e:
         refused: str | None = str(e)
     else:

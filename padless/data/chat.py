@@ -22,10 +22,11 @@ inserts this row's contents verbatim into the whole conversation also does so in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
@@ -185,6 +186,20 @@ def _layout_of(
     return _Layout(tuple(texts), tuple(j for _, j in slots), tuple(cuts), tuple(turns))
 
 
+@contextlib.contextmanager
+def _rendering(row: Row) -> Iterator[None]:
+    """A render of ``row``'s conversation: the template is user-supplied Jinja (its ``raise_exception``
+    lands here too), so whatever it raises is the row's error, said so."""
+    try:
+        yield
+    except Exception as e:
+        raise row.error(
+            None,
+            f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
+            reason="chat template rejected row",
+        ) from e
+
+
 def _normalised(text: str) -> str:
     return " ".join(text.split())
 
@@ -284,16 +299,10 @@ class ChatEncoder:
     def _apply(
         self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool, tokenize: bool
     ) -> Any:
-        try:
+        with _rendering(row):
             return self.tok.apply_chat_template(
                 messages, tokenize=tokenize, return_dict=tokenize, add_generation_prompt=generation_prompt
             )
-        except Exception as e:  # the template is user-supplied Jinja; its raise_exception lands here
-            raise row.error(
-                None,
-                f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
-                reason="chat template rejected row",
-            ) from e
 
     def render(self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
         out = self._apply(row, messages, generation_prompt=generation_prompt, tokenize=True)
@@ -343,19 +352,13 @@ class ChatEncoder:
             return str(self._apply(row, messages, generation_prompt=False, tokenize=False)), []
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        try:
+        with _rendering(row):
             texts, spans = render_jinja_template(
                 conversations=[messages],
                 chat_template=self.template,
                 return_assistant_tokens_mask=True,
                 **self.tok.special_tokens_map,
             )
-        except Exception as e:  # the template is user-supplied Jinja; its raise_exception lands here
-            raise row.error(
-                None,
-                f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
-                reason="chat template rejected row",
-            ) from e
         return texts[0], [tuple(s) for s in spans[0]]
 
     def _marked(

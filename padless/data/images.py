@@ -199,8 +199,8 @@ class ImageInputs:
     @classmethod
     def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
         """The image side of the model ``name`` (its processor), or None for a text-only model."""
+        from padless.engine import unwrap
         from padless.sources import load_processor
-        from padless.strategy import unwrap
         from padless.vision import is_vision_config
 
         config = unwrap(model).config

@@ -28,11 +28,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import DataError, Row, SkipStats, Truncation, good_rows, present_fields, type_name
+from padless.data.records import (
+    DataError,
+    RawRows,
+    Row,
+    SkipStats,
+    Truncation,
+    good_rows,
+    present_fields,
+    type_name,
+)
+from padless.data.tokenized import Layout, ids_feature
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -466,3 +476,105 @@ def tokenize_scoring(
         return _example(images, prompt_ids + response, None, vision, meta)
 
     return good_rows(rows, scoring_example, skip_bad_rows, stats)
+
+
+@dataclass
+class PairLayout(Layout[PairExample]):
+    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
+
+    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
+    column is stored either way.
+    """
+
+    name: ClassVar[str] = "preference"
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
+    max_length: int
+    truncation: Truncation = "error"
+    skip_bad_rows: bool = False
+    require_margin: bool = False
+    keep_margin: bool = True
+    _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_args(self.max_length, self.truncation)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        needed, how = pair_fields(raw, self.skip_bad_rows)
+        self._state = (_PairEncoder(tokenizer), needed, how)
+
+    def example(self, row: Row) -> PairExample:
+        assert self._state is not None, "prepare() first"
+        enc, needed, how = self._state
+        return pair_example(
+            row,
+            enc,
+            needed,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            require_margin=self.require_margin,
+        )
+
+    def columns(self, item: PairExample) -> dict[str, Any]:
+        n = item.prompt_length
+        return {
+            "prompt_ids": item.chosen.input_ids[:n],
+            "chosen_ids": item.chosen.input_ids[n:],
+            "rejected_ids": item.rejected.input_ids[n:],
+            "margin": item.meta.get("margin"),
+        }
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        ids = ids_feature()
+        return {
+            "prompt_ids": ids,
+            "chosen_ids": ids,
+            "rejected_ids": ids,
+            "margin": datasets.Value("float64"),
+        }
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["prompt_ids", "chosen_ids", "rejected_ids", "margin"]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PairExample]:
+        pairs = []
+        for row, prompt, chosen, rejected, margin in zip(
+            columns["row"],
+            columns["prompt_ids"],
+            columns["chosen_ids"],
+            columns["rejected_ids"],
+            columns["margin"],
+            strict=True,
+        ):
+            sides = [
+                Example(
+                    prompt + ids,
+                    [False] * len(prompt) + [True] * len(ids),
+                    {"row": row, "source": source, "side": side},
+                )
+                for side, ids in (("chosen", chosen), ("rejected", rejected))
+            ]
+            meta: dict[str, Any] = {"row": row, "source": source}
+            if margin is not None and self.keep_margin:
+                meta["margin"] = margin
+            pairs.append(PairExample(*sides, meta))
+        return pairs
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PairExample], SkipStats]:
+        pairs, stats = tokenize_preference(
+            rows,
+            tokenizer,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            skip_bad_rows=self.skip_bad_rows,
+            require_margin=self.require_margin,
+            images=images,
+        )
+        if not self.keep_margin:
+            for p in pairs:
+                p.meta.pop("margin", None)
+        return pairs, stats

@@ -16,13 +16,15 @@ right answer is, so a prompt longer than ``max_prompt_length`` is a bad row.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import Row, SkipStats, good_rows, type_name
+from padless.data.records import RawRows, Row, SkipStats, good_rows, type_name
+from padless.data.tokenized import Layout, ids_feature
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -203,3 +205,75 @@ def reward_inputs(
         name: [ex.fields.get(name) for ex in examples for _ in range(num_generations)] for name in names
     }
     return prompts, columns
+
+
+@dataclass
+class PromptLayout(Layout[PromptExample]):
+    """RL prompts: ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
+
+    Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values); rows
+    read from Arrow keep them as columns of their own types (``field.<name>``).
+    """
+
+    name: ClassVar[str] = "prompts"
+    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
+    max_prompt_length: int
+    chat_template: bool | None = None
+    skip_bad_rows: bool = False
+    _state: Any = field(default=None, repr=False)
+    _fields: dict[str, Any] | None = field(default=None, repr=False)  # Arrow rows: name -> feature
+
+    def __post_init__(self) -> None:
+        check_args(self.max_prompt_length, self.chat_template)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        self._state = prompt_encoder(tokenizer, self.chat_template)
+        if raw.decoder.numbering is None:
+            self._fields = {k: v for k, v in raw.dataset.features.items() if k != "prompt"}
+
+    def example(self, row: Row) -> PromptExample:
+        return prompt_example(row, self._state, self.max_prompt_length)
+
+    def columns(self, item: PromptExample) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_ids": item.prompt_ids, "text": item.text}
+        if self._fields is None:
+            out["fields"] = json.dumps(item.fields, ensure_ascii=False)
+        else:
+            out.update({f"field.{k}": item.fields.get(k) for k in self._fields})
+        return out
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        out = {"prompt_ids": ids_feature(), "text": datasets.Value("string")}
+        if self._fields is None:
+            return out | {"fields": datasets.Value("string")}
+        return out | {f"field.{k}": v for k, v in self._fields.items()}
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["prompt_ids", "text", *(c for c in stored if c == "fields" or c.startswith("field."))]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PromptExample]:
+        own = [c for c in columns if c.startswith("field.")]
+        out = []
+        for k, (row, ids, text) in enumerate(
+            zip(columns["row"], columns["prompt_ids"], columns["text"], strict=True)
+        ):
+            if "fields" in columns:
+                fields = json.loads(columns["fields"][k])
+            else:
+                fields = {c.removeprefix("field."): columns[c][k] for c in own}
+            out.append(PromptExample(ids, fields, {"row": row, "source": source}, text))
+        return out
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PromptExample], SkipStats]:
+        return tokenize_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=self.max_prompt_length,
+            chat_template=self.chat_template,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+        )

@@ -9,11 +9,13 @@ templates it refuses.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from padless.data.chat import ChatEncoder, chat_messages, nonempty_str
 from padless.data.images import ImageInputs, reject_images
-from padless.data.records import Row, SkipStats, Truncation, good_rows, present_fields, type_name
+from padless.data.records import RawRows, Row, SkipStats, Truncation, good_rows, present_fields, type_name
+from padless.data.tokenized import Layout, ids_feature
 from padless.packing import Example
 
 if TYPE_CHECKING:
@@ -301,3 +303,86 @@ def tokenize_sft(
     )
     examples = [example for got in rows_examples for example in got]
     return examples, stats
+
+
+@dataclass
+class SFTLayout(Layout[Example]):
+    """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
+
+    name: ClassVar[str] = "sft"
+    fingerprinted = (
+        "max_length",
+        "format",
+        "truncation",
+        "completion_only_loss",
+        "per_turn",
+        "skip_bad_rows",
+    )
+    max_length: int
+    format: str = "auto"
+    truncation: Truncation = "error"
+    completion_only_loss: bool = True
+    per_turn: bool = False
+    skip_bad_rows: bool = False
+    _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_sft_args(self.format, self.max_length, self.truncation)
+
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
+        self._state = (SftEncoder(tokenizer), fmt, how)
+
+    def example(self, row: Row) -> Example:
+        (example,) = self.examples(row)  # per-turn rows go through examples()
+        return example
+
+    def examples(self, row: Row) -> list[Example]:
+        assert self._state is not None, "prepare() first"
+        enc, fmt, how = self._state
+        return sft_examples(
+            row,
+            enc,
+            fmt,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
+        )
+
+    def columns(self, item: Example) -> dict[str, Any]:
+        return {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "targets": item.num_targets}
+
+    def features(self) -> dict[str, Any]:
+        import datasets
+
+        return {
+            "input_ids": ids_feature(),
+            "loss_mask": datasets.List(datasets.Value("bool")),
+            "targets": datasets.Value("int32"),
+        }
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["input_ids", "loss_mask"]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[Example]:
+        return [
+            Example(ids, mask, {"row": row, "source": source})
+            for row, ids, mask in zip(columns["row"], columns["input_ids"], columns["loss_mask"], strict=True)
+        ]
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[Example], SkipStats]:
+        return tokenize_sft(
+            rows,
+            tokenizer,
+            format=self.format,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+        )

@@ -7,16 +7,20 @@ is all that planning micro-batches needs. :func:`load_set` is the entry point: i
 tokenizer and settings, builds the set on a cache miss (:mod:`padless.data.cache`) and returns an
 :class:`ArrowSet` with the report of skipped rows.
 
-Each task lays its items out in columns (a :class:`Layout`). A layout makes each item with the task's own
-per-row function — the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``,
-``tokenize_prompts``) — and turns it into columns and back, so both paths give the same examples and the
-same errors. Errors are not raised inside the workers: a bad row becomes a row of error columns, and once
-the map is done the error the row-by-row driver would have raised first is raised (any unreadable line,
-then the first bad row), or the bad rows are counted as skipped, in row order, whatever the number of
-processes.
+Each task lays its items out in columns with a :class:`Layout`, which sits beside the task's rows
+(``SFTLayout`` in :mod:`padless.data.sft`, ``PairLayout`` in :mod:`padless.data.preference`,
+``PromptLayout`` in :mod:`padless.data.rl`). A layout makes each item with the task's own per-row function
+— the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``, ``tokenize_prompts``)
+— and turns it into columns and back, so both paths give the same examples and the same errors. Errors are
+not raised inside the workers: a bad row becomes a row of error columns, and once the map is done the error
+the row-by-row driver would have raised first is raised (any unreadable line, then the first bad row), or
+the bad rows are counted as skipped, in row order, whatever the number of processes.
 
-Rows with images (vision-language models) and the embedded image sets stay on the in-memory path: their
-items hold pixel tensors.
+What recipes plan micro-batches from is an :class:`ExampleSet`: an :class:`ArrowSet` reads only its
+``length`` column to plan, and a micro-batch's items become Python objects only when it runs
+(:meth:`ExampleSet.select` gives a sequence read each time it is iterated, never kept); an
+:class:`InMemory` set is a list with the same interface. Rows with images (vision-language models) and the
+embedded image sets stay on the in-memory path: their items hold pixel tensors.
 """
 
 from __future__ import annotations
@@ -28,46 +32,25 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
 import pyarrow.compute as pc
 
 from padless.data import cache
-from padless.data.preference import (
-    PairExample,
-    _PairEncoder,
-    check_args,
-    pair_example,
-    pair_fields,
-    tokenize_preference,
-)
 from padless.data.records import (
     DataError,
     RawRows,
     Row,
     SkipStats,
-    Truncation,
     no_rows,
     open_source,
     raw_rows,
     sliced,
 )
-from padless.data.rl import PromptExample, prompt_encoder, prompt_example, tokenize_prompts
-from padless.data.rl import check_args as check_prompt_args
-from padless.data.sets import ArrowSet, ExampleSet, InMemory
-from padless.data.sft import (
-    SftEncoder,
-    check_sft_args,
-    sft_examples,
-    sft_format,
-    tokenize_sft,
-)
 from padless.faults import doing
-from padless.packing import Example
 
 if TYPE_CHECKING:
     import datasets
@@ -136,267 +119,138 @@ class Layout(ABC, Generic[T]):
         """The row-by-row driver with these settings (rows with images take this path)."""
 
 
-def _ids() -> Any:
+def ids_feature() -> Any:
+    """The ``datasets`` feature of a column of token ids (int32)."""
     import datasets
 
     return datasets.List(datasets.Value("int32"))
 
 
-@dataclass
-class SFTLayout(Layout[Example]):
-    """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
-
-    name: ClassVar[str] = "sft"
-    fingerprinted = (
-        "max_length",
-        "format",
-        "truncation",
-        "completion_only_loss",
-        "per_turn",
-        "skip_bad_rows",
-    )
-    max_length: int
-    format: str = "auto"
-    truncation: Truncation = "error"
-    completion_only_loss: bool = True
-    per_turn: bool = False
-    skip_bad_rows: bool = False
-    _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        check_sft_args(self.format, self.max_length, self.truncation)
-
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
-        self._state = (SftEncoder(tokenizer), fmt, how)
-
-    def example(self, row: Row) -> Example:
-        (example,) = self.examples(row)  # per-turn rows go through examples()
-        return example
-
-    def examples(self, row: Row) -> list[Example]:
-        assert self._state is not None, "prepare() first"
-        enc, fmt, how = self._state
-        return sft_examples(
-            row,
-            enc,
-            fmt,
-            how,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            completion_only_loss=self.completion_only_loss,
-            per_turn=self.per_turn,
-        )
-
-    def columns(self, item: Example) -> dict[str, Any]:
-        return {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "targets": item.num_targets}
-
-    def features(self) -> dict[str, Any]:
-        import datasets
-
-        return {
-            "input_ids": _ids(),
-            "loss_mask": datasets.List(datasets.Value("bool")),
-            "targets": datasets.Value("int32"),
-        }
-
-    def read_columns(self, stored: list[str]) -> list[str]:
-        return ["input_ids", "loss_mask"]
-
-    def decode(self, columns: dict[str, list[Any]], source: str) -> list[Example]:
-        return [
-            Example(ids, mask, {"row": row, "source": source})
-            for row, ids, mask in zip(columns["row"], columns["input_ids"], columns["loss_mask"], strict=True)
-        ]
-
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[Example], SkipStats]:
-        return tokenize_sft(
-            rows,
-            tokenizer,
-            format=self.format,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            completion_only_loss=self.completion_only_loss,
-            per_turn=self.per_turn,
-            skip_bad_rows=self.skip_bad_rows,
-            images=images,
-        )
+# --------------------------------------------------------------------------------------------------------
+# Example sets: what recipes plan from and read micro-batches from
 
 
-@dataclass
-class PairLayout(Layout[PairExample]):
-    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
+class ExampleSet(Sequence[T]):
+    """Items with their ``lengths`` (tokens per item), to plan micro-batches from without reading items.
 
-    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
-    column is stored either way.
+    :meth:`select` gives a micro-batch's items as a sequence to read when the micro-batch runs.
     """
 
-    name: ClassVar[str] = "preference"
-    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
-    max_length: int
-    truncation: Truncation = "error"
-    skip_bad_rows: bool = False
-    require_margin: bool = False
-    keep_margin: bool = True
-    _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
+    lengths: np.ndarray
 
-    def __post_init__(self) -> None:
-        check_args(self.max_length, self.truncation)
+    @abstractmethod
+    def take(self, indices: Sequence[int]) -> list[T]:
+        """The items at ``indices``, in memory."""
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        needed, how = pair_fields(raw, self.skip_bad_rows)
-        self._state = (_PairEncoder(tokenizer), needed, how)
+    @abstractmethod
+    def select(self, indices: Sequence[int]) -> Sequence[T]:
+        """The items at ``indices``, read when iterated."""
 
-    def example(self, row: Row) -> PairExample:
-        assert self._state is not None, "prepare() first"
-        enc, needed, how = self._state
-        return pair_example(
-            row,
-            enc,
-            needed,
-            how,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            require_margin=self.require_margin,
-        )
+    @property
+    @abstractmethod
+    def targets(self) -> np.ndarray:
+        """Trained predictions per example (:attr:`Example.num_targets`); examples only."""
 
-    def columns(self, item: PairExample) -> dict[str, Any]:
-        n = item.prompt_length
-        return {
-            "prompt_ids": item.chosen.input_ids[:n],
-            "chosen_ids": item.chosen.input_ids[n:],
-            "rejected_ids": item.rejected.input_ids[n:],
-            "margin": item.meta.get("margin"),
-        }
+    @abstractmethod
+    def set_meta(self, key: str, values: Sequence[Any]) -> None:
+        """Give item ``i`` ``meta[key] = values[i]`` (e.g. precomputed reference log-probs)."""
 
-    def features(self) -> dict[str, Any]:
-        import datasets
+    def __len__(self) -> int:
+        return len(self.lengths)
 
-        ids = _ids()
-        return {
-            "prompt_ids": ids,
-            "chosen_ids": ids,
-            "rejected_ids": ids,
-            "margin": datasets.Value("float64"),
-        }
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return self.take(range(len(self))[i])
+        return self.take([range(len(self))[i]])[0]
 
-    def read_columns(self, stored: list[str]) -> list[str]:
-        return ["prompt_ids", "chosen_ids", "rejected_ids", "margin"]
-
-    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PairExample]:
-        pairs = []
-        for row, prompt, chosen, rejected, margin in zip(
-            columns["row"],
-            columns["prompt_ids"],
-            columns["chosen_ids"],
-            columns["rejected_ids"],
-            columns["margin"],
-            strict=True,
-        ):
-            sides = [
-                Example(
-                    prompt + ids,
-                    [False] * len(prompt) + [True] * len(ids),
-                    {"row": row, "source": source, "side": side},
-                )
-                for side, ids in (("chosen", chosen), ("rejected", rejected))
-            ]
-            meta: dict[str, Any] = {"row": row, "source": source}
-            if margin is not None and self.keep_margin:
-                meta["margin"] = margin
-            pairs.append(PairExample(*sides, meta))
-        return pairs
-
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[PairExample], SkipStats]:
-        pairs, stats = tokenize_preference(
-            rows,
-            tokenizer,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            skip_bad_rows=self.skip_bad_rows,
-            require_margin=self.require_margin,
-            images=images,
-        )
-        if not self.keep_margin:
-            for p in pairs:
-                p.meta.pop("margin", None)
-        return pairs, stats
+    def __iter__(self) -> Iterator[T]:
+        for start in range(0, len(self), 1000):
+            yield from self.take(range(start, min(start + 1000, len(self))))
 
 
-@dataclass
-class PromptLayout(Layout[PromptExample]):
-    """RL prompts: ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
+class InMemory(ExampleSet[T]):
+    """A list of items (the in-memory path, and what tests build by hand)."""
 
-    Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values); rows
-    read from Arrow keep them as columns of their own types (``field.<name>``).
-    """
+    def __init__(self, items: Sequence[T]) -> None:
+        self.items = list(items)
+        self.lengths = np.array([len(x) for x in self.items], dtype=np.int64)
 
-    name: ClassVar[str] = "prompts"
-    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
-    max_prompt_length: int
-    chat_template: bool | None = None
-    skip_bad_rows: bool = False
-    _state: Any = field(default=None, repr=False)
-    _fields: dict[str, Any] | None = field(default=None, repr=False)  # Arrow rows: name -> feature
+    def take(self, indices: Sequence[int]) -> list[T]:
+        return [self.items[i] for i in indices]
 
-    def __post_init__(self) -> None:
-        check_prompt_args(self.max_prompt_length, self.chat_template)
+    def select(self, indices: Sequence[int]) -> list[T]:
+        return self.take(indices)
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        self._state = prompt_encoder(tokenizer, self.chat_template)
-        if raw.decoder.numbering is None:
-            self._fields = {k: v for k, v in raw.dataset.features.items() if k != "prompt"}
+    @property
+    def targets(self) -> np.ndarray:
+        return np.array([x.num_targets for x in self.items], dtype=np.int64)
 
-    def example(self, row: Row) -> PromptExample:
-        return prompt_example(row, self._state, self.max_prompt_length)
+    def set_meta(self, key: str, values: Sequence[Any]) -> None:
+        for item, value in zip(self.items, values, strict=True):
+            item.meta[key] = value
 
-    def columns(self, item: PromptExample) -> dict[str, Any]:
-        out: dict[str, Any] = {"prompt_ids": item.prompt_ids, "text": item.text}
-        if self._fields is None:
-            out["fields"] = json.dumps(item.fields, ensure_ascii=False)
-        else:
-            out.update({f"field.{k}": item.fields.get(k) for k in self._fields})
-        return out
 
-    def features(self) -> dict[str, Any]:
-        import datasets
+class _Selection(Sequence[T]):
+    """Some items of an :class:`ArrowSet`, read from Arrow each time they are iterated (never kept)."""
 
-        out = {"prompt_ids": _ids(), "text": datasets.Value("string")}
-        if self._fields is None:
-            return out | {"fields": datasets.Value("string")}
-        return out | {f"field.{k}": v for k, v in self._fields.items()}
+    def __init__(self, parent: ArrowSet[T], indices: Sequence[int]) -> None:
+        self.parent, self.indices = parent, indices
 
-    def read_columns(self, stored: list[str]) -> list[str]:
-        return ["prompt_ids", "text", *(c for c in stored if c == "fields" or c.startswith("field."))]
+    def __len__(self) -> int:
+        return len(self.indices)
 
-    def decode(self, columns: dict[str, list[Any]], source: str) -> list[PromptExample]:
-        own = [c for c in columns if c.startswith("field.")]
-        out = []
-        for k, (row, ids, text) in enumerate(
-            zip(columns["row"], columns["prompt_ids"], columns["text"], strict=True)
-        ):
-            if "fields" in columns:
-                fields = json.loads(columns["fields"][k])
-            else:
-                fields = {c.removeprefix("field."): columns[c][k] for c in own}
-            out.append(PromptExample(ids, fields, {"row": row, "source": source}, text))
-        return out
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self.parent.take(self.indices[i])
+        return self.parent.take([self.indices[i]])[0]
 
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[PromptExample], SkipStats]:
-        return tokenize_prompts(
-            rows,
-            tokenizer,
-            max_prompt_length=self.max_prompt_length,
-            chat_template=self.chat_template,
-            skip_bad_rows=self.skip_bad_rows,
-            images=images,
-        )
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.parent.take(self.indices))
+
+
+class ArrowSet(ExampleSet[T]):
+    """A tokenized set on disk, memory-mapped; items are rebuilt from their columns when read."""
+
+    def __init__(
+        self, dataset: datasets.Dataset, layout: Layout[T], source: str, path: Path, cached: bool
+    ) -> None:
+        """``path``: the set's folder; ``cached``: whether it was there already (not built by this call)."""
+        self.dataset, self.layout, self.source, self.path, self.cached = dataset, layout, source, path, cached
+        self.lengths = dataset.data.column("length").to_numpy()
+        read = layout.read_columns(dataset.column_names)
+        self._columns = dataset.with_format("arrow").select_columns(["row", *read])
+        self._meta: dict[str, Sequence[Any]] = {}
+
+    def take(self, indices: Sequence[int]) -> list[T]:
+        indices = [int(i) for i in indices]
+        if not indices:
+            return []
+        items = self.layout.decode(self._columns[indices].to_pydict(), self.source)
+        for key, values in self._meta.items():
+            for i, item in zip(indices, items, strict=True):
+                item.meta[key] = values[i]
+        return items
+
+    def select(self, indices: Sequence[int]) -> _Selection[T]:
+        return _Selection(self, indices)
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.dataset.data.column("targets").to_numpy()
+
+    def set_meta(self, key: str, values: Sequence[Any]) -> None:
+        if len(values) != len(self):
+            raise ValueError(f"set_meta({key!r}): {len(values)} values for {len(self)} items")
+        self._meta[key] = values
+
+
+def as_set(items: Sequence[T]) -> ExampleSet[T]:
+    """``items`` as an :class:`ExampleSet` (a list is wrapped; a set is returned as it is)."""
+    return items if isinstance(items, ExampleSet) else InMemory(items)
 
 
 # --------------------------------------------------------------------------------------------------------

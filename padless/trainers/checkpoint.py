@@ -9,7 +9,8 @@ Layout of ``checkpoint-N/``:
   gathered) in ``optimizer-<rank>.safetensors`` with its structure in ``optimizer-<rank>.json``, the RNG
   states in ``rng-<rank>.safetensors`` / ``.json``, and the learning-rate schedule in ``scheduler.json``;
 - ``plan.json``: the current epoch's planned data when the recipe's plan cannot be recomputed (a rollout
-  saved mid-way);
+  saved mid-way); ``state/ahead-<rank>.json``: each rank's data prepared ahead of the plan and not yet
+  trained on (rollouts sampled ahead with ``rollout.max_staleness``);
 - ``trainer_state.json`` with the step, data position, strategy and world size, the resume terms (see
   :mod:`padless.trainers.contract`) and the list of the checkpoint's files, written last. A checkpoint
   loads exactly the files it lists: a stray ``*.safetensors`` dropped beside them is never read.
@@ -237,12 +238,13 @@ def save_checkpoint(
     state: TrainState,
     output_dir: str | Path,
     plan: Any = None,
+    ahead: Any = None,
 ) -> Path:
     root = Path(output_dir)
     tmp = root / f".tmp-checkpoint-{state.step}"
     with doing(f"writing checkpoint {state.step}", tmp, setting="train.output_dir"):
         try:
-            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, plan)
+            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, plan, ahead)
         except BaseException:
             if accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted write leaves nothing
@@ -258,6 +260,7 @@ def _save(
     state: TrainState,
     root: Path,
     plan: Any,
+    ahead: Any,
 ) -> Path:
     final = root / f"checkpoint-{state.step}"
     tmp = root / f".tmp-checkpoint-{state.step}"
@@ -270,6 +273,8 @@ def _save(
     export_model(accelerator, model, tokenizer, tmp)
     save_tree(optimizer_state(optimizer), tmp / "state" / f"optimizer-{rank}")
     save_tree(rng_state(), tmp / "state" / f"rng-{rank}")
+    if ahead is not None:
+        (tmp / "state" / f"ahead-{rank}.json").write_text(json.dumps(ahead))
     if accelerator.is_main_process:
         (tmp / "state" / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
         if plan is not None:
@@ -318,6 +323,15 @@ def read_state(path: Path) -> TrainState:
     saved = json.loads((path / STATE_FILE).read_text())
     known = set(TrainState.__dataclass_fields__)
     return TrainState(**{k: v for k, v in saved.items() if k in known})
+
+
+def read_ahead(path: Path, rank: int) -> Any | None:
+    """Rank ``rank``'s data prepared ahead of the plan in checkpoint ``path`` (None: there is none)."""
+    file = path / "state" / f"ahead-{rank}.json"
+    if not file.exists():
+        return None
+    with reading(file):
+        return json.loads(file.read_text())
 
 
 def _load(

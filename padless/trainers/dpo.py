@@ -63,7 +63,7 @@ class DPORecipe(PairRecipe):
                 chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
-            ref = shared_pass(groups, run, len(pairs), 2).tolist()
+            ref = shared_pass(groups, run, len(pairs), 2, self.cfg.sequence_parallel).tolist()
             pairs.set_meta("ref_logps", [tuple(r) for r in ref])  # pairs are read from disk when used
         self.ref_model = None
 

@@ -27,6 +27,7 @@ from padless.strategy import expected_strategy
 
 log = logging.getLogger(__name__)
 
+
 class DivergenceGuard:
     def __init__(self, policy: str, accelerator: Any):
         self.policy, self.acc = policy, accelerator

@@ -20,6 +20,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +32,14 @@ from padless import sequence_parallel
 from padless.engine import EngineSettings, ModelEngine
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
+from padless.interrupts import deferred
 from padless.packing import balance_ranks
 from padless.strategy import expected_strategy, verify_strategy
 from padless.trainers import contract
 from padless.trainers.checkpoint import (
     TrainState,
     load_checkpoint,
+    read_ahead,
     read_state,
     save_checkpoint,
 )
@@ -112,6 +115,20 @@ class Recipe:
         default."""
         return {}
 
+    def ahead_state(self) -> Any | None:
+        """Data prepared ahead of the plan and not yet trained on (rollouts sampled ahead), saved by each
+        rank in every checkpoint (JSON); None: nothing."""
+        return None
+
+    def restore_ahead(self, state: Any) -> None:
+        """Take back what :meth:`ahead_state` saved, so a resumed run trains on the same data."""
+        raise NotImplementedError(f"{type(self).__name__} prepares nothing ahead to restore")
+
+    def plan_settings(self) -> dict[str, Any]:
+        """Settings beyond ``train``'s that the plan is built from (RL: rollout, reward and loss keys); the
+        resume contract compares them like the data plan. None by default."""
+        return {}
+
 
 @dataclass
 class Step:
@@ -146,14 +163,20 @@ def plan_steps(micros: list[MicroBatch], accumulation: int, num_ranks: int, rank
 def parameter_groups(
     model: torch.nn.Module, lr: float, weight_decay: float, learning_rates: dict[str, float]
 ) -> list[dict[str, Any]]:
-    """AdamW groups: no weight decay on biases and norms; prefixes in ``learning_rates`` get their own lr."""
-    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = defaultdict(list)
+    """AdamW groups: no weight decay on biases and norms; prefixes in ``learning_rates`` get their own lr.
+    Groups are keyed by prefix, not rate, so their layout (which the optimizer state follows) stays the same
+    whatever the rates are (the resume contract rescales each on its own)."""
+    groups: dict[tuple[str, float], list[torch.nn.Parameter]] = defaultdict(list)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        group_lr = next((v for k, v in learning_rates.items() if name.startswith(k)), lr)
-        groups[(group_lr, weight_decay if param.dim() >= 2 else 0.0)].append(param)
-    return [{"params": p, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), p in groups.items()]
+        prefix = next((k for k in learning_rates if name.startswith(k)), contract.DEFAULT_GROUP)
+        groups[(prefix, weight_decay if param.dim() >= 2 else 0.0)].append(param)
+    rates = {contract.DEFAULT_GROUP: lr, **learning_rates}
+    return [
+        {"params": p, "lr": rates[prefix], "weight_decay": wd, "name": prefix}
+        for (prefix, wd), p in groups.items()
+    ]
 
 
 class Trainer:
@@ -169,12 +192,18 @@ class Trainer:
         """``learning_rates`` maps parameter-name prefixes (e.g. ``"value."``) to their own learning rate;
         the rest train at ``settings.learning_rate``. The schedule scales every group alike."""
         self.recipe, self.tokenizer, self.cfg, self.acc = recipe, tokenizer, settings, accelerator
+        groups = parameter_groups(model, settings.learning_rate, settings.weight_decay, learning_rates or {})
+        # the rates as configured: the scheduler rewrites each group's lr in place (0 at the start of warmup)
+        configured = [{"name": g["name"], "lr": g["lr"]} for g in groups]
         optimizer = torch.optim.AdamW(
-            parameter_groups(model, settings.learning_rate, settings.weight_decay, learning_rates or {}),
+            groups,
             lr=settings.learning_rate,
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
+        # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
+        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
+        self.degree = self.engine_settings.degree
         self.planned: tuple[int, list[Step]] | None = None
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
@@ -186,13 +215,12 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
+        world = sequence_parallel.data_parallel(self.degree)[1]  # a sequence-parallel group reads one share
         self.terms = contract.terms(
-            recipe, getattr(model, "model", model), settings, sequence_parallel.data_parallel()[1], digest
-        )  # the plan is dealt by data-parallel rank: a sequence-parallel group reads one share
+            recipe, getattr(model, "model", model), settings, world, digest, configured
+        )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        # the engine pins its kernel in its passes; the backward of their losses (recomputed layers) too
-        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
         self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
@@ -202,7 +230,7 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            rank, world = sequence_parallel.data_parallel()  # a sequence-parallel group shares its data
+            rank, world = sequence_parallel.data_parallel(self.degree)  # a sequence-parallel group shares it
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
@@ -283,7 +311,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= sequence_parallel.data_parallel()[1]
+            metrics["grad_norm"] /= sequence_parallel.data_parallel(self.degree)[1]
         return metrics
 
     def train(self) -> dict[str, float]:
@@ -302,11 +330,10 @@ class Trainer:
             state, plan = load_checkpoint(
                 acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
             )
-            if saved.terms and saved.terms["learning_rate"] != cfg.learning_rate:
-                ratio = cfg.learning_rate / saved.terms["learning_rate"]
-                contract.rescale_learning_rate(self.optimizer, self.scheduler, ratio)
+            contract.rescale_learning_rates(self.optimizer, self.scheduler, saved.terms, self.terms)
             for change in applied:
                 log.warning("resuming %s with a change: %s", resume, change)
+            self._restore_ahead(resume, saved)
             state.strategy, state.world_size = self.strategy, acc.num_processes
             if plan is not None and state.step_in_epoch > 0:
                 self.recipe.restore_plan(state.epoch, plan)
@@ -331,7 +358,7 @@ class Trainer:
         self._saved_step, self._in_step = state.step, False
         try:
             self._loop(state, reporter, bar, window, counts, last)
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
             raise
         bar.close()
@@ -340,16 +367,35 @@ class Trainer:
         end_run(cfg.output_dir)
         return last
 
-    def _stop_on(self, error: Exception, state: TrainState) -> None:
+    def _restore_ahead(self, resume: Path, saved: TrainState) -> None:
+        """The checkpoint's data prepared ahead (rollouts sampled ahead) back into the recipe, unless what it
+        was prepared for changed (then it is dropped, said in the log, and prepared again)."""
+        ahead = read_ahead(resume, self.acc.process_index)
+        if ahead is None:
+            return
+        if saved.world_size != self.acc.num_processes or saved.terms.get("plan_settings") != self.terms.get(
+            "plan_settings"
+        ):
+            log.warning(
+                "%s holds data prepared ahead (rollouts sampled ahead) for another world size or other "
+                "settings: dropped, and prepared again from the checkpoint's weights",
+                resume,
+            )
+            return
+        self.recipe.restore_ahead(ahead)
+
+    def _stop_on(self, error: BaseException, state: TrainState) -> None:
         """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
         and first checkpoint the steps trained since the last checkpoint (unless the failure was inside a
-        step or the weights diverged): an evaluation or a reward function never costs trained steps."""
+        step or the weights diverged): an evaluation, a reward function, Ctrl-C or SIGTERM (between steps:
+        during a rollout, say) never costs trained steps."""
         saved = ""
         if (
             not isinstance(error, (DivergenceError, FileFault))  # a full disk would fail a checkpoint too
             and not self._in_step
             and state.step > self._saved_step
-            and self.acc.num_processes == 1  # a checkpoint needs every rank, and the others are elsewhere
+            # a checkpoint needs every rank: with several, only after a failure they stopped on together
+            and (self.acc.num_processes == 1 or getattr(error, "every_rank", False))
         ):
             try:
                 self._save(state)
@@ -367,19 +413,21 @@ class Trainer:
     def _save(self, state: TrainState) -> None:
         plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
         self.guard.check_weights(self.model)
-        save_checkpoint(
-            self.acc,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.tokenizer,
-            state,
-            self.cfg.output_dir,
-            plan,
-        )
-        self._saved_step = state.step
-        if self.acc.is_main_process:
-            rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
+        with deferred():  # Ctrl-C / SIGTERM now: the checkpoint is finished first, then the run stops
+            save_checkpoint(
+                self.acc,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.tokenizer,
+                state,
+                self.cfg.output_dir,
+                plan,
+                self.recipe.ahead_state(),
+            )
+            self._saved_step = state.step
+            if self.acc.is_main_process:
+                rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
 
     def _loop(
         self,
@@ -443,7 +491,7 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        rank, world = sequence_parallel.data_parallel()
+        rank, world = sequence_parallel.data_parallel(self.degree)
         step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
@@ -456,7 +504,7 @@ class Trainer:
         """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
         the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        mine = [sums[k] if sequence_parallel.leads_group() else 0.0 for k in keys]
+        mine = [sums[k] if sequence_parallel.leads_group(self.degree) else 0.0 for k in keys]
         totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 
@@ -468,9 +516,13 @@ class Trainer:
                 metrics.update(self.recipe.on_evaluate(self.model, step))
         except Exception as e:
             what = f"evaluation after step {step} failed (the eval set, data.eval, or what evaluates it)"
-            if is_input_error(e):
-                raise InputError(f"{what}: {e}") from e
-            raise UserCodeError(f"{what}: {type(e).__name__}: {e}") from e
+            error = (
+                InputError(f"{what}: {e}")
+                if is_input_error(e)
+                else UserCodeError(f"{what}: {type(e).__name__}: {e}")
+            )
+            error.every_rank = getattr(e, "every_rank", False)  # type: ignore[attr-defined]
+            raise error from e
         self.model.train()
         if metrics:
             metrics = {f"eval/{k}": v for k, v in metrics.items()}

@@ -10,8 +10,8 @@ import torch
 from padless.config import TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.data.sets import ExampleSet, as_set
-from padless.data.tokenized import PairLayout, load_set
+from padless.data.preference import PairLayout
+from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.engine import BatchLayout
 from padless.packing import PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.trainers.loop import MicroBatch, Recipe

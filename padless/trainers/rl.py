@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,21 +24,21 @@ import torch
 
 from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
-from padless.data import PromptExample, reward_inputs
+from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs
-from padless.data.sets import ExampleSet
-from padless.data.tokenized import PromptLayout, load_set
-from padless.engine import inner_engine, reference_engine
+from padless.data.rl import PromptLayout
+from padless.data.tokenized import ExampleSet, load_set
+from padless.engine import as_engine, inner_engine, reference_engine, unwrap
+from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.packing import Example, PackedBatch, budget_batches, pack
-from padless.ranks import equal_share, gather_shares, lockstep
+from padless.ranks import agreed, equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
-from padless.rollout import Completion, Engine, HFEngine
+from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
 from padless.sequence_parallel import data_parallel
 from padless.sources import require_scoring_model
-from padless.strategy import expected_strategy, unwrap
 from padless.trainers.loop import MicroBatch, Recipe
 from padless.trainers.reporting import report_data
 from padless.trainers.rm import score_examples
@@ -83,7 +84,24 @@ class RolloutRecipe(Recipe):
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Example]] | None = None  # the current epoch's sampled data
         self._order: tuple[int, np.ndarray] | None = None
-        self.ahead: AheadSampler | None = None  # rollout.max_staleness > 0: samples the next rollouts
+        # rollout.max_staleness > 0: samples the next rollouts, from a copy made before the policy is
+        # prepared (whole, even where FSDP2 / ZeRO-3 will shard the trained one)
+        self.ahead: AheadSampler | None = None
+        if cfg.rollout.max_staleness > 0:
+            self.ahead = AheadSampler(unwrap(inner_engine(as_engine(policy)).model), tokenizer, cfg.rollout)
+        self.episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment / tools)
+        self.rows: dict[tuple[str, int], dict[str, Any]] = {}  # the prompts' data rows, for environments
+        if cfg.rollout.episodes():
+            if images is not None:
+                raise InputError(
+                    "rollout.environment / rollout.tools with a vision-language policy: padless does not "
+                    "carry images across episode turns yet; use a text model, or single-turn rollouts"
+                )
+            self.episodes = make_runner(
+                tokenizer,
+                cfg.rollout,
+                eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), tokenizer),
+            )
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
         """The rollout's prompts: consecutive slices of a fresh seeded permutation per pass over the data."""
@@ -116,7 +134,7 @@ class RolloutRecipe(Recipe):
         the engine gives them) the sampler's per-target log-probs ``sampler_logps``; targets are the
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
-        mine, real = equal_share(prompts)
+        mine, real = equal_share(prompts, self.cfg.train.sequence_parallel)
         seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
         if epoch is not None and self.cfg.rollout.max_staleness > 0:
@@ -124,7 +142,10 @@ class RolloutRecipe(Recipe):
         else:
             started = time.perf_counter()
             self.engine.sync_weights()
-            completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
+            if self.episodes is not None:
+                completions = self.run_episodes(mine, group, seeds, greedy)
+            else:
+                completions = self.engine.complete([p.prompt_ids for p in mine], group, seeds, greedy, vision)
             elapsed, staleness = time.perf_counter() - started, None
         if not greedy and self.cfg.rollout.correction() and any(c.logprobs is None for c in completions):
             raise InputError(
@@ -136,9 +157,10 @@ class RolloutRecipe(Recipe):
         for j, c in enumerate(completions):
             prompt = mine[j // group]
             trained = c.finished or not self.cfg.rollout.mask_truncated
-            targets = [False] * len(c.prompt_ids) + [trained] * len(c.completion_ids)
+            model = c.model_mask or [True] * len(c.completion_ids)  # episodes: the environment's are context
+            targets = [False] * len(c.prompt_ids) + [trained and m for m in model]
             meta = {
-                "length": len(c.completion_ids),
+                "length": sum(model),
                 "finished": c.finished,
                 "sampling_s": elapsed,
                 "prompt_row": prompt.meta["row"],  # finds the prompt's images again on resume
@@ -147,6 +169,8 @@ class RolloutRecipe(Recipe):
                 meta["sampler_logps"] = c.logprobs if trained else []
             if staleness is not None:
                 meta["staleness"] = staleness
+            if c.episode is not None:
+                meta["episode"] = c.episode
             examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
@@ -155,12 +179,40 @@ class RolloutRecipe(Recipe):
             if "sampler_logps" in filler.meta:  # the trainer's side of the mismatch, at sampling time
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
-        return gather_shares(examples)
+        return gather_shares(examples, self.cfg.train.sequence_parallel)
 
-    @staticmethod
-    def prompt_seeds(count: int, seed: int) -> list[int]:
+    def run_episodes(
+        self, prompts: list[PromptExample], group: int, seeds: list[int], greedy: bool
+    ) -> list[Completion]:
+        """``group`` multi-turn episodes per prompt (a prompt's consecutive), each built from the prompt's
+        data row; logs how many were truncated and why (they are masked unless mask_truncated is off)."""
+        assert self.episodes is not None
+        rows = [self.row_of(p) for p in prompts for _ in range(group)]
+        episode_seeds = [row_seed(s, k) for s in seeds for k in range(group)]
+        episodes = self.episodes.run(self.engine, rows, episode_seeds, greedy)
+        cut = Counter(e.truncated for e in episodes if e.truncated is not None)
+        if cut:
+            what = (
+                "masked from the loss" if self.cfg.rollout.mask_truncated else "trained (mask_truncated off)"
+            )
+            reasons = ", ".join(f"{n} by {why}" for why, n in sorted(cut.items()))
+            log.warning(
+                "rollout: %d of %d episodes truncated (%s); %s", cut.total(), len(episodes), reasons, what
+            )
+        return [e.completion(greedy) for e in episodes]
+
+    def row_of(self, prompt: PromptExample) -> dict[str, Any]:
+        """The data row a prompt was read from, as the environment receives it."""
+        key = (prompt.meta["source"], prompt.meta["row"])
+        if key not in self.rows:
+            specs = [self.cfg.data.train] + ([self.cfg.data.eval] if self.cfg.data.eval else [])
+            for spec in specs:
+                self.rows.update({(r.source, r.index): r.data for r in load_rows(spec)})
+        return self.rows[key]
+
+    def prompt_seeds(self, count: int, seed: int) -> list[int]:
         """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
-        first = data_parallel()[0] * count  # this rank's first prompt in the rollout
+        first = data_parallel(self.cfg.train.sequence_parallel)[0] * count  # this rank's first prompt
         return [seed + 104_729 * (first + i) for i in range(count)]
 
     def rollout_seed(self, epoch: int) -> int:
@@ -180,13 +232,12 @@ class RolloutRecipe(Recipe):
         and their staleness (updates between the weights they came from and now)."""
         k = self.cfg.rollout.max_staleness
         model = unwrap(inner_engine(self.policy).model)
-        if self.ahead is None:
-            self.ahead = AheadSampler(model, self.tokenizer, self.cfg.rollout)
+        assert self.ahead is not None, "max_staleness > 0 builds the sampler with the recipe"
         steps = self.cfg.train.max_steps
         last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
         for later in range(epoch + 1, min(epoch + k, last) + 1):
             if not self.ahead.queued(later):
-                share, _ = equal_share(self.prompts_for(later))
+                share, _ = equal_share(self.prompts_for(later), self.cfg.train.sequence_parallel)
                 self.ahead.queue(
                     later,
                     epoch,
@@ -219,16 +270,33 @@ class RolloutRecipe(Recipe):
         """Total reward per completion and each source's part, into meta."""
         totals = torch.zeros(len(examples))
         sources: dict[str, list[float | None]] = {}
-        if self.rewards is not None and examples:
-            texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        rewards = self.rewards
+
+        def call() -> tuple[torch.Tensor, dict[str, list[float | None]]]:
+            assert rewards is not None
+            if not examples:  # a rank with only fillers still joins the agreement
+                return torch.zeros(0), {}
+            texts = [
+                c.text
+                if c.text is not None
+                else self.tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+                for c in completions
+            ]
             prompt_texts, fields = reward_inputs(prompts, group)
-            functions, sources = self.rewards(prompt_texts, texts, fields)
+            return rewards(prompt_texts, texts, fields)
+
+        if rewards is not None:  # a failure on one rank stops every rank here, together
+            functions, sources = agreed(call, "a reward function")
             totals += functions
         if self.reward_model is not None:  # scored at each sequence's last token, on packed batches
             budget = self.cfg.train.max_tokens_per_batch
             scores = score_examples(self.reward_model, examples, max_tokens=budget, filler=filler)
             totals += self.cfg.reward.model_weight * torch.tensor(scores)
             sources["reward_model"] = scores
+        if completions and completions[0].episode is not None:  # what the environments gave
+            environment = [c.episode["env_reward"] for c in completions]
+            totals += torch.tensor(environment)
+            sources["environment"] = environment
         if self.cfg.reward.overlong_buffer:
             lengths = torch.tensor([len(c.completion_ids) for c in completions])
             penalty = soft_overlong_penalty(
@@ -352,6 +420,34 @@ class RolloutRecipe(Recipe):
         ]
         self.rollout = (epoch, examples)
 
+    def ahead_state(self) -> list[dict[str, Any]] | None:
+        """The rollouts sampled ahead, not yet trained (``rollout.max_staleness``), for each checkpoint."""
+        return self.ahead.pending() if self.ahead is not None and self.ahead.jobs else None
+
+    def restore_ahead(self, state: list[dict[str, Any]]) -> None:
+        """Take back what :meth:`ahead_state` saved: the resumed run trains on those very samples."""
+        assert self.ahead is not None, "the contract drops rollouts sampled ahead when max_staleness changed"
+        self.ahead.restore(state)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The RL settings a rollout is sampled, scored and trained with (the resume contract compares
+        them): every key of ``data`` (the prompts), ``rollout``, ``reward`` and the trainer's section
+        (``grpo`` / ``ppo``) except those that change no number (where and how the prompts are tokenized
+        and cached, how many sequences one ``generate`` call takes, vLLM's memory share) and the value
+        model's learning rate (the contract applies it to its parameter group)."""
+        inert = {
+            "data.cache_dir",
+            "data.num_proc",
+            "rollout.generation_batch_size",
+            "rollout.vllm_gpu_memory_utilization",
+            "ppo.value_learning_rate",
+        }
+        sections = [s for s in ("data", "rollout", "reward", "grpo", "ppo") if hasattr(self.cfg, s)]
+        flat = {
+            f"{s}.{k}": v for s in sections for k, v in getattr(self.cfg, s).model_dump(mode="json").items()
+        }
+        return {k: v for k, v in flat.items() if k not in inert}
+
     def example(
         self, ids: list[int], targets: list[bool], meta: dict[str, Any], vision: dict[str, Any] | None
     ) -> Example:
@@ -405,6 +501,24 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
         f"{prefix}truncated_fraction": sum(not e.meta["finished"] for e in examples) / len(examples),
         f"{prefix}tokens_per_s": sum(lengths) / sampling_s,
         **staleness(examples, prefix),
+        **episode_metrics(examples, prefix),
+    }
+
+
+def episode_metrics(examples: list[Example], prefix: str) -> dict[str, float]:
+    """Multi-turn episodes: turns, tool calls and their success rate, environment tokens (masked from the
+    loss), and the share of episodes truncated (by max_turns, the token budget or a turn's length)."""
+    if "episode" not in examples[0].meta:
+        return {}
+    stats = [e.meta["episode"] for e in examples]
+    n, calls = len(stats), sum(s["tool_calls"] for s in stats)
+    failed = sum(s["failed_tool_calls"] for s in stats)
+    return {
+        f"{prefix}turns": sum(s["turns"] for s in stats) / n,
+        f"{prefix}tool_calls": calls / n,
+        f"{prefix}tool_call_success": (calls - failed) / calls if calls else math.nan,
+        f"{prefix}env_tokens": sum(s["env_tokens"] for s in stats) / n,
+        f"{prefix}truncated_episodes": sum(s["truncated_by"] is not None for s in stats) / n,
     }
 
 
@@ -417,26 +531,22 @@ def staleness(examples: list[Example], prefix: str) -> dict[str, float]:
 
 
 def make_engine(
-    cfg: Any, policy: torch.nn.Module, tokenizer: Any, strategy: str, images: ImageInputs | None = None
+    cfg: Any, policy: torch.nn.Module, tokenizer: Any, images: ImageInputs | None = None
 ) -> Engine:
-    if cfg.rollout.max_staleness > 0 and (cfg.rollout.engine == "vllm" or strategy in ("fsdp2", "zero3")):
-        what = "rollout.engine: vllm" if cfg.rollout.engine == "vllm" else strategy
+    if cfg.rollout.max_staleness > 0 and cfg.rollout.engine == "vllm":
         raise InputError(
-            f"rollout.max_staleness: {cfg.rollout.max_staleness} with {what}: padless samples ahead from a "
-            "whole copy of the policy on the HF engine, which sharded weights and vLLM do not give yet; use "
-            "rollout.engine: hf with DDP / ZeRO-2 / one process, or rollout.max_staleness: 0"
+            f"rollout.max_staleness: {cfg.rollout.max_staleness} with rollout.engine: vllm: padless samples "
+            "ahead on a copy of the policy in a thread beside training, and its vLLM engine holds one set of "
+            "weights that every sync replaces (and, in process on CPU, pins torch to 1 thread, which would "
+            "starve the training beside it); use rollout.engine: hf, or rollout.max_staleness: 0"
         )
     if cfg.rollout.engine == "vllm":
         if images is not None:
             raise ValueError(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
-                "images to vLLM yet, so the samples would ignore them; set rollout.engine: hf"
-            )
-        if strategy == "zero3":
-            raise ValueError(
-                "rollout.engine: vllm with zero3: padless gathers sharded weights for vLLM under FSDP2 only, "
-                "ZeRO-3's partitioned parameters are not gathered for it yet; use fsdp2, DDP or ZeRO-2 with "
-                "vLLM, or rollout.engine: hf (which samples through the sharded engine)"
+                "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
+                "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
+                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
         from padless.vllm_engine import VLLMEngine
 
@@ -527,7 +637,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         cfg=cfg,
         tokenizer=tokenizer,
         policy=session.model,
-        engine=make_engine(cfg, session.model, tokenizer, expected_strategy(session.accelerator), images),
+        engine=make_engine(cfg, session.model, tokenizer, images),
         device=device,
         rewards=RewardComposer(cfg.reward.functions, cfg.reward.weights) if cfg.reward.functions else None,
         reward_model=reward_model,

@@ -14,8 +14,8 @@ from padless.config import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
 from padless.data.rl import tokenize_prompts
-from padless.data.sets import ExampleSet, as_set
-from padless.data.tokenized import SFTLayout, load_set
+from padless.data.sft import SFTLayout
+from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.engine import BatchLayout
 from padless.faults import doing
 from padless.losses import sft_token_weights
@@ -111,7 +111,9 @@ class SFTRecipe(Recipe):
         """Greedy completions of the eval prompts, each rank on an equal share (sharded engines decode in
         lockstep), written by the main process."""
         vision = self.eval_vision or [None] * len(self.eval_prompts)
-        mine, real = equal_share(list(zip(self.eval_prompts, vision, strict=True)))
+        mine, real = equal_share(
+            list(zip(self.eval_prompts, vision, strict=True)), self.cfg.sequence_parallel
+        )
         completions = generate(
             model,
             self.tokenizer,
@@ -120,7 +122,7 @@ class SFTRecipe(Recipe):
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_shares(completions[:real])
+        completions = gather_shares(completions[:real], self.cfg.sequence_parallel)
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"

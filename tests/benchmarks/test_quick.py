@@ -16,14 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 OWN_TEST = {
     "sp_memory.py": "tests/benchmarks/test_sp_memory.py",
     "vllm_rollout.py": "tests/test_vllm_engine.py",
+    "row_to_loss.py": "tests/benchmarks/test_row_to_loss.py",
 }
 SCRIPTS = sorted(
     p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py" and p.name not in OWN_TEST
 )
+# the trainer benchmarks (benchmarks/common.py options): one timed step and no warm-up runs every contender's
+# code to its table; the warm-up and the second step of --quick run the same code again
+ONE_STEP = ("--warmup", "0", "--steps", "1")
+TRAINERS = {"sft_throughput.py", "dpo_throughput.py", "grpo_throughput.py", "vlm_sft_throughput.py"}
 
 
 def test_every_benchmark_is_found():
     assert {"grpo_throughput.py", "sft_throughput.py", "chat_masks.py"} <= set(SCRIPTS)
+    for script in TRAINERS:  # each takes the shared --warmup / --steps options
+        assert "parse_benchmark_args" in (ROOT / "benchmarks" / script).read_text(), script
     for script, test in OWN_TEST.items():  # each one left out here is run where it says
         assert "benchmarks" in (ROOT / test).read_text() and script in (ROOT / test).read_text(), script
 
@@ -32,8 +39,9 @@ def test_every_benchmark_is_found():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_quick_mode_runs(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    steps = ONE_STEP if script in TRAINERS else ()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *steps],
         cwd=tmp_path,
         env=env,
         capture_output=True,

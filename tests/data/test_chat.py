@@ -16,8 +16,8 @@ import pytest
 
 from padless.cli import main
 from padless.data import ChatTemplateError, Row, load_rows, tokenize_preference, tokenize_sft
-from padless.data.sft import SftEncoder
-from padless.data.tokenized import SFTLayout, load_set
+from padless.data.sft import SftEncoder, SFTLayout
+from padless.data.tokenized import load_set
 from padless.tiny import build_tiny_model, tiny_tokenizer
 
 

@@ -19,8 +19,10 @@ from padless.data import (
     tokenize_sft,
 )
 from padless.data import tokenized as tk
-from padless.data.sets import ArrowSet, InMemory
-from padless.data.tokenized import PairLayout, PromptLayout, SFTLayout, load_set
+from padless.data.preference import PairLayout
+from padless.data.rl import PromptLayout
+from padless.data.sft import SFTLayout
+from padless.data.tokenized import ArrowSet, InMemory, load_set
 from padless.tiny import tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -276,3 +278,16 @@ def test_images_and_embedded_image_sets_stay_in_memory(tmp_path: Path) -> None:
     got, stats = _load("tiny:shapes_sft[:4]", SFTLayout(max_length=256, skip_bad_rows=True), tmp_path)
     assert isinstance(got, InMemory) and stats.skipped == 4  # a text model: every image row is refused
     assert not (tmp_path / "cache").exists()
+
+
+def test_selections_are_read_when_iterated_and_meta_can_be_attached(tmp_path: Path) -> None:
+    pairs, _ = _load("tiny:preference", PairLayout(max_length=2048), tmp_path)
+    picked = pairs.select([5, 2, 9])
+    first, again = list(picked), list(picked)
+    assert first == again and first[0] is not again[0]  # read afresh: nothing is kept in memory
+    assert [p.meta["row"] for p in first] == [6, 3, 10]  # jsonl rows are 1-based line numbers
+    pairs.set_meta("ref_logps", [(float(i), -float(i)) for i in range(len(pairs))])
+    assert [p.meta["ref_logps"] for p in picked] == [(5.0, -5.0), (2.0, -2.0), (9.0, -9.0)]
+    listed = InMemory(list(pairs.take([5, 2])))
+    listed.set_meta("ref_logps", [(1.0, 1.0), (2.0, 2.0)])
+    assert [p.meta["ref_logps"] for p in listed.select([1, 0])] == [(2.0, 2.0), (1.0, 1.0)]

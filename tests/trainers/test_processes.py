@@ -179,3 +179,49 @@ def test_two_processes_stop_together_on_a_bad_row(tmp_path):
     message = f"padless sft: error: {data} row 21 (line 21): field 'messages' must be a list"
     assert err.count(message) == 2, err[-3000:]
     assert [p.name.endswith(".failed.json") for p in cache.iterdir()] == [True]  # no set, no leftovers
+
+
+FAILING = """
+import os
+
+calls = []
+
+
+def breaks_on_rank_1(prompts, completions, **fields):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        raise ValueError("the scorer broke")
+    return [float(len(set(c))) for c in completions]
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_failing_on_one_of_two_processes_stops_both_with_a_checkpoint(tmp_path):
+    """The reward function raises on rank 1 only, scoring the second rollout: both ranks stop at that point
+    (no rank left waiting in a collective), each with one line, and together they first checkpoint the
+    step already trained."""
+    (tmp_path / "failing.py").write_text(FAILING)
+    run = tmp_path / "run"
+    launch = launch_two(
+        "grpo",
+        *[o for o in BASE if not o.startswith("data.")],
+        f"train.output_dir={run}",
+        "train.max_steps=3",
+        "train.save_steps=0",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=4",
+        "rollout.mask_truncated=false",
+        f"reward.functions=[{tmp_path / 'failing.py'}:breaks_on_rank_1]",
+    )
+    result = subprocess.run(launch, env=ENV, capture_output=True, timeout=600)
+    err = result.stderr.decode()
+    assert result.returncode != 0
+    saved = "the 1 trained steps are saved in checkpoint-1"
+    own = "padless grpo: error: at step 2: reward function 'breaks_on_rank_1' raised ValueError: the scorer"
+    other = "padless grpo: error: at step 2: a reward function failed on rank 1"
+    assert err.count(own) == 1 and err.count(other) == 1 and err.count(saved) == 2, err[-3000:]
+    state = json.loads((run / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["world_size"] == 2
+    assert all((run / "checkpoint-1" / f).is_file() for f in state["files"])
+    assert not (run / "run.lock").exists()

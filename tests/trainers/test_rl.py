@@ -206,6 +206,10 @@ def test_grpo_resumes_mid_rollout_on_the_saved_rollout(tmp_path):
     shutil.copytree(run / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
     resumed = run_grpo(load_config(GRPOConfig, None, overrides("b", "train.resume_from_checkpoint=latest")))
     assert rollout_records(tmp_path / "b") == []  # no rollout was sampled again
+    shutil.copytree(run / "checkpoint-3", tmp_path / "c" / "checkpoint-3")
+    hotter = overrides("c", "train.resume_from_checkpoint=latest", "rollout.temperature=0.7")
+    with pytest.raises(ValueError, match=r"mid-rollout .*rollout.temperature 1.0 -> 0.7.*temperature=1.0"):
+        run_grpo(load_config(GRPOConfig, None, hotter))  # that rollout was sampled and scored at 1.0
     assert straight["train/loss"] != 0 and straight["train/clip_fraction"] > 0
     for key in ("train/loss", "train/kl", "train/clip_fraction"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
@@ -278,6 +282,24 @@ def test_ppo_value_learning_rate_applies_to_the_value_model_only(tmp_path):
         after = load_file(path / "model.safetensors")
         largest = max((after[k] - before[k]).abs().max().item() for k in after)
         assert 0.9 * lr < largest < 1.02 * lr, (task, largest)  # fp32 rounds a change near 1 by ~1e-7
+
+    # Resumed with new rates (and a new sampling temperature, at a rollout boundary): each parameter group
+    # takes its own new rate; the optimizer's groups (policy, value) keep
+    # their layout. Unsetting the value model's own rate would merge groups: refused.
+    def resumed(*extra: str) -> list[str]:
+        gone = ("train.learning_rate=", "ppo.value_learning_rate=", "train.max_steps=")
+        changed = [o for o in overrides if not o.startswith(gone)]
+        return [*changed, "train.max_steps=2", "train.resume_from_checkpoint=latest", *extra]
+
+    with pytest.raises(ValueError, match=r"parameter groups with a learning rate of their own changed"):
+        run_ppo(load_config(PPOConfig, None, resumed("train.learning_rate=1e-5")))
+    new_rates = ("train.learning_rate=5e-5", "ppo.value_learning_rate=2e-3", "rollout.temperature=0.7")
+    run_ppo(load_config(PPOConfig, None, resumed(*new_rates)))
+    schedule = json.loads((tmp_path / "checkpoint-2" / "state" / "scheduler.json").read_text())
+    assert schedule["_last_lr"] == pytest.approx([5e-5, 2e-3], rel=1e-9)  # policy, value (no decay)
+    log = (tmp_path / "log.txt").read_text()
+    assert "train.learning_rate 1e-05 -> 5e-05" in log and "value.* 0.001 -> 0.002" in log
+    assert "rollout.temperature 1.0 -> 0.7: applies from the next rollout" in log
 
 
 def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_path):
@@ -607,3 +629,65 @@ def test_max_staleness_one_trains_and_logs_every_samples_staleness(tmp_path, kin
     assert "mismatch/is_weight_max" in rollouts[2]
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_max_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
+    """``rollout.max_staleness: 0`` is the synchronous run it was before sampling ahead existed (GRPO; PPO
+    samples through the same ``collect``): no sampler copy is built, no staleness is logged, no rollout
+    is carried in a checkpoint, and per step the loss, the rewards and the final weights equal those of a
+    run that leaves the key out (1e-6: the same operations in the same order)."""
+    import padless.trainers.rl as rl
+
+    built = []
+    monkeypatch.setattr(rl, "AheadSampler", lambda *a, **k: built.append(a))
+    sync = stale_run(tmp_path, "grpo", "sync", "train.learning_rate=1e-2")
+    zero = stale_run(tmp_path, "grpo", "zero", "train.learning_rate=1e-2", "rollout.max_staleness=0")
+    assert built == [] and not any(k.startswith("rollout/staleness") for r in zero for k in r)
+    for key in ("train/loss", "rollout/reward", "rollout/completion_length"):
+        want, got = [r[key] for r in sync if key in r], [r[key] for r in zero if key in r]
+        assert len(want) == 3 and got == pytest.approx(want, rel=1e-6, abs=1e-9), key
+    assert not list((tmp_path / "zero").glob("checkpoint-*/state/ahead-*"))
+    a = load_file(tmp_path / "sync" / "checkpoint-3" / "model.safetensors")
+    b = load_file(tmp_path / "zero" / "checkpoint-3" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path):
+    """max_staleness 1, a checkpoint after every step (one step per rollout): checkpoint 1 holds the
+    rollout sampled ahead for step 2 (from the weights before step 1) in ``state/ahead-0.json``; a run
+    resumed from it trains on those very samples, so its steps equal the uninterrupted run's (1e-6: the
+    same operations). Without them (the file removed) step 2 would be sampled again, from newer weights:
+    another loss, which shows the comparison can fail."""
+    stale = ("train.learning_rate=1e-2", "train.save_steps=1", "rollout.max_staleness=1")
+    straight = stale_run(tmp_path, "grpo", "a", *stale)
+    ahead = json.loads((tmp_path / "a" / "checkpoint-1" / "state" / "ahead-0.json").read_text())
+    assert [(r["epoch"], r["version"], len(r["completions"])) for r in ahead] == [(1, 0, 4)]
+    assert not (tmp_path / "a" / "checkpoint-3" / "state" / "ahead-0.json").exists()  # nothing left ahead
+    for name in ("b", "c"):
+        shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / name / "checkpoint-1")
+    (tmp_path / "c" / "checkpoint-1" / "state" / "ahead-0.json").unlink()  # and from its manifest:
+    manifest = tmp_path / "c" / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(manifest.read_text())
+    state["files"].remove("state/ahead-0.json")
+    manifest.write_text(json.dumps(state))
+    resumed = stale_run(tmp_path, "grpo", "b", *stale, "train.resume_from_checkpoint=latest")
+    resampled = stale_run(tmp_path, "grpo", "c", *stale, "train.resume_from_checkpoint=latest")
+    for key in ("train/loss", "rollout/reward", "rollout/staleness_max", "mismatch/logp_diff_max"):
+        want = [r[key] for r in straight if key in r and r["step"] > 1]
+        got = [r[key] for r in resumed if key in r]
+        assert len(want) == 2 and got == pytest.approx(want, rel=1e-6, abs=1e-9), key
+    a = load_file(tmp_path / "a" / "checkpoint-3" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "checkpoint-3" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    other = [r["rollout/staleness_max"] for r in resampled if "rollout/staleness_max" in r]
+    assert other == [0.0, 1.0]  # step 2 sampled again on-policy: not the uninterrupted run
+
+
+def test_sampling_ahead_with_vllm_is_refused_with_the_reason():
+    """vLLM holds one set of weights that each sync replaces: no second, older copy to sample ahead from."""
+    from padless.errors import InputError
+    from padless.trainers.rl import make_engine
+
+    cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.max_staleness=1"])
+    with pytest.raises(InputError, match=r"max_staleness: 1 with rollout.engine: vllm: .* one set of"):
+        make_engine(cfg, torch.nn.Linear(1, 1), None, "ddp")

@@ -151,3 +151,21 @@ def test_lora_trains_adapter_only_and_checkpoints_it(tmp_path):
     train = cfg.train.model_copy(update={"max_steps": 3, "resume_from_checkpoint": str(ckpt)})
     resumed = run_sft(cfg.model_copy(update={"train": train}))
     assert resumed["train/loss"] > 0
+
+
+def test_llama4_chunked_attention_trains_packed(tmp_path):
+    """Llama 4 text (chunked attention, temperature-tuned NoPE layers, MoE) loads through the probe on
+    varlen and learns with SFT on packed rows far longer than its chunks and temperature floor."""
+    from padless.tiny import tiny_tokenizer
+    from padless.zoo import build_zoo_model
+
+    path = tmp_path / "llama4"
+    build_zoo_model("llama4_text", "eager").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    cfg = tiny_config(tmp_path, max_steps=6)
+    cfg = cfg.model_copy(update={"model": ModelSettings(name=str(path))})
+    run_sft(cfg)
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(losses) == 6 and sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "attention varlen, kernel sdpa (proved by the load-time probe" in log

@@ -1,12 +1,14 @@
 """Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
 launched with its config from ``examples/accelerate/``: each of SFT (text, and the embedded VLM), DPO
 (frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the
-adapters-off policy as reference), RM,
-GRPO and PPO under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 gives the
-same per-step losses and final weights as one process with the same global batch, and a run resumed from
-a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are deliberately uneven: 3 RL
-prompts on 2 ranks (one rank samples a filler), eval sets and rollouts whose micro-batch counts differ
-per rank; sharded engines would deadlock (the launch has a timeout) if ranks ran different pass counts.
+adapters-off policy as reference), RM, GRPO (on-policy, one step off-policy: ``rollout.max_staleness:
+1``, the rollout sampled ahead carried through a checkpoint per rank, and multi-turn calculator episodes
+whose turn counts differ between ranks) and PPO under DDP, FSDP2, DeepSpeed
+ZeRO-2 and ZeRO-3 gives the same per-step losses and final weights as one process with the same global
+batch, and a run resumed from a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are
+deliberately uneven: 3 RL prompts on 2 ranks (one rank samples a filler), eval sets and rollouts whose
+micro-batch counts differ per rank; sharded engines would deadlock (the launch has a timeout) if ranks ran
+different pass counts.
 
 Tolerances (fp32): the 2-process runs sum the same per-token terms in a different order (each rank
 packs its own micro-batches, gradients are reduced across ranks), so losses agree to ~1e-6 relative;
@@ -105,11 +107,33 @@ TRAINERS = {
         "train.save_steps=2",
     ],
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
+    "grpo_stale": [  # the second rollout sampled ahead, in a background thread, from the first's weights
+        *RL,
+        "grpo.mini_batches_per_rollout=2",
+        "rollout.max_staleness=1",
+        "train.save_steps=2",  # a rollout boundary, with the rollout sampled ahead carried per rank
+    ],
     "ppo": [*RL, "ppo.mini_batches_per_rollout=2", "ppo.critic_warmup_steps=0"],
+    "grpo_env": [  # multi-turn calculator episodes: ranks whose episodes run different turn counts
+        *RL,
+        "model.name=tiny-llama-arith",  # ends its turns, so episodes go on after a wrong answer
+        "rollout.environment=calculator",
+        "rollout.max_new_tokens=8",
+        "grpo.mini_batches_per_rollout=2",
+    ],
 }
 # the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
 # rollout plan); the VLM and precomputed-reference variants add nothing to resume and are not resumed
-RESUME_FROM = {"sft": 2, "dpo": 2, "dpo_lora": 2, "rm": 2, "grpo": 3, "ppo": 3}
+RESUME_FROM = {
+    "sft": 2,
+    "dpo": 2,
+    "dpo_lora": 2,
+    "rm": 2,
+    "grpo": 3,
+    "grpo_stale": 2,
+    "ppo": 3,
+    "grpo_env": 3,
+}
 CONFIGS = {
     "ddp": "ddp.yaml",
     "fsdp2": "fsdp2.yaml",
@@ -196,6 +220,8 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
 
         one, two = losses(one_process[kind]), losses(tmp_path / kind)
         assert sorted(two) == sorted(one) and one, kind
+        if kind == "grpo_stale":  # the first rollout on-policy, the second sampled one update ahead
+            assert losses(tmp_path / kind, "rollout/staleness_max") == {1: 0.0, 3: 1.0}
         for step in one:
             assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (kind, step)
         # the norm every strategy clips with and logs. DeepSpeed computes its own: on these runs it came out

@@ -80,11 +80,11 @@ def run_exact(
     if bounds.whole_rows:
         return forward(hidden, **kwargs)
     batch, length, width = hidden.shape
-    groups = _GROUPS.get(bounds.cu_seqlens) if bounds.cu_seqlens is not None else None
+    # whole sequences (chunk None): the groups varlen attention plans for the same row, planned once
+    planned = _GROUPS.setdefault(bounds.cu_seqlens, {}) if bounds.cu_seqlens is not None else {}
+    groups = planned.get(None)
     if groups is None:
-        groups = SequenceGroups.plan(bounds.spans, batch, length, hidden.device)
-        if bounds.cu_seqlens is not None:
-            _GROUPS[bounds.cu_seqlens] = groups
+        groups = planned[None] = SequenceGroups.plan(bounds.spans, batch, length, hidden.device)
     flat = _Gather.apply(hidden.reshape(batch * length, width), groups.slots, groups.back, not groups.covered)
     outs, offset = [], 0
     for n, padded in groups.shapes:

@@ -265,9 +265,10 @@ TOKENWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 def handled_layer_types(model: torch.nn.Module, layer_types: list[str]) -> set[str]:
     """The kinds of ``layer_types`` whose every layer mixes no tokens or holds an installed stateful
-    layer (found in the model's ``ModuleList`` of one entry per ``layer_types`` entry)."""
+    layer (found in the decoder's ``ModuleList`` of one entry per ``layer_types`` entry)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # not a vision tower's blocks
     layers = next(
-        (m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(layer_types)),
+        (m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(layer_types)),
         None,
     )
     if layers is None:

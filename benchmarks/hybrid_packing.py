@@ -39,6 +39,7 @@ RATIOS = (("padless packed / padless padded", "padless-packed", "padless-padded"
 
 
 def parse_args(argv: list[str] | None = None):
+    """``sft_throughput``'s options (``common.parse_benchmark_args``), on the hybrid by default."""
     args = sft.parse_args(argv)
     if args.model == "tiny-qwen2":  # the shared default is not a hybrid
         args.model = "tiny-qwen3.5"

@@ -566,9 +566,13 @@ class ModelEngine(torch.nn.Module):
 
 
 def _no_split(model: torch.nn.Module) -> list[str]:
+    """The model's own layer classes for auto-wrapping, less those it does not hold: accelerate's
+    transformer auto-wrap stops on a class it cannot find, and Qwen3.5's text-only model lists its
+    vision block."""
     inner = unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return list(getattr(inner, "_no_split_modules", None) or [])
+    present = {type(m).__name__ for m in inner.modules()}
+    return [name for name in getattr(inner, "_no_split_modules", None) or [] if name in present]
 
 
 def as_engine(model: torch.nn.Module) -> torch.nn.Module:

@@ -325,9 +325,10 @@ class SequenceGroups:
         return cls(as_tensor(slots), as_tensor(owner), as_tensor(back), tuple(shapes), covered, padded)
 
 
-# cu_seqlens tensor -> chunk size (None: whole sequences) -> the groups of its packed row, planned once per
-# batch like its bounds.
+# cu_seqlens tensor -> the groups of its packed row, planned once per batch like its bounds.
 _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# cu_seqlens tensor -> chunk size -> the groups of the chunks of its sequences (chunked attention).
+_CHUNK_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # cu_seqlens tensor -> chunk size -> the cu_seqlens of the chunks of its sequences, for the fused kernels.
 _CHUNK_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -514,10 +515,13 @@ def varlen_attention_forward(
     if not spans:  # every row is padding
         return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
     if kernel == "sdpa" and args.causal:
-        planned = _GROUPS.setdefault(cu, {}) if cu is not None else {}
-        groups = planned.get(chunk)
+        planned = (_GROUPS if chunk is None else _CHUNK_GROUPS.setdefault(cu, {})) if cu is not None else {}
+        slot = cu if chunk is None else chunk
+        groups = planned.get(slot)
         if groups is None:
-            groups = planned[chunk] = SequenceGroups.plan(spans, batch, length, query.device)
+            groups = SequenceGroups.plan(spans, batch, length, query.device)
+            if cu is not None:
+                planned[slot] = groups
         return _grouped_causal(query, key, value, groups, args), None
     if kernel == "sdpa":
         return _exact_per_sequence(query, key, value, spans, args), None

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from padless.check import layout_logps
+from padless.check import alone_logps, layout_logps
 from padless.config import GRPOConfig
 from padless.config_loading import load_config
 from padless.data import PromptExample
@@ -238,14 +238,18 @@ def sampled(tokenizer):
 
 
 def test_sampled_logps_equal_the_training_forward_on_packed_episodes(sampled):
-    _model, _recipe, examples = sampled
+    """Bound: padless.tolerance with M the largest |logit / temperature| (or |log-prob|) compared; measured
+    3.1e-6 against a bound of 3.0e-5 (the sampler decodes on sdpa with a KV cache, the trainer packs on
+    varlen: summation order only)."""
+    model, _recipe, examples = sampled
     assert {e.meta["episode"]["turns"] for e in examples} == {3}
     assert all(e.meta["episode"]["env_tokens"] > 0 for e in examples)
     assert len({len(e) for e in examples}) > 2  # episodes of different lengths, packed together
     sampler = torch.tensor([v for e in examples for v in e.meta["sampler_logps"]])
     trainer = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
     assert sampler.numel() == sum(e.meta["length"] for e in examples) == sum(e.num_targets for e in examples)
-    assert (sampler - trainer).abs().max() <= bound(torch.float32, trainer.abs().max().item())
+    logits = alone_logps(model, [e.input_ids for e in examples]).max_logit / 0.7
+    assert (sampler - trainer).abs().max() <= bound(torch.float32, max(logits, trainer.abs().max().item()))
 
 
 def test_episodes_give_the_same_logps_alone_padded_and_packed(sampled, tokenizer):

@@ -163,7 +163,8 @@ def test_llama4_chunked_attention_trains_packed(tmp_path):
     build_zoo_model("llama4_text", "eager").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     cfg = tiny_config(tmp_path, max_steps=6)
-    cfg = cfg.model_copy(update={"model": ModelSettings(name=str(path))})
+    train = cfg.train.model_copy(update={"learning_rate": 1e-2, "max_tokens_per_batch": 1024})
+    cfg = cfg.model_copy(update={"model": ModelSettings(name=str(path)), "train": train})
     run_sft(cfg)
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
     assert len(losses) == 6 and sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses

@@ -80,11 +80,12 @@ def run_exact(
     if bounds.whole_rows:
         return forward(hidden, **kwargs)
     batch, length, width = hidden.shape
-    # whole sequences (chunk None): the groups varlen attention plans for the same row, planned once
-    planned = _GROUPS.setdefault(bounds.cu_seqlens, {}) if bounds.cu_seqlens is not None else {}
-    groups = planned.get(None)
+    # the groups varlen attention plans for the same packed row (whole sequences), planned once a batch
+    groups = _GROUPS.get(bounds.cu_seqlens) if bounds.cu_seqlens is not None else None
     if groups is None:
-        groups = planned[None] = SequenceGroups.plan(bounds.spans, batch, length, hidden.device)
+        groups = SequenceGroups.plan(bounds.spans, batch, length, hidden.device)
+        if bounds.cu_seqlens is not None:
+            _GROUPS[bounds.cu_seqlens] = groups
     flat = _Gather.apply(hidden.reshape(batch * length, width), groups.slots, groups.back, not groups.covered)
     outs, offset = [], 0
     for n, padded in groups.shapes:

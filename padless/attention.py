@@ -153,6 +153,21 @@ def attention_in_use(model: torch.nn.Module) -> str:
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
+# Layer kinds that call the attention function once each: attention layers, and Falcon-H1's hybrid blocks
+# (attention beside a Mamba mixer). Stateful and token-wise kinds call none.
+CALLS_ATTENTION = ATTENTION_LAYER_TYPES | {"hybrid"}
+
+
+def attention_layers(model: torch.nn.Module) -> int:
+    """How many calls of the attention function one forward of ``model`` makes: one per layer, except
+    the layers ``layer_types`` names as stateful or token-wise (a hybrid's delta-net, Mamba, MLP blocks)."""
+    config = text_config(model)
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return config.num_hidden_layers
+    return sum(t in CALLS_ATTENTION for t in types)
+
+
 # Layer kinds padless cannot yet keep apart per sequence, and why; a kind not listed is taken to carry a
 # state. An exact packed path for one of them (issue 18) removes it from the refusals here.
 STATEFUL = "carry a state from token to token across packed sequence boundaries"
@@ -166,22 +181,34 @@ LAYER_PROBLEMS: dict[str, str] = {
 def packing_problem(model: torch.nn.Module) -> str | None:
     """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
 
-    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, Mamba hybrids) carry a state from
-    token to token that position ids cannot reset: they need ``cu_seqlens`` / ``seq_idx`` in kernels
-    that honour them. In transformers 5.23 the PyTorch path refuses those arguments and ignores
-    position ids, and with flash-linear-attention alone the causal convolution still crosses sequence
-    boundaries; indexed and compressed attention (:data:`LAYER_PROBLEMS`) span the whole row. padless, which
-    runs every forward packed, refuses such models.
+    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
+    from token to token that position ids cannot reset; :func:`padless.hybrid.install` makes each
+    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
+    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
     """
+    from padless import hybrid
+
     config = text_config(model)
-    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    name = getattr(config, "model_type", type(model).__name__)
+    types = list(getattr(config, "layer_types", None) or ())
+    handled = hybrid.handled_layer_types(model, types) if types else set()
+    other = sorted(
+        {t for t in types if t not in ATTENTION_LAYER_TYPES and (t in LAYER_PROBLEMS or t not in handled)}
+    )
     if other:
-        name = getattr(config, "model_type", type(model).__name__)
         why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
         return (
-            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (transformers 5.23 keeps "
-            "packed sequences apart in them only with kernels padless cannot verify); padless runs every "
-            "forward packed, so it does not support this architecture"
+            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (padless keeps packed "
+            "sequences apart in gated delta-net, short convolution and Mamba layers only, see "
+            "padless.hybrid); padless runs every forward packed, so it does not support this architecture"
+        )
+    stray = hybrid.unhandled(model)
+    if stray:
+        return (
+            f"{name}: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} {STATEFUL} and are not kept "
+            "apart per sequence (padless.hybrid.install wraps the gated delta-net, short convolution and "
+            "Mamba layers it recognises); padless runs every forward packed, so it does not support this "
+            "architecture"
         )
     return None
 

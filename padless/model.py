@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from padless import sources
+from padless import hybrid, sources
 from padless.attention import assert_attention, hf_name, require_backend
 from padless.choices import DTYPE_NAMES
 from padless.engine import pinned_kernel
@@ -66,6 +66,7 @@ def load_model(
         model = sources.load_pretrained(
             name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
         )
+        hybrid.install(model)  # every sequence of a packed row starts at zero state in stateful layers
         if task == "score" and model.config.pad_token_id is None:
             model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
         model.to(device)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from padless.attention import VARLEN_NAME, assert_attention, runtime_context, text_config
+from padless.attention import VARLEN_NAME, assert_attention, attention_layers, runtime_context, text_config
 from padless.engine import backbone, logps_from_hidden, score_head
 from padless.errors import AttentionError
 from padless.packing import IGNORE_INDEX
@@ -257,7 +257,7 @@ def probe_attention(
     reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    layers = text_config(model).num_hidden_layers
+    layers = attention_layers(model)
     seqs = reference.seqs
     packed_kwargs = _packed_kwargs(seqs, device)
     if uses_mrope(model.config):  # packed M-RoPE ids: the text row on 3 rope rows (all equal for text)
@@ -284,13 +284,15 @@ def probe_attention(
             }
     finally:
         model.train(was_training)
-    expected = {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" else {}
+    expected = (
+        {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" and layers else {}
+    )
     if dict(counts) != expected:
         got = ", ".join(f"{k}: {v}" for k, v in counts.items()) or "no registered function"
         raise AttentionError(
             f"requested attention {backend!r} but a packed forward called {got} "
-            f"(expected {expected or 'the eager default'} over {layers} layers). transformers chose "
-            "another kernel; check attn_implementation and that the kernel's package is installed."
+            f"(expected {expected or 'the eager default'} over {layers} attention layers). transformers "
+            "chose another kernel; check attn_implementation and that the kernel's package is installed."
         )
     alone_hidden = torch.cat(reference.head_inputs)
     delta_hidden = (hidden.float() - alone_hidden).abs().max().item()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 from transformers import AttentionInterface
 
+from padless import hybrid
 from padless.attention import VARLEN_NAME, attention_in_use, packing_problem, row_position_problem
 from padless.packing import IGNORE_INDEX, PackedBatch
 from padless.varlen import sequence_bounds  # registers the varlen backend this module wraps
@@ -278,6 +279,13 @@ def check_model(model: torch.nn.Module, degree: int) -> None:
     problem = packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
     if problem:
         raise SequenceParallelError(problem)
+    stateful = hybrid.installed_layers(inner)
+    if stateful:
+        raise SequenceParallelError(
+            f"train.sequence_parallel={degree}: {name} has layers that carry a state from token to token "
+            f"({stateful[0]}, ...), which would have to pass from rank to rank where a sequence is split; "
+            "set train.sequence_parallel: 1"
+        )
     if inner.config is not config or getattr(inner.config, "vision_config", None) is not None:
         raise SequenceParallelError(
             f"train.sequence_parallel={degree}: {name} is a vision-language model, whose image tokens would "

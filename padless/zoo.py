@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from padless import hybrid
 from padless.tiny import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
 from padless.vision import is_vision_config
 
@@ -232,6 +233,12 @@ def _qwen3_next() -> PretrainedConfig:
     )
 
 
+def _lfm2() -> PretrainedConfig:
+    from transformers import Lfm2Config
+
+    return Lfm2Config(**_common(layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True))
+
+
 def _llama4_text() -> PretrainedConfig:
     from transformers import Llama4TextConfig
 
@@ -275,6 +282,7 @@ ZOO: dict[str, ZooEntry] = {
     "gpt-oss": ZooEntry(_gpt_oss, f"attention sinks, sliding window {WINDOW} / full layers, YaRN, MoE"),
     "deepseek-v3": ZooEntry(_deepseek_v3, "MLA: q/k head size 24, value head size 8; MoE"),
     "qwen3-next": ZooEntry(_qwen3_next, "hybrid: gated delta-net linear attention + gated full attention"),
+    "lfm2": ZooEntry(_lfm2, "hybrid: short causal convolution (kernel 3) + full attention"),
     "llama4_text": ZooEntry(
         _llama4_text,
         f"chunked attention (chunks of {WINDOW}) / NoPE layers with query temperature tuning from "
@@ -344,6 +352,7 @@ def build_zoo_model(name: str, attn_implementation: str, dtype: torch.dtype = to
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
         model = auto.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    hybrid.install(model)
     return model.eval()
 
 
@@ -389,6 +398,15 @@ TINY_SIZES: dict[str, int] = {
     "v_head_dim": 8,
     **dict.fromkeys(("rotary_dim", "rotary_emb_base_dim"), HEAD_DIM // 2),
     **dict.fromkeys(("sliding_window", "attention_chunk_size", "local_window_size"), WINDOW),
+    # linear-attention and state-space layers: few small heads and states, several scan chunks per sequence
+    **dict.fromkeys(
+        ("linear_key_head_dim", "linear_value_head_dim", "mamba_d_head", "mamba_head_dim"), HEAD_DIM
+    ),
+    **dict.fromkeys(("linear_num_key_heads", "mamba_n_groups", "n_groups"), 1),
+    **dict.fromkeys(("linear_num_value_heads", "mamba_n_heads", "mamba_num_heads"), 2 * HEADS),
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size"), 16),
+    "mamba_d_ssm": 2 * HIDDEN,
+    "mamba_chunk_size": 32,
     "initializer_range": INIT_STD,
 }
 OPTIONAL = frozenset(

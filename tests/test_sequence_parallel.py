@@ -23,10 +23,12 @@ import pytest
 import torch
 
 from padless import sequence_parallel
+from padless.attention import VARLEN_NAME
 from padless.model import load_model
 from padless.packing import IGNORE_INDEX, Example, pack
 from padless.sequence_parallel import SequenceParallelError
 from padless.tolerance import bound
+from padless.zoo import build_zoo_model
 
 WORKER = Path(__file__).parent / "sp_worker.py"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -130,6 +132,9 @@ def test_models_the_split_cannot_run_are_refused():
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(SequenceParallelError, match="linear_attention layers"):
         sequence_parallel.check_model(model, 2)
+    hybrid = build_zoo_model("lfm2", VARLEN_NAME)  # packs exactly, but a split sequence would cut its state
+    with pytest.raises(SequenceParallelError, match="carry a state from token to token"):
+        sequence_parallel.check_model(hybrid, 2)
 
 
 # ------------------------------------------------------------------------------------------------------

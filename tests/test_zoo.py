@@ -54,16 +54,16 @@ REFUSALS = {
     # transformers 5.23 builds gpt-oss's masks without position_ids, so eager cannot see packed boundaries:
     # the load-time probe measures the leak and refuses.
     ("gpt-oss", "eager"): "leaks between packed sequences",
-    **{("qwen3-next", b): "has linear_attention layers" for b in BACKENDS},
     # Llama 4's NoPE layers scale queries by their place in the row: only varlen moves it into the sequence
     **{("llama4_text", b): "NoPE layers by each token's place in the whole row" for b in ("sdpa", "eager")},
 }
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
 # Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
 # padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), a state-space layer
-# in every block (Mamba, Falcon-H1), and an image-text-to-text model on its text (Qwen2.5-VL: M-RoPE
-# sections cut to the tiny head). The whole list runs behind `zoo_full`.
-CI_DERIVED = ("cohere", "gpt2", "mamba", "falcon_h1", "qwen2_5_vl")
+# in every block (Mamba), Mamba-2 beside attention (Falcon-H1), Qwen3.5's gated delta-nets, and an
+# image-text-to-text model on its text (Qwen2.5-VL: M-RoPE sections cut to the tiny head). The whole list
+# runs behind `zoo_full`.
+CI_DERIVED = ("cohere", "gpt2", "mamba", "falcon_h1", "qwen3_5_text", "qwen2_5_vl")
 CI_ZOO = (*ZOO, *CI_DERIVED)
 
 
@@ -281,29 +281,6 @@ def test_readme_support_table_is_generated(zoo_results):
             assert _without_numbers(rows[name]) == _without_numbers(line), name
 
 
-def test_hybrid_linear_attention_really_cannot_be_packed(probe_seqs):
-    """Why qwen3-next is refused: packed through position ids (sdpa), its linear-attention layers carry
-    state from one sequence into the next; given cu_seqlens, transformers' PyTorch path refuses them.
-    If a transformers release fixes both, this test fails: revisit the refusal."""
-    from padless.packing import Example, pack
-
-    model = build_zoo_model("qwen3-next", "sdpa")
-    batch = pack([Example(s) for s in probe_seqs])
-    with torch.no_grad():
-        alone = torch.cat(
-            [model(input_ids=torch.tensor(s)[None], use_cache=False).logits[0] for s in probe_seqs]
-        )
-        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
-        assert (packed - alone).abs().max() > 1e-2
-        with pytest.raises(ValueError, match="can't keep packed sequences apart"):
-            model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                use_cache=False,
-                **batch.attention_kwargs(),
-            )
-
-
 def _varlen_cells(model, seqs, pad_id) -> dict[str, float]:
     """What `padless check` would measure on varlen if the probe let it run: per layout, the largest
     per-token |delta log-prob| against each sequence alone on eager (no entry where the layout stops)."""
@@ -353,8 +330,12 @@ def test_every_ci_architecture_has_a_verdict(zoo_results):
         assert (z.verdict == "exact") == (z.reason is None), z.name
     assert zoo_results["cohere"].verdict == "refused"
     assert "does not reproduce" in zoo_results["cohere"].reason  # logits * logit_scale, unknown by name
-    for stateful in ("mamba", "falcon_h1"):
-        assert zoo_results[stateful].verdict == "refused", zoo_results[stateful].reason
+    # hybrids: gated delta-nets, a short convolution, Mamba-2 beside attention
+    for hybrid in ("qwen3-next", "lfm2", "qwen3_5_text", "falcon_h1"):
+        assert zoo_results[hybrid].verdict == "exact", zoo_results[hybrid].reason
+    # pure Mamba's blocks get no sequence boundaries: the probe measures the leak and refuses
+    assert zoo_results["mamba"].verdict == "refused"
+    assert "leaks between packed sequences" in zoo_results["mamba"].reason
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -77,9 +77,41 @@ def _tiny_llama() -> PretrainedConfig:
     )
 
 
+def _tiny_qwen3_5() -> PretrainedConfig:
+    """~3.5M-parameter Qwen3.5 text hybrid: three gated delta-net layers then one gated full-attention
+    layer (Qwen3.5's 3:1 pattern), partial rotary, GQA 8:2, tied embeddings: a stateful architecture
+    that every trainer runs packed (see padless.hybrid)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        dtype="float32",
+    )
+
+
 TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-qwen2": _tiny_qwen2,
     "tiny-llama": _tiny_llama,
+    "tiny-qwen3.5": _tiny_qwen3_5,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
 }
 VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.sources.load_processor

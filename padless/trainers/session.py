@@ -11,12 +11,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from padless import sequence_parallel
+from padless import hybrid, sequence_parallel
 from padless.config import ModelSettings
 from padless.engine import EngineSettings, ModelEngine
+from padless.errors import InputError
 from padless.logs import describe_run, log_to_file, setup_logging
 from padless.model import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
-from padless.strategy import prepare_frozen, start_accelerator
+from padless.strategy import expected_strategy, prepare_frozen, start_accelerator
 from padless.trainers import rundir
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ def start_session(
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
+    problem = hybrid.sharded_problem(model, expected_strategy(accelerator), accelerator.num_processes)
+    if problem:
+        raise InputError(problem)
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))

@@ -24,6 +24,13 @@ SCRIPTS = sorted(
 # the trainer benchmarks (benchmarks/common.py options): one timed step and no warm-up runs every contender's
 # code to its table; the warm-up and the second step of --quick run the same code again
 ONE_STEP = ("--warmup", "0", "--steps", "1")
+# contenders the smoke runs where a benchmark has variants one setting apart (the setting's code is tested in
+# the suite: staleness in tests/trainers/test_rl.py, per-prompt generate calls in tests/test_rollout.py,
+# padded DPO in tests/trainers/test_dpo_rm.py); the benchmark's own code for each is shared with these
+SMOKE_CONTENDERS = {
+    "grpo_throughput.py": ("--contenders", "padless,trl"),
+    "dpo_throughput.py": ("--contenders", "padless-packed,trl"),
+}
 TRAINERS = {
     "sft_throughput.py",
     "dpo_throughput.py",
@@ -45,7 +52,7 @@ def test_every_benchmark_is_found():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_quick_mode_runs(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    steps = ONE_STEP if script in TRAINERS else ()
+    steps = (*ONE_STEP, *SMOKE_CONTENDERS.get(script, ())) if script in TRAINERS else ()
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *steps],
         cwd=tmp_path,

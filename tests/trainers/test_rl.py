@@ -652,16 +652,18 @@ def test_max_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
-def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path, kind):
     """max_staleness 1, a checkpoint after every step (one step per rollout): checkpoint 1 holds the
     rollout sampled ahead for step 2 (from the weights before step 1) in ``state/ahead-0.json``; a run
     resumed from it trains on those very samples, so its steps equal the uninterrupted run's (1e-6: the
     same operations). Without them (the file removed) step 2 would be sampled again, from newer weights:
     another loss, which shows the comparison can fail."""
     stale = ("train.learning_rate=1e-2", "train.save_steps=1", "rollout.max_staleness=1")
-    straight = stale_run(tmp_path, "grpo", "a", *stale)
+    straight = stale_run(tmp_path, kind, "a", *stale)
     ahead = json.loads((tmp_path / "a" / "checkpoint-1" / "state" / "ahead-0.json").read_text())
-    assert [(r["epoch"], r["version"], len(r["completions"])) for r in ahead] == [(1, 0, 4)]
+    samples = 4 if kind == "grpo" else 2  # 2 prompts x num_generations (stale_run: 2 for GRPO, 1 for PPO)
+    assert [(r["epoch"], r["version"], len(r["completions"])) for r in ahead] == [(1, 0, samples)]
     assert not (tmp_path / "a" / "checkpoint-3" / "state" / "ahead-0.json").exists()  # nothing left ahead
     for name in ("b", "c"):
         shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / name / "checkpoint-1")
@@ -670,8 +672,8 @@ def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path):
     state = json.loads(manifest.read_text())
     state["files"].remove("state/ahead-0.json")
     manifest.write_text(json.dumps(state))
-    resumed = stale_run(tmp_path, "grpo", "b", *stale, "train.resume_from_checkpoint=latest")
-    resampled = stale_run(tmp_path, "grpo", "c", *stale, "train.resume_from_checkpoint=latest")
+    resumed = stale_run(tmp_path, kind, "b", *stale, "train.resume_from_checkpoint=latest")
+    resampled = stale_run(tmp_path, kind, "c", *stale, "train.resume_from_checkpoint=latest")
     for key in ("train/loss", "rollout/reward", "rollout/staleness_max", "mismatch/logp_diff_max"):
         want = [r[key] for r in straight if key in r and r["step"] > 1]
         got = [r[key] for r in resumed if key in r]

@@ -27,6 +27,7 @@ from padless.errors import UserCodeError
 from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import Completion, HFEngine
+from padless.tiny import tiny_tokenizer
 from padless.tolerance import bound
 from padless.trainers.grpo import GRPORecipe
 
@@ -44,19 +45,7 @@ FORGETFUL = TEMPLATE.replace(
     "m.content + '<|im_end|>",
     "(m.content if m.role != 'assistant' or loop.last else '') + '<|im_end|>",
 )
-RESPONSE = {
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "content": {"close": "<call>", "content": "text"},
-        "tool_calls": {
-            "open": "<call>",
-            "close": "</call>",
-            "content": "json",
-            "repeats": True,
-            "transform": {"type": "function", "function": "{content}"},
-        },
-    },
-}
+RESPONSE = tiny_tokenizer().response_template  # the embedded template's <call>{json}</call> parsing
 
 
 def add(a: int, b: int) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from padless.errors import AttentionError
-from padless.hybrid_kernels import run_gated_delta_net
+from padless.hybrid_kernels import run_gated_delta_net, run_mamba2, run_short_conv
 from padless.varlen import _GROUPS, SequenceGroups, Span, _Gather, _spans
 
 # Keyword arguments that describe where sequences lie; a runner passes them on only where its kernel
@@ -101,9 +101,10 @@ def run_exact(
 
 # Layer kind -> how a packed call of it runs. One entry per kind padless keeps apart exactly.
 RUNNERS: dict[str, Runner] = {
-    "gated_delta_net": run_gated_delta_net,  # on CUDA kernels told the boundaries, else run_exact
-    "short_conv": run_exact,
-    "mamba2": run_exact,
+    # on CUDA kernels told the boundaries (padless.hybrid_kernels), else run_exact
+    "gated_delta_net": run_gated_delta_net,
+    "short_conv": run_short_conv,
+    "mamba2": run_mamba2,
     "mamba": run_exact,
 }
 

@@ -15,8 +15,8 @@ on a sequence's tokens do not depend on padding after them, so each token's outp
 sequence alone. A runner that calls a kernel with the boundaries it documents can replace it per kind.
 
 With a cache (``generate``) a layer runs as transformers wrote it: cached decoding is the model's own,
-checked equal to one-by-one decoding in the tests. Layer kinds no runner covers stay refused by
-:func:`padless.attention.packing_problem`, with the reason.
+checked equal to one-by-one decoding in the tests. Layer kinds no runner covers are refused
+where a model is loaded and proven (:func:`packing_problem`), with the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from padless.attention import ATTENTION_LAYER_TYPES, text_config
 from padless.errors import AttentionError
 from padless.hybrid_kernels import run_gated_delta_net, run_mamba2, run_short_conv
 from padless.varlen import _GROUPS, SequenceGroups, Span, _Gather, _spans
@@ -297,3 +298,56 @@ def handled_layer_types(model: torch.nn.Module, layer_types: list[str]) -> set[s
         ok = kind in TOKENWISE_LAYER_TYPES or any(_installed(m) for m in layer.modules())
         covered[kind] = covered.get(kind, True) and ok
     return {kind for kind, ok in covered.items() if ok}
+
+
+# Layer kinds padless cannot yet keep apart per sequence, and why; a kind not listed is taken to carry a
+# state. An exact packed path for one of them (issue 18) removes it from the refusals here.
+STATEFUL = "carry a state from token to token across packed sequence boundaries"
+LAYER_PROBLEMS: dict[str, str] = {
+    "indexed_attention": "select the keys each query sees with an indexer over the whole row",
+    "compressed_sparse_attention": "attend to compressed blocks of the whole row",
+    "heavily_compressed_attention": "attend to compressed blocks of the whole row",
+}
+
+
+def packing_problem(model: torch.nn.Module) -> str | None:
+    """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
+
+    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
+    from token to token that position ids cannot reset; :func:`install` makes each
+    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
+    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
+    """
+    config = text_config(model)
+    name = getattr(config, "model_type", type(model).__name__)
+    types = list(getattr(config, "layer_types", None) or ())
+    handled = handled_layer_types(model, types) if types else set()
+    other = sorted(
+        {t for t in types if t not in ATTENTION_LAYER_TYPES and (t in LAYER_PROBLEMS or t not in handled)}
+    )
+    if other:
+        why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
+        return (
+            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (padless keeps packed "
+            "sequences apart in gated delta-net, short convolution and Mamba layers only, see "
+            "padless.hybrid); padless runs every forward packed, so it does not support this architecture"
+        )
+    stray = unhandled(model)
+    if stray:
+        return (
+            f"{name}: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} {STATEFUL} and are not kept "
+            "apart per sequence (padless.hybrid.install wraps the gated delta-net, short convolution and "
+            "Mamba layers it recognises); padless runs every forward packed, so it does not support this "
+            "architecture"
+        )
+    return None
+
+
+def require_packing(model: torch.nn.Module) -> None:
+    """Refuse ``model`` if packed sequences cannot be kept apart in it (:func:`packing_problem`).
+
+    Its layers are what they are from loading on: this runs where a model is loaded, proven
+    (:func:`padless.probe.probe_attention`) or put in an engine, never before each forward."""
+    problem = packing_problem(model)
+    if problem:
+        raise AttentionError(problem)

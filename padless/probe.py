@@ -21,6 +21,7 @@ import torch
 from padless.attention import VARLEN_NAME, assert_attention, attention_layers, runtime_context, text_config
 from padless.engine import backbone, logps_from_hidden, score_head
 from padless.errors import AttentionError
+from padless.hybrid import require_packing
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
@@ -248,11 +249,14 @@ def probe_attention(
     Runs the probe's sequences packed on ``backend`` (counting calls of the registered attention
     functions: the kernel asked for must be the one running), through padless's LM head on every path
     of :func:`head_paths`, and compares per-token log-probs with ``log_softmax`` of the model's own
-    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given).
+    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given),
+    after refusing an architecture whose layers cannot be kept apart per sequence at all
+    (:func:`padless.hybrid.require_packing`: the model's structure, checked here and not at each forward).
     The hidden states the model's own head received are compared too, to say whether attention or the
     head differs. Bounds scale with the size of what is compared (:mod:`padless.tolerance`);
     ``tolerance`` overrides them.
     """
+    require_packing(model)
     assert_attention(model, backend)
     reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
     device = next(model.parameters()).device

@@ -33,7 +33,7 @@ from accelerate import PartialState
 from transformers import AttentionInterface
 
 from padless import hybrid
-from padless.attention import VARLEN_NAME, attention_in_use, packing_problem, row_position_problem
+from padless.attention import VARLEN_NAME, attention_in_use, row_position_problem
 from padless.packing import IGNORE_INDEX, PackedBatch
 from padless.varlen import sequence_bounds  # registers the varlen backend this module wraps
 
@@ -276,7 +276,7 @@ def check_model(model: torch.nn.Module, degree: int) -> None:
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     config = inner.config.get_text_config()
     name = getattr(config, "model_type", type(inner).__name__)
-    problem = packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
+    problem = hybrid.packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
     if problem:
         raise SequenceParallelError(problem)
     stateful = hybrid.installed_layers(inner)

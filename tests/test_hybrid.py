@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from padless import hybrid
-from padless.attention import AttentionError, packing_problem
+from padless.attention import AttentionError
 from padless.check import alone_logps, zoo_model
-from padless.engine import forward_packed
+from padless.engine import ModelEngine, forward_packed
+from padless.hybrid import packing_problem
 from padless.packing import Example, pack
 from padless.probe import probe_attention
 from padless.tolerance import bound
@@ -103,6 +104,11 @@ def test_without_the_wrapper_a_packed_row_leaks_and_is_refused(probe_seqs):
     raw = AutoModelForCausalLM.from_config(zoo_config("qwen3-next"), attn_implementation="sdpa").eval()
     problem = packing_problem(raw)
     assert problem and "has linear_attention layers, which carry a state" in problem
+    # refused where it is proven or put in an engine (its structure), not first at a forward
+    with pytest.raises(AttentionError, match="has linear_attention layers, which carry a state"):
+        probe_attention(raw, "sdpa")
+    with pytest.raises(AttentionError, match="has linear_attention layers, which carry a state"):
+        ModelEngine(raw)
     batch = _packed_batch(probe_seqs)
     with torch.no_grad():
         alone = torch.cat(alone_logps(raw, probe_seqs).logps)

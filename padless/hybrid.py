@@ -29,7 +29,7 @@ import torch
 
 from padless.attention import ATTENTION_LAYER_TYPES, text_config
 from padless.errors import AttentionError
-from padless.hybrid_kernels import run_gated_delta_net
+from padless.hybrid_kernels import run_gated_delta_net, run_mamba2, run_short_conv
 from padless.varlen import _GROUPS, SequenceGroups, Span, _Gather, _spans
 
 # Keyword arguments that describe where sequences lie; a runner passes them on only where its kernel
@@ -102,9 +102,10 @@ def run_exact(
 
 # Layer kind -> how a packed call of it runs. One entry per kind padless keeps apart exactly.
 RUNNERS: dict[str, Runner] = {
-    "gated_delta_net": run_gated_delta_net,  # on CUDA kernels told the boundaries, else run_exact
-    "short_conv": run_exact,
-    "mamba2": run_exact,
+    # on CUDA kernels told the boundaries (padless.hybrid_kernels), else run_exact
+    "gated_delta_net": run_gated_delta_net,
+    "short_conv": run_short_conv,
+    "mamba2": run_mamba2,
     "mamba": run_exact,
 }
 
@@ -146,15 +147,32 @@ def carries_state(module: torch.nn.Module) -> bool:
     return _depthwise_conv(module) or "A_log" in dict(module.named_parameters(recurse=False))
 
 
-def _layer_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """The decoder layer (an element of a ``ModuleList``) that holds the submodule ``name``."""
-    parts, module, layer = name.split("."), model, None
+def _layer_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The decoder layer (an element of a ``ModuleList``) that holds the submodule ``name``, and the module
+    that holds that ``ModuleList`` (the decoder, which runs the layers)."""
+    parts, module, layer, decoder, parent = name.split("."), model, None, None, model
     for part in parts:
         child = getattr(module, part)
         if isinstance(module, torch.nn.ModuleList):
-            layer = child
-        module = child
-    return layer
+            layer, decoder = child, parent
+        parent, module = module, child
+    return layer, decoder
+
+
+# the boundary kwargs a decoder layer's pre-hook records (position ids alone tell where sequences start)
+RECORDED = ("cu_seq_lens_q", "position_ids")
+
+
+class _DecoderCall:
+    """Pre-hook of a decoder: the boundary kwargs of its call, for decoder layers that are handed none
+    (Mamba's and Falcon-Mamba's blocks get hidden states and a mask only, and their decoder drops the
+    rest). A bound method, so a deep copy of the model hooks its own copy, shared by its own wrappers."""
+
+    def __init__(self) -> None:
+        self.context: dict[str, Any] = {}
+
+    def remember(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.context = {k: kwargs[k] for k in RECORDED if k in kwargs}
 
 
 class _PerSequence:
@@ -165,6 +183,7 @@ class _PerSequence:
         self.forward = module.forward
         self.kind = kind
         self.hooked = False  # its decoder layer records the boundaries of each call (see remember)
+        self.decoder: _DecoderCall | None = None  # ... else its decoder's call does
         self.context: dict[str, Any] | None = {}  # ... of the current call; None once used
 
     def _where(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -213,17 +232,19 @@ class _PerSequence:
     def remember(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Pre-hook of the decoder layer: the boundary kwargs of its call. A bound method, so a deep copy
         of the model (``copy.deepcopy``) hooks its own copy of this wrapper."""
-        self.context = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if k in kwargs}
+        self.context = {k: kwargs[k] for k in RECORDED if k in kwargs}
+        if not self.context and self.decoder is not None:
+            self.context = dict(self.decoder.context)
 
 
 def install(model: torch.nn.Module) -> list[str]:
     """Wrap every stateful layer of ``model`` whose kind has a runner (idempotent); returns their names.
 
-    Each wrapped layer's decoder layer remembers the boundary kwargs of its call (a pre-hook, which runs
-    again when gradient checkpointing recomputes the layer), for layers whose decoder layer does not
-    hand them on.
+    Each wrapped layer's decoder layer remembers the boundary kwargs of its call (a pre-hook), for
+    layers whose decoder layer does not hand them on; where the decoder layer is handed none either,
+    those its decoder's call got (a pre-hook of the decoder).
     """
-    installed = []
+    installed, decoders = [], {}
     for name, module in model.named_modules():
         kind = layer_kind(module)
         if kind is None or kind not in RUNNERS:
@@ -233,8 +254,12 @@ def install(model: torch.nn.Module) -> list[str]:
             continue
         wrapper = _PerSequence(module, kind)
         module.forward = wrapper
-        layer = _layer_of(model, name)
+        layer, decoder = _layer_of(model, name)
         if layer is not None:
+            if id(decoder) not in decoders:
+                decoders[id(decoder)] = _DecoderCall()
+                decoder.register_forward_pre_hook(decoders[id(decoder)].remember, with_kwargs=True)
+            wrapper.decoder = decoders[id(decoder)]
             layer.register_forward_pre_hook(wrapper.remember, with_kwargs=True)
             wrapper.hooked = True
     return installed

@@ -21,7 +21,7 @@ import torch
 from padless.attention import VARLEN_NAME, assert_attention, attention_layers, runtime_context, text_config
 from padless.engine import backbone, logps_from_hidden, score_head
 from padless.errors import AttentionError
-from padless.hybrid import require_packing
+from padless.hybrid import installed_layers, require_packing
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
@@ -346,6 +346,19 @@ def _packed_hidden(
         ) from e
 
 
+def _what_leaks(model: torch.nn.Module, backend: str) -> str:
+    """What can mix packed sequences in ``model``: attention (leaking, or dropping an argument such as a
+    window or a sink) where it has attention layers, and the layers that carry a state across tokens
+    (:mod:`padless.hybrid`) where it has them."""
+    stateful = installed_layers(model)
+    named = ", ".join(stateful[:2]) + (", ..." if len(stateful) > 2 else "")
+    state = f"a layer that carries a state across tokens ({named})"
+    attention = f"attention {backend!r} leaks between packed sequences or drops an attention argument"
+    if stateful and not attention_layers(model):
+        return f"{state} leaks between packed sequences (the model has no attention layer)"
+    return f"{attention}, or {state} leaks" if stateful else attention
+
+
 def _mismatch(
     model: torch.nn.Module,
     backend: str,
@@ -362,8 +375,7 @@ def _mismatch(
     )
     if not hidden <= hidden_limit:
         return (
-            f"{model_name(model)}: attention {backend!r} leaks between packed sequences or drops an "
-            "attention argument: packed, "
+            f"{model_name(model)}: {_what_leaks(model, backend)}: packed, "
             f"{measured}, and the hidden states its LM head reads by {hidden:.3g} > {hidden_limit:.3g}; "
             "report this with `padless doctor` output."
         )

@@ -58,7 +58,14 @@ def test_a_state_carried_over_one_boundary_fails_the_probe(name, monkeypatch):
     model.set_attn_implementation("padless_varlen")
     assert probe_attention(model, "varlen")["max_delta_logps"] >= 0  # exact: passes
     kind = KINDS[name]
-    exact = hybrid.RUNNERS[kind]
+    monkeypatch.setitem(hybrid.RUNNERS, kind, _carrying_over(hybrid.RUNNERS[kind]))
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        probe_attention(model, "varlen")
+
+
+def _carrying_over(exact: hybrid.Runner) -> hybrid.Runner:
+    """``exact`` with the first two sequences of every packed row merged: the second starts from the
+    first one's final state."""
 
     def leaky(module, forward, hidden, bounds, kwargs):
         if len(bounds.spans) < 2:  # each sequence alone: nothing to carry over
@@ -67,9 +74,26 @@ def test_a_state_carried_over_one_boundary_fails_the_probe(name, monkeypatch):
         merged = hybrid.Boundaries([(row, s0, e1), *rest], bounds.batch, bounds.length, None)
         return exact(module, forward, hidden, merged, kwargs)
 
-    monkeypatch.setitem(hybrid.RUNNERS, kind, leaky)
-    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+    return leaky
+
+
+@pytest.mark.parametrize("name", ["mamba", "falcon_mamba"])
+def test_a_pure_mamba_packs_exactly_and_a_leak_names_its_state_layers(name, monkeypatch):
+    """Mamba's and Falcon-Mamba's blocks are handed no boundaries (their decoder drops position ids): the
+    decoder's own call records them for the mixers, and the probe passes. A state carried over one
+    boundary is refused naming what leaked, not attention the model does not have."""
+    model = zoo_model(name, [list(range(3, 40))])
+    model.set_attn_implementation("padless_varlen")
+    info = probe_attention(model, "varlen")
+    assert info["max_delta_logps"] <= info["bound"] and info["calls"] == 0
+    monkeypatch.setitem(hybrid.RUNNERS, "mamba", _carrying_over(hybrid.RUNNERS["mamba"]))
+    with pytest.raises(AttentionError) as refused:
         probe_attention(model, "varlen")
+    assert (
+        ": a layer that carries a state across tokens (backbone.layers.0.mixer, backbone.layers.1.mixer) "
+        "leaks between packed sequences (the model has no attention layer): packed, per-token log-probs"
+    ) in str(refused.value)
+    assert "attention argument" not in str(refused.value)
 
 
 def test_packed_gradients_equal_each_sequence_alone(probe_seqs):

@@ -467,6 +467,7 @@ class ModelEngine(torch.nn.Module):
             for m in (model, value):
                 if m is not None:
                     sequence_parallel.check_model(m, self.sequence_parallel.degree)
+                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
 
     def forward(
         self,

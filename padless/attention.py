@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
+import inspect
 from typing import Any
 
 import torch
@@ -46,7 +47,13 @@ def flash_attn_installed() -> bool:
 
 
 def torch_varlen_available() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """PyTorch's ``varlen_attn`` as padless calls it: with ``window_size`` (PyTorch 2.11+; 2.10's took only
+    ``is_causal``). GQA without ``enable_gqa`` (before 2.13) is served by repeating the kv heads."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def backend_problem(backend: str, device: torch.device | str, training: bool = False) -> str | None:
@@ -90,7 +97,10 @@ def varlen_kernel_problem(kernel: str, device: torch.device) -> str | None:
     if kernel in ("torch", "flash_attn") and device.type != "cuda":
         return f"varlen kernel {kernel!r} needs a CUDA device; use varlen_kernel=sdpa (or auto) on CPU"
     if kernel == "torch" and not torch_varlen_available():
-        return "varlen kernel 'torch' needs torch.nn.attention.varlen (PyTorch >= 2.10); upgrade torch"
+        return (
+            f"varlen kernel 'torch' needs torch.nn.attention.varlen with window_size (PyTorch >= 2.11; this "
+            f"is {torch.__version__}); upgrade torch, install flash-attn, or use varlen_kernel=sdpa"
+        )
     if kernel == "flash_attn" and not flash_attn_installed():
         return "varlen kernel 'flash_attn' needs the flash-attn package: pip install 'padless[flash]'"
     return None
@@ -107,7 +117,10 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     choice = _varlen_kernel_choice
     if choice == "auto":
         if device.type == "cuda" and dtype in FUSED_DTYPES:
-            return "flash_attn" if flash_attn_installed() else "torch"
+            if flash_attn_installed():
+                return "flash_attn"
+            if torch_varlen_available():
+                return "torch"
         return "sdpa"
     problem = varlen_kernel_problem(choice, device)
     if problem:
@@ -168,51 +181,6 @@ def attention_layers(model: torch.nn.Module) -> int:
     return sum(t in CALLS_ATTENTION for t in types)
 
 
-# Layer kinds padless cannot yet keep apart per sequence, and why; a kind not listed is taken to carry a
-# state. An exact packed path for one of them (issue 18) removes it from the refusals here.
-STATEFUL = "carry a state from token to token across packed sequence boundaries"
-LAYER_PROBLEMS: dict[str, str] = {
-    "indexed_attention": "select the keys each query sees with an indexer over the whole row",
-    "compressed_sparse_attention": "attend to compressed blocks of the whole row",
-    "heavily_compressed_attention": "attend to compressed blocks of the whole row",
-}
-
-
-def packing_problem(model: torch.nn.Module) -> str | None:
-    """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
-
-    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
-    from token to token that position ids cannot reset; :func:`padless.hybrid.install` makes each
-    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
-    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
-    """
-    from padless import hybrid
-
-    config = text_config(model)
-    name = getattr(config, "model_type", type(model).__name__)
-    types = list(getattr(config, "layer_types", None) or ())
-    handled = hybrid.handled_layer_types(model, types) if types else set()
-    other = sorted(
-        {t for t in types if t not in ATTENTION_LAYER_TYPES and (t in LAYER_PROBLEMS or t not in handled)}
-    )
-    if other:
-        why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
-        return (
-            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (padless keeps packed "
-            "sequences apart in gated delta-net, short convolution and Mamba layers only, see "
-            "padless.hybrid); padless runs every forward packed, so it does not support this architecture"
-        )
-    stray = hybrid.unhandled(model)
-    if stray:
-        return (
-            f"{name}: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} {STATEFUL} and are not kept "
-            "apart per sequence (padless.hybrid.install wraps the gated delta-net, short convolution and "
-            "Mamba layers it recognises); padless runs every forward packed, so it does not support this "
-            "architecture"
-        )
-    return None
-
-
 def row_position_problem(model: torch.nn.Module, backend: str, sequence_parallel: bool = False) -> str | None:
     """Why ``backend`` would see each token's place in the packed row instead of in its sequence
     (``None``: it would not).
@@ -241,12 +209,14 @@ def row_position_problem(model: torch.nn.Module, backend: str, sequence_parallel
 
 
 def assert_attention(model: torch.nn.Module, backend: str) -> None:
-    """Cheap guard before each forward: the model packs, and its config still dispatches to ``backend``.
-
-    transformers writes ``attn_implementation`` into config objects, so a second model built from a
-    shared config can silently switch this one's kernel.
+    """Cheap guard before each forward, on what can change between forwards: the config. It still
+    dispatches to ``backend`` (transformers writes ``attn_implementation`` into config objects, so a
+    second model built from a shared config can silently switch this one's kernel), and ``backend`` does
+    not see row positions (:func:`row_position_problem`). Which layers carry a state across sequences is
+    the model's structure, refused once where it is loaded and proven
+    (:func:`padless.hybrid.require_packing`), not walked at every forward.
     """
-    problem = packing_problem(model) or row_position_problem(model, backend)
+    problem = row_position_problem(model, backend)
     if problem:
         raise AttentionError(problem)
     running = attention_in_use(model)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless import sequence_parallel
+from padless import hybrid, sequence_parallel
 from padless.attention import (
     assert_attention,
     attention_in_use,
@@ -458,12 +458,16 @@ class ModelEngine(torch.nn.Module):
             {name for m in (model, value) if m is not None for name in _no_split(m)}
         )
         self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
+        for m in (model, value):  # the models' structure, checked once here, not before each forward
+            if m is not None:
+                hybrid.require_packing(unwrap(m))
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
             for m in (model, value):
                 if m is not None:
                     sequence_parallel.check_model(m, self.sequence_parallel.degree)
+                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
 
     def forward(
         self,

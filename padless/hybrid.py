@@ -15,8 +15,8 @@ on a sequence's tokens do not depend on padding after them, so each token's outp
 sequence alone. A runner that calls a kernel with the boundaries it documents can replace it per kind.
 
 With a cache (``generate``) a layer runs as transformers wrote it: cached decoding is the model's own,
-checked equal to one-by-one decoding in the tests. Layer kinds no runner covers stay refused by
-:func:`padless.attention.packing_problem`, with the reason.
+checked equal to one-by-one decoding in the tests. Layer kinds no runner covers are refused
+where a model is loaded and proven (:func:`packing_problem`), with the reason.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from padless.attention import ATTENTION_LAYER_TYPES, text_config
 from padless.errors import AttentionError
-from padless.hybrid_kernels import run_gated_delta_net
+from padless.hybrid_kernels import run_gated_delta_net, run_mamba2, run_short_conv
 from padless.varlen import _GROUPS, SequenceGroups, Span, _Gather, _spans
 
 # Keyword arguments that describe where sequences lie; a runner passes them on only where its kernel
@@ -101,9 +102,10 @@ def run_exact(
 
 # Layer kind -> how a packed call of it runs. One entry per kind padless keeps apart exactly.
 RUNNERS: dict[str, Runner] = {
-    "gated_delta_net": run_gated_delta_net,  # on CUDA kernels told the boundaries, else run_exact
-    "short_conv": run_exact,
-    "mamba2": run_exact,
+    # on CUDA kernels told the boundaries (padless.hybrid_kernels), else run_exact
+    "gated_delta_net": run_gated_delta_net,
+    "short_conv": run_short_conv,
+    "mamba2": run_mamba2,
     "mamba": run_exact,
 }
 
@@ -145,15 +147,32 @@ def carries_state(module: torch.nn.Module) -> bool:
     return _depthwise_conv(module) or "A_log" in dict(module.named_parameters(recurse=False))
 
 
-def _layer_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """The decoder layer (an element of a ``ModuleList``) that holds the submodule ``name``."""
-    parts, module, layer = name.split("."), model, None
+def _layer_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The decoder layer (an element of a ``ModuleList``) that holds the submodule ``name``, and the module
+    that holds that ``ModuleList`` (the decoder, which runs the layers)."""
+    parts, module, layer, decoder, parent = name.split("."), model, None, None, model
     for part in parts:
         child = getattr(module, part)
         if isinstance(module, torch.nn.ModuleList):
-            layer = child
-        module = child
-    return layer
+            layer, decoder = child, parent
+        parent, module = module, child
+    return layer, decoder
+
+
+# the boundary kwargs a decoder layer's pre-hook records (position ids alone tell where sequences start)
+RECORDED = ("cu_seq_lens_q", "position_ids")
+
+
+class _DecoderCall:
+    """Pre-hook of a decoder: the boundary kwargs of its call, for decoder layers that are handed none
+    (Mamba's and Falcon-Mamba's blocks get hidden states and a mask only, and their decoder drops the
+    rest). A bound method, so a deep copy of the model hooks its own copy, shared by its own wrappers."""
+
+    def __init__(self) -> None:
+        self.context: dict[str, Any] = {}
+
+    def remember(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.context = {k: kwargs[k] for k in RECORDED if k in kwargs}
 
 
 class _PerSequence:
@@ -164,6 +183,7 @@ class _PerSequence:
         self.forward = module.forward
         self.kind = kind
         self.hooked = False  # its decoder layer records the boundaries of each call (see remember)
+        self.decoder: _DecoderCall | None = None  # ... else its decoder's call does
         self.context: dict[str, Any] | None = {}  # ... of the current call; None once used
 
     def _where(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -212,17 +232,19 @@ class _PerSequence:
     def remember(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Pre-hook of the decoder layer: the boundary kwargs of its call. A bound method, so a deep copy
         of the model (``copy.deepcopy``) hooks its own copy of this wrapper."""
-        self.context = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if k in kwargs}
+        self.context = {k: kwargs[k] for k in RECORDED if k in kwargs}
+        if not self.context and self.decoder is not None:
+            self.context = dict(self.decoder.context)
 
 
 def install(model: torch.nn.Module) -> list[str]:
     """Wrap every stateful layer of ``model`` whose kind has a runner (idempotent); returns their names.
 
-    Each wrapped layer's decoder layer remembers the boundary kwargs of its call (a pre-hook, which runs
-    again when gradient checkpointing recomputes the layer), for layers whose decoder layer does not
-    hand them on.
+    Each wrapped layer's decoder layer remembers the boundary kwargs of its call (a pre-hook), for
+    layers whose decoder layer does not hand them on; where the decoder layer is handed none either,
+    those its decoder's call got (a pre-hook of the decoder).
     """
-    installed = []
+    installed, decoders = [], {}
     for name, module in model.named_modules():
         kind = layer_kind(module)
         if kind is None or kind not in RUNNERS:
@@ -232,8 +254,12 @@ def install(model: torch.nn.Module) -> list[str]:
             continue
         wrapper = _PerSequence(module, kind)
         module.forward = wrapper
-        layer = _layer_of(model, name)
+        layer, decoder = _layer_of(model, name)
         if layer is not None:
+            if id(decoder) not in decoders:
+                decoders[id(decoder)] = _DecoderCall()
+                decoder.register_forward_pre_hook(decoders[id(decoder)].remember, with_kwargs=True)
+            wrapper.decoder = decoders[id(decoder)]
             layer.register_forward_pre_hook(wrapper.remember, with_kwargs=True)
             wrapper.hooked = True
     return installed
@@ -296,3 +322,56 @@ def handled_layer_types(model: torch.nn.Module, layer_types: list[str]) -> set[s
         ok = kind in TOKENWISE_LAYER_TYPES or any(_installed(m) for m in layer.modules())
         covered[kind] = covered.get(kind, True) and ok
     return {kind for kind, ok in covered.items() if ok}
+
+
+# Layer kinds padless cannot yet keep apart per sequence, and why; a kind not listed is taken to carry a
+# state. An exact packed path for one of them (issue 18) removes it from the refusals here.
+STATEFUL = "carry a state from token to token across packed sequence boundaries"
+LAYER_PROBLEMS: dict[str, str] = {
+    "indexed_attention": "select the keys each query sees with an indexer over the whole row",
+    "compressed_sparse_attention": "attend to compressed blocks of the whole row",
+    "heavily_compressed_attention": "attend to compressed blocks of the whole row",
+}
+
+
+def packing_problem(model: torch.nn.Module) -> str | None:
+    """Why packed sequences cannot be kept apart in ``model`` (``None``: they can), with the reason.
+
+    Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
+    from token to token that position ids cannot reset; :func:`install` makes each
+    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
+    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
+    """
+    config = text_config(model)
+    name = getattr(config, "model_type", type(model).__name__)
+    types = list(getattr(config, "layer_types", None) or ())
+    handled = handled_layer_types(model, types) if types else set()
+    other = sorted(
+        {t for t in types if t not in ATTENTION_LAYER_TYPES and (t in LAYER_PROBLEMS or t not in handled)}
+    )
+    if other:
+        why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
+        return (
+            f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (padless keeps packed "
+            "sequences apart in gated delta-net, short convolution and Mamba layers only, see "
+            "padless.hybrid); padless runs every forward packed, so it does not support this architecture"
+        )
+    stray = unhandled(model)
+    if stray:
+        return (
+            f"{name}: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} {STATEFUL} and are not kept "
+            "apart per sequence (padless.hybrid.install wraps the gated delta-net, short convolution and "
+            "Mamba layers it recognises); padless runs every forward packed, so it does not support this "
+            "architecture"
+        )
+    return None
+
+
+def require_packing(model: torch.nn.Module) -> None:
+    """Refuse ``model`` if packed sequences cannot be kept apart in it (:func:`packing_problem`).
+
+    Its layers are what they are from loading on: this runs where a model is loaded, proven
+    (:func:`padless.probe.probe_attention`) or put in an engine, never before each forward."""
+    problem = packing_problem(model)
+    if problem:
+        raise AttentionError(problem)

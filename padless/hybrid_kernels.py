@@ -1,27 +1,41 @@
-"""Gated delta-nets on CUDA through the kernels the field uses, each told where the packed sequences start.
+"""Stateful layers on CUDA through the kernels the field uses, each told where the packed sequences start.
 
-A gated delta-net layer (Qwen3-Next, Qwen3.5) mixes tokens twice: a short causal convolution over its
-q/k/v projections and the delta rule's recurrent state. transformers' forward calls both through two
-module-level functions of its modeling file (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``),
-which resolve to causal-conv1d and flash-linear-attention when installed, but it hands the convolution no
-``seq_idx``, so packed sequences still leak through it. On CUDA with both packages, padless runs the
-layer's own forward on the whole packed row with those two functions answered by
-``causal_conv1d_fn(x, ..., seq_idx=...)`` (channel-last ``x``, one int32 index per token, as the kernel
-documents) and ``chunk_gated_delta_rule(..., cu_seqlens=...)``: every sequence starts from zero state.
+Three layer kinds mix tokens through functions their transformers modeling file calls by module-level
+name, which resolve to the CUDA kernels when their packages are installed:
 
-The two functions are replaced once per modeling module by adapters that take the kernel path only
-inside :func:`run_gated_delta_net` (a context variable, so a thread generating meanwhile, as RL's
-sampler does, runs transformers' own functions). Where the kernels cannot run (no CUDA, a package
-missing, a convolution outside the kernel's contract), the layer runs :func:`padless.hybrid.run_exact`;
-on CUDA the log says why, once.
+- a gated delta-net (Qwen3-Next, Qwen3.5): a short causal convolution over its q/k/v projections
+  (``causal_conv1d_fn``) and the delta rule's recurrent state (``torch_chunk_gated_delta_rule``,
+  flash-linear-attention's ``chunk_gated_delta_rule``);
+- a short convolution (LFM2 family's ``ShortConv``): ``causal_conv1d_fn`` alone;
+- a Mamba-2 mixer (Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid): ``causal_conv1d_fn`` over x, B and C,
+  then the chunked state-space scan ``mamba2_chunk_scan`` (mamba-ssm's ``mamba_chunk_scan_combined``).
+
+transformers hands these functions no boundaries, so packed sequences leak through them. On CUDA with the
+packages installed, padless runs the layer's own forward on the whole packed row with those functions
+answered by the kernels told the boundaries as each documents them: ``causal_conv1d_fn(x, ...,
+seq_idx=...)`` (``x`` channel-last, one int32 index per token, the only layout that takes ``seq_idx``),
+``chunk_gated_delta_rule(..., cu_seqlens=...)`` and ``mamba_chunk_scan_combined(..., seq_idx=...)`` (its
+``cu_seqlens`` only returns each sequence's last state, which padless does not need). A Mamba-2 mixer in
+training mode first tries ``mamba_split_conv1d_scan_combined`` (convolution, scan, norm and projection
+fused); inside this branch that call answers ``None``, transformers' own signal to run the two kernels
+above instead, so every token-mixing step sees the boundaries.
+
+The functions are replaced once per modeling module by adapters that take the kernel path only inside
+a runner of this module (a context variable, so a thread generating meanwhile, as RL's sampler does,
+runs transformers' own functions). Where the kernels cannot run (no CUDA, a package missing, a
+convolution outside the kernel's contract), the layer runs :func:`padless.hybrid.run_exact`; but for
+the want of a CUDA device (a CPU's default path) the log says why, once per kind and reason.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import sys
+from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +43,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
-CONV, RULE = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"  # the names transformers' forward calls
-PACKAGES = {"causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention"}
+# the names transformers' forwards call
+CONV, RULE = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
+SCAN, FUSED = "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined"
 
 # (cu_seqlens as int64, seq_idx [1, T] int32) of the packed row whose layer runs on the kernels now.
 _ROW: ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = ContextVar(
@@ -38,35 +53,20 @@ _ROW: ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = ContextVar(
 )
 # cu_seqlens tensor -> its (int64 copy, seq_idx), made once per batch.
 _ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_logged: set[str] = set()
+_logged: set[tuple[str, str]] = set()
 
 
-def kernel_problem(device: torch.device) -> str | None:
-    """Why the kernels cannot run on ``device`` (``None``: they can)."""
+NO_CUDA = "the kernels need a CUDA device"  # the CPU's default path: exact, nothing to say
+
+
+def kernel_problem(device: torch.device, packages: dict[str, str]) -> str | None:
+    """Why the kernels of ``packages`` (import name -> pip name) cannot run on ``device`` (``None``: they
+    can)."""
     if device.type != "cuda":
-        return "the kernels need a CUDA device"
-    missing = [pip for name, pip in PACKAGES.items() if importlib.util.find_spec(name) is None]
+        return NO_CUDA
+    missing = [pip for name, pip in packages.items() if importlib.util.find_spec(name) is None]
     if missing:
         return f"{' and '.join(missing)} not installed (pip install {' '.join(missing)})"
-    return None
-
-
-def contract_problem(module: torch.nn.Module) -> str | None:
-    """What of this layer ``causal_conv1d_fn`` with ``seq_idx`` does not take (``None``: nothing): the
-    channel-last layout it requires for ``seq_idx`` needs channels in multiples of 8, widths 2 to 4."""
-    conv = getattr(module, "conv1d", None)
-    if not isinstance(conv, torch.nn.Conv1d):
-        return f"{type(module).__name__} has no conv1d"
-    width = conv.kernel_size[0]
-    if conv.in_channels % 8 or not 2 <= width <= 4:
-        return f"{conv.in_channels} channels, width {width} (the kernel takes 8k channels, width 2-4)"
-    modeling = sys.modules.get(type(module).__module__)
-    if (
-        modeling is None
-        or not callable(getattr(modeling, CONV, None))
-        or not callable(getattr(modeling, RULE, None))
-    ):
-        return f"{type(module).__module__} calls no {CONV} / {RULE}"
     return None
 
 
@@ -92,7 +92,6 @@ def _conv(original: Any) -> Any:
         channel_last = hidden_states.transpose(1, 2).contiguous().transpose(1, 2)
         return causal_conv1d_fn(channel_last, weight, bias, seq_idx=row[1], activation=activation)
 
-    conv.padless_original = original
     return conv
 
 
@@ -116,37 +115,124 @@ def _rule(original: Any) -> Any:
             cu_seqlens=row[0],
         )
 
-    rule.padless_original = original
     return rule
 
 
-def _adapt(modeling: Any) -> None:
-    """Answer the modeling module's two functions with the adapters (once)."""
-    if not hasattr(getattr(modeling, CONV), "padless_original"):
-        setattr(modeling, CONV, _conv(getattr(modeling, CONV)))
-    if not hasattr(getattr(modeling, RULE), "padless_original"):
-        setattr(modeling, RULE, _rule(getattr(modeling, RULE)))
+# what of transformers' call of the Mamba-2 scan the kernel gets (the rest is the mixer's own kwargs)
+_SCAN_ARGS = ("D", "z", "dt_bias", "dt_softplus", "dt_limit")
 
 
-def run_gated_delta_net(
-    module: torch.nn.Module, forward: Any, hidden: torch.Tensor, bounds: Any, kwargs: dict[str, Any]
+def _scan(original: Any) -> Any:
+    def scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, chunk_size: int, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        row = _ROW.get()
+        if row is None:
+            return original(hidden_states, dt, A, B, C, chunk_size=chunk_size, **kwargs)
+        if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
+            raise RuntimeError("padless runs Mamba-2 mixers on the kernels without a cache only")
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+        given = {k: kwargs[k] for k in _SCAN_ARGS if k in kwargs}
+        return mamba_chunk_scan_combined(hidden_states, dt, A, B, C, chunk_size, seq_idx=row[1], **given)
+
+    return scan
+
+
+def _unfused(original: Any) -> Any:
+    def fused(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return None if _ROW.get() is not None else original(*args, **kwargs)
+
+    return fused
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One layer kind's kernel branch: the packages its kernels come from (import name -> pip name) and
+    the functions of its modeling module answered by adapters (name -> adapter of the original)."""
+
+    name: str
+    packages: dict[str, str]
+    adapters: dict[str, Callable[[Any], Any]]
+
+
+CAUSAL_CONV = {"causal_conv1d": "causal-conv1d"}
+PATHS: dict[str, KernelPath] = {
+    "gated_delta_net": KernelPath(
+        "gated delta-net", {**CAUSAL_CONV, "fla": "flash-linear-attention"}, {CONV: _conv, RULE: _rule}
+    ),
+    "short_conv": KernelPath("short convolution", CAUSAL_CONV, {CONV: _conv}),
+    "mamba2": KernelPath(
+        "Mamba-2 mixer",
+        {**CAUSAL_CONV, "mamba_ssm": "mamba-ssm"},
+        {CONV: _conv, SCAN: _scan, FUSED: _unfused},
+    ),
+}
+
+
+def contract_problem(module: torch.nn.Module, path: KernelPath) -> str | None:
+    """What of this layer the kernels do not take (``None``: nothing): ``causal_conv1d_fn`` takes
+    ``seq_idx`` only channel-last, which needs channels in multiples of 8, widths 2 to 4; and the
+    layer's modeling module must call the functions the branch answers."""
+    conv = next(
+        (c for c in module.children() if isinstance(c, torch.nn.Conv1d) and c.groups == c.in_channels), None
+    )
+    if conv is None:
+        return f"{type(module).__name__} has no depthwise Conv1d"
+    width = conv.kernel_size[0]
+    if conv.in_channels % 8 or not 2 <= width <= 4:
+        return f"{conv.in_channels} channels, width {width} (the kernel takes 8k channels, width 2-4)"
+    modeling = sys.modules.get(type(module).__module__)
+    missing = [name for name in path.adapters if not callable(getattr(modeling, name, None))]
+    if missing:
+        return f"{type(module).__module__} calls no {' / '.join(missing)}"
+    return None
+
+
+def _adapt(modeling: Any, path: KernelPath) -> None:
+    """Answer the modeling module's functions with the path's adapters (once each)."""
+    for name, adapter in path.adapters.items():
+        original = getattr(modeling, name)
+        if not hasattr(original, "padless_original"):
+            adapted = adapter(original)
+            adapted.padless_original = original
+            setattr(modeling, name, adapted)
+
+
+def run_on_kernels(
+    kind: str,
+    module: torch.nn.Module,
+    forward: Any,
+    hidden: torch.Tensor,
+    bounds: Any,
+    kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """A :data:`padless.hybrid.RUNNERS` runner: a packed row on the kernels with its boundaries, where
-    they can run; else :func:`padless.hybrid.run_exact` (on CUDA, said once in the log)."""
+    """A :data:`padless.hybrid.RUNNERS` runner (with ``kind`` bound): a packed row on the kernels with its
+    boundaries, where they can run; else :func:`padless.hybrid.run_exact`, said once in the log unless
+    only because there is no CUDA device (a CPU's default)."""
     from padless.hybrid import run_exact
 
+    path = PATHS[kind]
     packed = bounds.cu_seqlens is not None and bounds.batch == 1 and not bounds.whole_rows
-    problem = kernel_problem(hidden.device) or contract_problem(module) if packed else "not a packed row"
+    problem = (
+        kernel_problem(hidden.device, path.packages) or contract_problem(module, path)
+        if packed
+        else "not a packed row"
+    )
     if problem is not None:
-        if packed and hidden.device.type == "cuda" and problem not in _logged:
-            _logged.add(problem)
+        if packed and problem != NO_CUDA and (kind, problem) not in _logged:
+            _logged.add((kind, problem))
             log.warning(
-                f"gated delta-net {type(module).__name__}: {problem}; it runs the exact per-sequence path"
+                f"{path.name} {type(module).__name__}: {problem}; it runs the exact per-sequence path"
             )
         return run_exact(module, forward, hidden, bounds, kwargs)
-    _adapt(sys.modules[type(module).__module__])
+    _adapt(sys.modules[type(module).__module__], path)
     token = _ROW.set(_row(bounds.cu_seqlens))
     try:
         return forward(hidden, **kwargs)
     finally:
         _ROW.reset(token)
+
+
+run_gated_delta_net = functools.partial(run_on_kernels, "gated_delta_net")
+run_short_conv = functools.partial(run_on_kernels, "short_conv")
+run_mamba2 = functools.partial(run_on_kernels, "mamba2")

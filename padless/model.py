@@ -75,6 +75,7 @@ def load_model(
         if probe:
             model.padless_probe = prove_packing(model, attn_implementation)  # what ran: the run log says it
         else:
+            hybrid.require_packing(model)  # what the probe refuses first, without it
             assert_attention(model, attn_implementation)
     return model
 

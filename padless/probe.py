@@ -21,6 +21,7 @@ import torch
 from padless.attention import VARLEN_NAME, assert_attention, attention_layers, runtime_context, text_config
 from padless.engine import backbone, logps_from_hidden, score_head
 from padless.errors import AttentionError
+from padless.hybrid import installed_layers, require_packing
 from padless.packing import IGNORE_INDEX
 from padless.tolerance import bound
 from padless.varlen import KERNEL_CALLS
@@ -248,11 +249,14 @@ def probe_attention(
     Runs the probe's sequences packed on ``backend`` (counting calls of the registered attention
     functions: the kernel asked for must be the one running), through padless's LM head on every path
     of :func:`head_paths`, and compares per-token log-probs with ``log_softmax`` of the model's own
-    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given).
+    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given),
+    after refusing an architecture whose layers cannot be kept apart per sequence at all
+    (:func:`padless.hybrid.require_packing`: the model's structure, checked here and not at each forward).
     The hidden states the model's own head received are compared too, to say whether attention or the
     head differs. Bounds scale with the size of what is compared (:mod:`padless.tolerance`);
     ``tolerance`` overrides them.
     """
+    require_packing(model)
     assert_attention(model, backend)
     reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
     device = next(model.parameters()).device
@@ -342,6 +346,19 @@ def _packed_hidden(
         ) from e
 
 
+def _what_leaks(model: torch.nn.Module, backend: str) -> str:
+    """What can mix packed sequences in ``model``: attention (leaking, or dropping an argument such as a
+    window or a sink) where it has attention layers, and the layers that carry a state across tokens
+    (:mod:`padless.hybrid`) where it has them."""
+    stateful = installed_layers(model)
+    named = ", ".join(stateful[:2]) + (", ..." if len(stateful) > 2 else "")
+    state = f"a layer that carries a state across tokens ({named})"
+    attention = f"attention {backend!r} leaks between packed sequences or drops an attention argument"
+    if stateful and not attention_layers(model):
+        return f"{state} leaks between packed sequences (the model has no attention layer)"
+    return f"{attention}, or {state} leaks" if stateful else attention
+
+
 def _mismatch(
     model: torch.nn.Module,
     backend: str,
@@ -358,8 +375,7 @@ def _mismatch(
     )
     if not hidden <= hidden_limit:
         return (
-            f"{model_name(model)}: attention {backend!r} leaks between packed sequences or drops an "
-            "attention argument: packed, "
+            f"{model_name(model)}: {_what_leaks(model, backend)}: packed, "
             f"{measured}, and the hidden states its LM head reads by {hidden:.3g} > {hidden_limit:.3g}; "
             "report this with `padless doctor` output."
         )

@@ -10,7 +10,9 @@ embeds and runs the MLPs of its chunk with the chunk's own position ids. At ever
 all-to-all trades the chunk's heads for the whole row's tokens (``[chunk, H]`` -> ``[T, H / N]``), the
 varlen backend attends within each sequence of the FULL row's ``cu_seqlens`` (a sequence straddling a
 chunk boundary is attended exactly), and a second all-to-all trades back (:func:`_ulysses`, registered in
-place of ``varlen`` once a group starts; it passes whole rows through untouched).
+place of ``varlen`` once a group starts; it passes whole rows through untouched). The attention layers
+find the group on themselves (:func:`attach`, done by the engine): it travels with the model, so two
+models in one process can split over two groups.
 
 Outputs are gathered so every rank of a group returns the whole row's per-token results, and computes
 the same loss. The gather's backward hands each rank the gradient of its own chunk only (every rank
@@ -33,7 +35,7 @@ from accelerate import PartialState
 from transformers import AttentionInterface
 
 from padless import hybrid
-from padless.attention import VARLEN_NAME, attention_in_use, packing_problem, row_position_problem
+from padless.attention import VARLEN_NAME, attention_in_use, row_position_problem
 from padless.packing import IGNORE_INDEX, PackedBatch
 from padless.varlen import sequence_bounds  # registers the varlen backend this module wraps
 
@@ -49,6 +51,10 @@ class SequenceParallel:
     degree: int
     rank: int
     group: Any  # a torch.distributed ProcessGroup
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallel:
+        """Itself: a copy of a model (a sampler's, a reference's) splits over the same process group."""
+        return self
 
     # ------------------------------------------------------------------------------------------------
     # The row split
@@ -146,9 +152,10 @@ class SequenceParallel:
 def _ulysses(module: torch.nn.Module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
     """The ``varlen`` backend under sequence parallelism: on a chunk of a row (queries fewer than the row's
     ``cu_seq_lens_q`` span), all-to-all, exact per-sequence attention over the whole row, all-to-all back;
-    on anything else, ``varlen`` as it is. Decided from the call alone, so activations recomputed in
-    backward (gradient checkpointing, outside any forward context) split exactly as the forward did."""
-    sp, cu = _attending, kwargs.get("cu_seq_lens_q")
+    on anything else, ``varlen`` as it is. Decided from the call alone and the group the layer carries
+    (:func:`attach`), so activations recomputed in backward (gradient checkpointing, outside any forward
+    context) split exactly as the forward did."""
+    sp, cu = getattr(module, ATTRIBUTE, None), kwargs.get("cu_seq_lens_q")
     row = sequence_bounds(cu)[-1] if cu is not None else query.shape[2]
     if sp is None or row == query.shape[2]:
         return _varlen(module, query, key, value, attention_mask, *args, **kwargs)
@@ -223,18 +230,25 @@ class _Sum(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple[int, int], Any] = {}  # (world, degree) -> this process's group; made once per process
-# The group the ``varlen`` attention function splits chunks with. transformers keeps one attention function
-# per backend name in a process, and layers recomputed in backward (gradient checkpointing) call it outside
-# any engine pass: it is bound when the group starts. It splits only chunks of a row (see _ulysses); which
-# rows are split, and how data is dealt, is the engine's (``EngineSettings.sequence_parallel``).
-_attending: SequenceParallel | None = None
+# Where an attention layer holds the group its chunks are split over. transformers keeps one attention
+# function per backend name in a process, and layers recomputed in backward (gradient checkpointing) call it
+# outside any engine pass: the group is the layer's own, set by the engine that splits its rows.
+ATTRIBUTE = "padless_sequence_parallel"
+
+
+def attach(model: torch.nn.Module, sp: SequenceParallel) -> None:
+    """Give the attention layers of ``model`` the group ``sp`` their chunks are split over: every module
+    that holds a config (transformers picks a layer's attention function from its ``config``). A model
+    attends with the group of the last engine that split its rows; whole rows pass through any group."""
+    for module in model.modules():
+        if getattr(module, "config", None) is not None:
+            setattr(module, ATTRIBUTE, sp)
 
 
 def start(degree: int) -> SequenceParallel | None:
     """This process's sequence-parallel group for ``degree`` (``None`` for 1), for the engines that split
-    their rows over it (``EngineSettings.sequence_parallel``). Every process must call it (groups are
-    collective)."""
-    global _attending
+    their rows over it (``EngineSettings.sequence_parallel``, put on their models' attention layers by
+    :func:`attach`). Every process must call it (groups are collective)."""
     state = PartialState()
     world = state.num_processes
     if degree > 1 and world % degree:
@@ -242,7 +256,6 @@ def start(degree: int) -> SequenceParallel | None:
             f"train.sequence_parallel={degree} does not divide the {world} process(es): launch a multiple of "
             f"{degree} processes (data parallel = processes / sequence_parallel)"
         )
-    _attending = None
     if degree == 1:
         return None
     AttentionInterface.register(VARLEN_NAME, _ulysses)  # passes whole rows through untouched
@@ -252,8 +265,7 @@ def start(degree: int) -> SequenceParallel | None:
             group = dist.new_group(list(range(first, first + degree)))
             if first <= state.process_index < first + degree:
                 _GROUPS[key] = group
-    _attending = SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
-    return _attending
+    return SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
 
 
 def data_parallel(degree: int) -> tuple[int, int]:
@@ -276,7 +288,7 @@ def check_model(model: torch.nn.Module, degree: int) -> None:
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     config = inner.config.get_text_config()
     name = getattr(config, "model_type", type(inner).__name__)
-    problem = packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
+    problem = hybrid.packing_problem(inner) or row_position_problem(inner, "varlen", sequence_parallel=True)
     if problem:
         raise SequenceParallelError(problem)
     stateful = hybrid.installed_layers(inner)

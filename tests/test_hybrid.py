@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from padless import hybrid
-from padless.attention import AttentionError, packing_problem
+from padless.attention import AttentionError
 from padless.check import alone_logps, zoo_model
-from padless.engine import forward_packed
+from padless.engine import ModelEngine, forward_packed
+from padless.hybrid import packing_problem
 from padless.packing import Example, pack
 from padless.probe import probe_attention
 from padless.tolerance import bound
@@ -57,7 +58,14 @@ def test_a_state_carried_over_one_boundary_fails_the_probe(name, monkeypatch):
     model.set_attn_implementation("padless_varlen")
     assert probe_attention(model, "varlen")["max_delta_logps"] >= 0  # exact: passes
     kind = KINDS[name]
-    exact = hybrid.RUNNERS[kind]
+    monkeypatch.setitem(hybrid.RUNNERS, kind, _carrying_over(hybrid.RUNNERS[kind]))
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        probe_attention(model, "varlen")
+
+
+def _carrying_over(exact: hybrid.Runner) -> hybrid.Runner:
+    """``exact`` with the first two sequences of every packed row merged: the second starts from the
+    first one's final state."""
 
     def leaky(module, forward, hidden, bounds, kwargs):
         if len(bounds.spans) < 2:  # each sequence alone: nothing to carry over
@@ -66,9 +74,29 @@ def test_a_state_carried_over_one_boundary_fails_the_probe(name, monkeypatch):
         merged = hybrid.Boundaries([(row, s0, e1), *rest], bounds.batch, bounds.length, None)
         return exact(module, forward, hidden, merged, kwargs)
 
-    monkeypatch.setitem(hybrid.RUNNERS, kind, leaky)
-    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+    return leaky
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("mamba", "mamba"), ("falcon_mamba", "mamba"), ("mamba2", "mamba2")]
+)
+def test_a_pure_mamba_packs_exactly_and_a_leak_names_its_state_layers(name, kind, monkeypatch):
+    """Mamba's, Falcon-Mamba's and Mamba-2's blocks are handed no boundaries (their decoder drops position
+    ids): the decoder's own call records them for the mixers, and the probe passes. A state carried over
+    one boundary is refused naming what leaked, not attention the model does not have."""
+    model = zoo_model(name, [list(range(3, 40))])
+    model.set_attn_implementation("padless_varlen")
+    assert {hybrid.layer_kind(m) for m in model.modules()} - {None} == {kind}
+    info = probe_attention(model, "varlen")
+    assert info["max_delta_logps"] <= info["bound"] and info["calls"] == 0
+    monkeypatch.setitem(hybrid.RUNNERS, kind, _carrying_over(hybrid.RUNNERS[kind]))
+    with pytest.raises(AttentionError) as refused:
         probe_attention(model, "varlen")
+    assert (
+        ": a layer that carries a state across tokens (backbone.layers.0.mixer, backbone.layers.1.mixer) "
+        "leaks between packed sequences (the model has no attention layer): packed, per-token log-probs"
+    ) in str(refused.value)
+    assert "attention argument" not in str(refused.value)
 
 
 def test_packed_gradients_equal_each_sequence_alone(probe_seqs):
@@ -103,6 +131,11 @@ def test_without_the_wrapper_a_packed_row_leaks_and_is_refused(probe_seqs):
     raw = AutoModelForCausalLM.from_config(zoo_config("qwen3-next"), attn_implementation="sdpa").eval()
     problem = packing_problem(raw)
     assert problem and "has linear_attention layers, which carry a state" in problem
+    # refused where it is proven or put in an engine (its structure), not first at a forward
+    with pytest.raises(AttentionError, match="has linear_attention layers, which carry a state"):
+        probe_attention(raw, "sdpa")
+    with pytest.raises(AttentionError, match="has linear_attention layers, which carry a state"):
+        ModelEngine(raw)
     batch = _packed_batch(probe_seqs)
     with torch.no_grad():
         alone = torch.cat(alone_logps(raw, probe_seqs).logps)

@@ -1,17 +1,20 @@
-"""The CUDA kernels' branch of gated delta-nets, run on CPU through the kernels' contract stand-ins
-(padless.testing.state_kernels): told the packed row's boundaries, the embedded hybrid computes what the
-exact per-sequence path computes, the load-time probe proves it, and a kernel told no boundaries is
-caught."""
+"""The CUDA kernels' branch of gated delta-nets, short convolutions and Mamba-2 mixers, run on CPU through
+the kernels' contract stand-ins (padless.testing.state_kernels): told the packed row's boundaries, the
+embedded hybrid, an LFM2-style and Mamba-2 hybrids compute what the exact per-sequence path computes, the
+load-time probe proves it, and a kernel told no boundaries is caught."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
+from padless import hybrid, hybrid_kernels
 from padless.attention import AttentionError
+from padless.check import zoo_model
 from padless.engine import forward_packed
 from padless.model import load_model
 from padless.packing import Example, pack
@@ -19,11 +22,19 @@ from padless.probe import probe_attention
 from padless.testing.state_kernels import (
     reference_causal_conv1d_fn,
     reference_chunk_gated_delta_rule,
+    reference_mamba_chunk_scan_combined,
     state_kernels_on_cpu,
 )
 from padless.tolerance import bound
 
 HYBRID = "tiny-qwen3.5"
+SCAN_MODULE = "mamba_ssm.ops.triton.ssd_combined"
+# zoo hybrid -> the kernels each of its stateful layers calls once on a packed row
+ZOO_KERNELS = {
+    "lfm2": ("conv",),  # LFM2: short convolution beside full attention
+    "nemotron_h": ("conv", "scan"),  # Nemotron-H: Mamba-2 beside attention, MLP and MoE blocks
+    "falcon_h1": ("conv", "scan"),  # Falcon-H1: Mamba-2 and attention side by side in every block
+}
 
 
 def _counted(calls: Counter, name: str, fn):
@@ -70,3 +81,104 @@ def test_a_kernel_told_no_boundaries_fails_the_probe(hybrid_model):
         modules["causal_conv1d"].causal_conv1d_fn = blind_conv
         with pytest.raises(AttentionError, match="leaks between packed sequences"):
             probe_attention(hybrid_model, "varlen")
+
+
+@functools.cache
+def _zoo_hybrid(name: str, probe_seqs: tuple[tuple[int, ...], ...]):
+    model = zoo_model(name, [list(s) for s in probe_seqs])
+    model.set_attn_implementation("padless_varlen")
+    model.padless_attention = "varlen"
+    return model
+
+
+def _count_kernels(modules, calls: Counter) -> None:
+    modules["causal_conv1d"].causal_conv1d_fn = _counted(calls, "conv", reference_causal_conv1d_fn)
+    scan = _counted(calls, "scan", reference_mamba_chunk_scan_combined)
+    modules[SCAN_MODULE].mamba_chunk_scan_combined = scan
+
+
+@pytest.mark.parametrize("name", list(ZOO_KERNELS))
+def test_short_conv_and_mamba2_kernel_branches_equal_the_exact_path(name, probe_seqs, monkeypatch):
+    """Each stateful layer calls its kernels once on the whole packed row, in eval and in train mode
+    (where a Mamba-2 mixer first tries the fused conv-scan kernel, which the branch sets aside: it would
+    get no boundaries); log-probs equal the exact path's within the bound, and the probe passes."""
+    model = _zoo_hybrid(name, tuple(map(tuple, probe_seqs)))
+    layers = hybrid.installed_layers(model)
+    batch = pack([Example(s) for s in probe_seqs])
+    with torch.no_grad():
+        exact = forward_packed(model, batch).logps
+    calls: Counter[str] = Counter()
+    with state_kernels_on_cpu() as modules:
+        _count_kernels(modules, calls)
+        modeling = sys.modules[type(model).__module__]
+        if hasattr(modeling, hybrid_kernels.FUSED):  # a fused kernel told nothing must not run
+            monkeypatch.setattr(
+                modeling, hybrid_kernels.FUSED, lambda *a, **k: pytest.fail("fused kernel ran")
+            )
+        with torch.no_grad():
+            kernels = forward_packed(model, batch).logps
+        assert calls == dict.fromkeys(ZOO_KERNELS[name], len(layers))
+        model.train()
+        try:
+            trained = forward_packed(model, batch).logps
+        finally:
+            model.eval()
+        assert calls == dict.fromkeys(ZOO_KERNELS[name], 2 * len(layers))
+        info = probe_attention(model, "varlen")
+    assert calls == dict.fromkeys(ZOO_KERNELS[name], 3 * len(layers))  # the probe's packed row, too
+    limit = bound(torch.float32, exact.abs().max().item())
+    assert (kernels - exact).abs().max().item() <= limit
+    assert (trained.detach() - exact).abs().max().item() <= limit
+    assert info["max_delta_logps"] <= info["bound"]
+
+
+@pytest.mark.parametrize(
+    ("name", "blind"), [("lfm2", "conv"), ("nemotron_h", "conv"), ("nemotron_h", "scan")]
+)
+def test_a_short_conv_or_mamba2_kernel_told_no_boundaries_fails_the_probe(name, blind, probe_seqs):
+    """One kernel given no seq_idx (the other still told): its state or taps cross the packed
+    boundaries, and the probe refuses."""
+
+    def blind_conv(x, weight, bias=None, seq_idx=None, activation=None, **kwargs):
+        return reference_causal_conv1d_fn(x, weight, bias, activation=activation, **kwargs)
+
+    def blind_scan(*args, seq_idx=None, **kwargs):
+        return reference_mamba_chunk_scan_combined(*args, **kwargs)
+
+    model = _zoo_hybrid(name, tuple(map(tuple, probe_seqs)))
+    with state_kernels_on_cpu() as modules:
+        if blind == "conv":
+            modules["causal_conv1d"].causal_conv1d_fn = blind_conv
+        else:
+            modules[SCAN_MODULE].mamba_chunk_scan_combined = blind_scan
+        with pytest.raises(AttentionError, match="leaks between packed sequences"):
+            probe_attention(model, "varlen")
+
+
+def test_a_layer_outside_the_kernel_contract_runs_exact_and_says_so_once(probe_seqs, caplog):
+    """A short convolution over 60 channels: the kernel takes seq_idx only channel-last, in multiples of
+    8 channels. The layer runs the exact path instead (no kernel call, log-probs still those of each
+    sequence alone) and the log says why, once."""
+    from transformers import AutoModelForCausalLM
+
+    from padless.zoo import zoo_config
+
+    config = zoo_config("lfm2")
+    config.hidden_size, config.num_attention_heads = 60, 6  # heads of 10 (rotary halves them)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="padless_varlen").eval()
+    model.padless_attention = "varlen"
+    assert hybrid.install(model) == ["model.layers.0.conv"]
+    batch = pack([Example(s) for s in probe_seqs])
+    calls: Counter[str] = Counter()
+    with state_kernels_on_cpu() as modules, torch.no_grad():
+        _count_kernels(modules, calls)
+        packed = [forward_packed(model, batch).logps for _ in range(2)]
+        alone = torch.cat([forward_packed(model, pack([Example(s)])).logps for s in probe_seqs])
+    assert calls == {}
+    assert (packed[0] - alone).abs().max().item() <= bound(torch.float32, alone.abs().max().item())
+    said = [r.getMessage() for r in caplog.records if r.name == hybrid_kernels.__name__]
+    assert said == [
+        "short convolution Lfm2ShortConv: 60 channels, width 3 (the kernel takes 8k channels, width 2-4); it "
+        "runs the exact per-sequence path"
+    ]

@@ -12,6 +12,7 @@ largest reference gradient entry (<1, so 16 eps = 1.9e-6; measured 3e-8 to 1.5e-
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -24,9 +25,10 @@ import torch
 
 from padless import sequence_parallel
 from padless.attention import VARLEN_NAME
+from padless.engine import EngineSettings, ModelEngine
 from padless.model import load_model
 from padless.packing import IGNORE_INDEX, Example, pack
-from padless.sequence_parallel import SequenceParallelError
+from padless.sequence_parallel import SequenceParallel, SequenceParallelError
 from padless.tolerance import bound
 from padless.zoo import build_zoo_model
 
@@ -119,6 +121,26 @@ def test_padding_is_its_own_labelless_sequence_and_chunks_keep_the_row_bounds():
     assert chunk.position_ids[0].tolist() == [1, 2, 3, 4]  # its true positions, not 0..3
     assert chunk.labels[0].tolist() == [22, 23, 24, 25]  # shifted before the split: 25 is past the chunk
     assert chunk.cu_seqlens is padded.cu_seqlens
+
+
+def test_each_model_splits_over_the_group_its_engine_put_on_it():
+    """The group travels with the model, not the process: two models hold two groups (the engine puts
+    its own on its model's attention layers), a deep copy keeps its model's, and the attention function
+    reads the group of the layer that calls it: a chunk that fits neither is refused with each layer's
+    own degree."""
+    first, second = load_model("tiny-llama", probe=False), load_model("tiny-llama", probe=False)
+    two, four = SequenceParallel(2, 0, group=None), SequenceParallel(4, 1, group=None)
+    ModelEngine(first, settings=EngineSettings(sequence_parallel=two))
+    sequence_parallel.attach(second, four)  # what an engine of degree 4 does (tiny-llama's heads allow 2)
+    layers = first.model.layers[0].self_attn, second.model.layers[0].self_attn
+    assert [getattr(layer, sequence_parallel.ATTRIBUTE) for layer in layers] == [two, four]
+    assert getattr(copy.deepcopy(first).model.layers[1].self_attn, sequence_parallel.ATTRIBUTE) is two
+    query, cu = torch.zeros(1, 4, 3, 8), torch.tensor([0, 10], dtype=torch.int32)
+    for layer, degree in zip(layers, (2, 4), strict=True):
+        with pytest.raises(
+            SequenceParallelError, match=f"3 queries of a 10-token row under sequence_parallel={degree}"
+        ):
+            sequence_parallel._ulysses(layer, query, query, query, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_models_the_split_cannot_run_are_refused():

@@ -289,7 +289,7 @@ def state_kernels_on_cpu() -> Iterator[dict[str, types.ModuleType]]:
 
     with (
         mock.patch.dict(sys.modules, modules),
-        mock.patch.object(hybrid_kernels, "kernel_problem", lambda device: None),
+        mock.patch.object(hybrid_kernels, "kernel_problem", lambda device, packages: None),
     ):
         yield modules
 

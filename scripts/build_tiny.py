@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -1130,6 +1131,141 @@ def build_warm_start(out: Path) -> None:
     print(f"wrote {out / WARM_START}")
 
 
+TOOL_WARM_START = "tiny-llama-calc"
+# SFT stages of tool_chats, each from the last: (seed, count) of the fresh prompts, direct answers per tool
+# call on the tiny:rl prompts, epochs, learning rate. The first learns the call syntax and when to call; the
+# second, on fresh prompts seen once each, the copying (the first alone copies a number into the call or the
+# result into the answer right about half the time) but then calls on nearly every prompt; the third,
+# tiny:rl prompts only, half with a call, brings that down to about a fifth of the episodes.
+TOOL_STAGES: list[tuple[tuple[int, int], int, int, float]] = [
+    ((1005, 500), 3, 10, 2e-3),
+    ((1006, 10_000), 3, 1, 2e-3),
+    ((1007, 0), 1, 2, 1e-3),
+]
+# The two-number question forms of rl_row, and the calculate() expression each one asks for.
+TOOL_QUESTIONS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"(?:What is|Compute) (\d+) (\+|-|x|plus|minus) (\d+)[?.] "), r"\1 \2 \3"),
+    (re.compile(r" has (\d+) \w+\. \w+ gets (\d+) more\."), r"\1 + \2"),
+    (re.compile(r" has (\d+) \w+\. \w+ gives away (\d+)\."), r"\1 - \2"),
+]
+
+
+def tool_expression(prompt: str) -> str | None:
+    """The calculate() expression a ``tiny:rl`` prompt asks for; None for the story and list prompts."""
+    for pattern, expression in TOOL_QUESTIONS:
+        m = pattern.search(prompt)
+        if m is not None:
+            return m.expand(expression)
+    return None
+
+
+def tool_chats(rows: list[dict], tokenizer, fresh: tuple[int, int], direct_copies: int) -> list[list[dict]]:
+    """SFT conversations for the calculator. Per ``tiny:rl`` prompt with two numbers: one that calls
+    calculate (the template's own call syntax, from a structured ``tool_calls``), reads the tool message and
+    answers, and ``direct_copies`` that answer at once (the other prompts: answered at once); then
+    ``fresh`` = (seed, count) new prompts of the same forms, each with a tool call: their answers cannot be
+    remembered, so the model learns to copy the numbers into the call and the tool's result into the
+    answer.
+
+    SFT rows carry no ``tools``, so the template's tools preamble (what an episode's prompt starts with) is
+    put in as the system message that renders the same text, checked per conversation against the rendering
+    with ``tools=``: a template change fails the build instead of training on another format."""
+    from padless.environments import calculate, tool_schema
+
+    schemas = [tool_schema("calculate", calculate)]
+
+    def render(messages: list[dict], **kwargs) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+    def with_call(row: dict, expression: str) -> list[dict]:
+        assert calculate(expression) == row["answer"], (row, expression)
+        arguments = {"expression": expression}
+        call = {"type": "function", "function": {"name": "calculate", "arguments": arguments}}
+        return [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": calculate(expression)},
+            {"role": "assistant", "content": row["answer"]},
+        ]
+
+    probe = [{"role": "user", "content": "x"}]
+    with_tools, without = render(probe, tools=schemas), render(probe)
+    head, tail = render([{"role": "system", "content": "\ue000"}]).split("\ue000")
+    preamble = with_tools[: len(with_tools) - len(without)]
+    assert with_tools.endswith(without) and preamble.startswith(head) and preamble.endswith(tail), preamble
+    system = {"role": "system", "content": preamble[len(head) : len(preamble) - len(tail)]}
+    chats = []
+    for r in rows:
+        direct = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]
+        expression = tool_expression(r["prompt"])
+        if expression is not None:
+            chats.append(with_call(r, expression))
+        chats += [direct] * (1 if expression is None else direct_copies)
+    seed, count = fresh
+    rng, seen, fresh = random.Random(seed), {r["prompt"] for r in rows}, 0
+    while fresh < count:
+        row = rl_row(rng, False)
+        expression = tool_expression(row["prompt"])
+        if expression is not None and row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            chats.append(with_call(row, expression))
+            fresh += 1
+    random.Random(seed).shuffle(chats)
+    for chat in chats:
+        assert render([system, *chat]) == render(chat, tools=schemas), chat
+    return [[system, *chat] for chat in chats]
+
+
+def build_tool_warm_start(out: Path) -> None:
+    """Fine-tune the shipped ``tiny-llama-arith`` on :func:`tool_chats` of the ``tiny:rl`` prompts in the
+    ``TOOL_STAGES`` (padless SFT, fixed seeds; about 15 minutes on 2 CPU cores) and save it in bf16 as
+    ``<out>/tiny-llama-calc``: a policy that calls the calculator on some episodes and answers directly on
+    the others, so GRPO with the ``calculator`` environment has tool use to learn. Reproducible like
+    :func:`build_warm_start`."""
+    import shutil
+    import sys
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from padless.config import SFTConfig
+    from padless.config_loading import load_config
+    from padless.trainers.sft import run_sft
+
+    rows = [json.loads(line) for line in (out / "data" / "rl.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / WARM_START  # the shipped warm start and the embedded tokenizer, as one folder
+        shutil.copytree(out / WARM_START, model)
+        shutil.copytree(out / "tokenizer", model, dirs_exist_ok=True)
+        for stage, (fresh, direct_copies, epochs, lr) in enumerate(TOOL_STAGES):
+            data = Path(tmp) / f"calculator-{stage}.jsonl"
+            chats = tool_chats(rows, tokenizer, fresh, direct_copies)
+            data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+            run = Path(tmp) / f"run-{stage}"
+            overrides = [
+                f"model.name={model}",
+                f"data.train={data}",
+                f"train.output_dir={run}",
+                f"train.num_epochs={epochs}",
+                f"train.learning_rate={lr}",
+                "train.warmup_ratio=0.05",
+                "train.max_tokens_per_batch=1024",
+                "train.report_to=[]",
+                "train.progress_bar=false",
+            ]
+            run_sft(load_config(SFTConfig, None, overrides))
+            model = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            shutil.copytree(out / "tokenizer", model, dirs_exist_ok=True)
+        trained = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        trained.generation_config.pad_token_id = SPECIAL_TOKENS.index("<|endoftext|>")
+        trained.save_pretrained(out / TOOL_WARM_START)
+    print(f"wrote {out / TOOL_WARM_START}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -1141,11 +1277,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--warm-start",
         action="store_true",
-        help=f"only (re)build the shipped RL warm start {WARM_START} from --out's data (trains: minutes)",
+        help=f"only (re)build the shipped RL warm starts {WARM_START}, then {TOOL_WARM_START}, from --out's "
+        "data (trains: minutes)",
+    )
+    parser.add_argument(
+        "--tool-warm-start",
+        action="store_true",
+        help=f"only (re)build {TOOL_WARM_START}, the calculator warm start, from --out's {WARM_START}",
     )
     args = parser.parse_args(argv)
-    if args.warm_start:
-        build_warm_start(args.out)
+    if args.warm_start or args.tool_warm_start:
+        if args.warm_start:
+            build_warm_start(args.out)
+        build_tool_warm_start(args.out)
         return
 
     datasets = generate_all()

@@ -119,7 +119,13 @@ VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.source
 # Trained models shipped as Hugging Face folders (built by ``scripts/build_tiny.py --warm-start``):
 # ``tiny-llama-arith`` is tiny-llama fine-tuned on the answers of the ``tiny:rl`` prompts, a policy that
 # earns some reward, so the RL examples show learning instead of a random model's zero reward.
-SHIPPED_MODELS: dict[str, Path] = {"tiny-llama-arith": TINY_DIR / "tiny-llama-arith"}
+# ``tiny-llama-calc`` is tiny-llama-arith fine-tuned on calculator conversations (a tool call in the
+# embedded template's syntax, its result, the answer) mixed with direct answers: it calls the tool on some
+# episodes, the calculator example's start.
+SHIPPED_MODELS: dict[str, Path] = {
+    "tiny-llama-arith": TINY_DIR / "tiny-llama-arith",
+    "tiny-llama-calc": TINY_DIR / "tiny-llama-calc",
+}
 
 
 def _check_choice(kind: str, value: str, valid: tuple[str, ...] | list[str]) -> None:

@@ -389,3 +389,63 @@ def test_the_shipped_warm_start_earns_some_reward() -> None:
     texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
     exact = sum(arithmetic(None, texts, [r["answer"] for r in rows])) / len(rows)
     assert 0.15 <= exact <= 0.6, texts
+
+
+def build_script():
+    """scripts/build_tiny.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny", BUILD_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_tiny"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_calculator_warm_start_data_call_the_tool_as_the_template_writes_it() -> None:
+    """The conversations tiny-llama-calc is trained on: every two-number tiny:rl prompt has a call whose
+    result is its answer (the build asserts it per row), the template's own <call>{json}</call> turn (its
+    tools preamble standing in as a system message, checked by the build per conversation), and direct
+    answers on those prompts too."""
+    from padless.environments import Tools, calculate
+
+    build = build_script()
+    rows = [json.loads(line) for line in data_path("rl").read_text().splitlines()]
+    tok = tiny_tokenizer()
+    fresh, direct = build.TOOL_STAGES[0][:2]
+    chats = build.tool_chats(rows, tok, fresh, direct)
+    calling = [c for c in chats if len(c) == 5]
+    known = {r["prompt"] for r in rows}
+    seen = [c for c in calling if c[1]["content"] in known]
+    assert len(seen) == sum(build.tool_expression(r["prompt"]) is not None for r in rows) == 285
+    assert len(calling) - len(seen) == fresh[1]
+    assert len(chats) == 300 + 285 * direct - 285 + len(calling)
+    text = tok.apply_chat_template(calling[0][:3], tokenize=False)
+    turn = text[text.rindex("<|im_start|>assistant\n") :].removesuffix("\n").removesuffix("<|im_end|>")
+    calls, problem = Tools([calculate], tok.response_template).parse(turn, "")
+    assert problem is None and calls == [calling[0][2]["tool_calls"][0]["function"]]
+
+
+def test_the_calculator_warm_start_calls_the_tool_on_some_episodes() -> None:
+    """tiny-llama-calc, sampled at temperature 1 in calculator episodes on the first 16 tiny:rl prompts
+    (2 each, the first turn): some episodes call the tool and most of those calls run, but not all
+    episodes call it, so GRPO has tool use to learn (measured: MEASURED)."""
+    from padless.config import GRPOConfig
+    from padless.config_loading import load_config
+    from padless.data import load_rows
+    from padless.engine import ModelEngine
+    from padless.episodes import make_runner
+    from padless.model import load_model, load_tokenizer
+    from padless.rollout import HFEngine
+
+    tok, model = load_tokenizer("tiny-llama-calc"), load_model("tiny-llama-calc")
+    assert (SHIPPED_MODELS["tiny-llama-calc"] / "model.safetensors").stat().st_size < 3_000_000
+    overrides = ["rollout.environment=calculator", "rollout.max_new_tokens=64", "rollout.max_turns=1"]
+    rollout = load_config(GRPOConfig, None, overrides).rollout
+    rows = [r.data for r in load_rows("tiny:rl[:16]")] * 2
+    episodes = make_runner(tok, rollout, {tok.eos_token_id}).run(
+        HFEngine(ModelEngine(model), tok, rollout), rows, list(range(len(rows))), greedy=False
+    )
+    calling = sum(e.calls > 0 for e in episodes) / len(episodes)
+    ran = sum(e.calls - e.failed_calls for e in episodes) / sum(e.calls for e in episodes)
+    assert 0.1 <= calling <= 0.6 and ran > 0.5, (calling, ran)

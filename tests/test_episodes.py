@@ -380,27 +380,27 @@ def test_calculator_episodes_train_log_their_metrics_and_resume_mid_rollout(tmp_
 
 
 @pytest.mark.slow
-def test_the_calculator_example_raises_the_episode_reward(tmp_path):
-    """examples/grpo_calculator_tiny.yaml, 30 of its 40 rollouts: the sampled reward over the last third
-    exceeds the first third by more than 0.1 (measured 0.50 -> 0.68 on 2 shared CPU cores), episodes need
-    fewer turns, and the sampler's log-probs match the packed training forward's in every rollout."""
+def test_the_calculator_example_learns_to_call_the_tool(tmp_path):
+    """examples/grpo_calculator_tiny.yaml as shipped (18 rollouts from tiny-llama-calc): the sampled reward
+    over the last third exceeds the first third by more than 0.2 and tool calls per episode rise (measured
+    REWARDS and CALLS with seeds 42 and 1), calls run from the first rollout on, and the sampler's log-probs
+    match the packed training forward's in every rollout."""
     from pathlib import Path
 
     from padless.trainers.grpo import run_grpo
 
     example = Path(__file__).parent.parent / "examples" / "grpo_calculator_tiny.yaml"
-    overrides = [f"train.output_dir={tmp_path}", "train.max_steps=30", "train.save_steps=30"]
-    run_grpo(
-        load_config(GRPOConfig, example, [*overrides, "train.progress_bar=false", "train.report_to=[jsonl]"])
-    )
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.report_to=[jsonl]"]
+    run_grpo(load_config(GRPOConfig, example, overrides))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rollouts = [r for r in records if "rollout/reward" in r]
-    assert len(rollouts) == 30
+    assert len(rollouts) == 18
 
     def mean(key: str, part: list[dict]) -> float:
         return sum(r[key] for r in part) / len(part)
 
-    first, last = rollouts[:10], rollouts[-10:]
-    assert mean("rollout/reward", last) > mean("rollout/reward", first) + 0.1
-    assert mean("rollout/turns", last) < mean("rollout/turns", first)
+    first, last = rollouts[:6], rollouts[-6:]
+    assert mean("rollout/reward", last) > mean("rollout/reward", first) + 0.2
+    assert mean("rollout/tool_calls", last) > mean("rollout/tool_calls", first)
+    assert rollouts[0]["rollout/tool_calls"] > 0 and rollouts[0]["rollout/tool_call_success"] > 0.5
     assert all(r["rollout/env_tokens"] > 0 and r["mismatch/logp_diff_max"] < 1e-4 for r in rollouts)

@@ -429,7 +429,7 @@ def test_the_calculator_warm_start_data_call_the_tool_as_the_template_writes_it(
 def test_the_calculator_warm_start_calls_the_tool_on_some_episodes() -> None:
     """tiny-llama-calc, sampled at temperature 1 in calculator episodes on the first 16 tiny:rl prompts
     (2 each, the first turn): some episodes call the tool and most of those calls run, but not all
-    episodes call it, so GRPO has tool use to learn (measured: MEASURED)."""
+    episodes call it, so GRPO has tool use to learn (measured: 5 of 32 call, all 5 calls run)."""
     from padless.config import GRPOConfig
     from padless.config_loading import load_config
     from padless.data import load_rows
@@ -448,4 +448,4 @@ def test_the_calculator_warm_start_calls_the_tool_on_some_episodes() -> None:
     )
     calling = sum(e.calls > 0 for e in episodes) / len(episodes)
     ran = sum(e.calls - e.failed_calls for e in episodes) / sum(e.calls for e in episodes)
-    assert 0.1 <= calling <= 0.6 and ran > 0.5, (calling, ran)
+    assert 0.05 <= calling <= 0.6 and ran > 0.5, (calling, ran)

@@ -110,6 +110,11 @@ def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) ->
             if "float32_reprobe" in probe
             else ""
         )
+        + (
+            "; reused: the same model and code were proven earlier in this process"
+            if probe.get("reused")
+            else ""
+        )
         + "".join(
             f"; probed with {key} {probe_value} instead of {value}, so that its sequences cross it"
             for key, (value, probe_value) in probe.get("spans_cut", {}).items()

@@ -380,6 +380,7 @@ def logps_from_hidden(
     if rows.numel() == labels.numel():
         rows = None  # every position has a label: no gather
     h = hidden if rows is None else hidden[rows]
+    h = h.to(head.module.weight.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
     y = labels if rows is None else labels[rows]
     step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
     weighted = None

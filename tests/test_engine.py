@@ -106,3 +106,18 @@ def test_packed_text_rows_of_an_m_rope_model_get_rope_rows_and_images_without_th
     with_image = dataclasses.replace(batch, vision={"pixel_values": torch.zeros(4, 8)})
     with pytest.raises(ValueError, match="M-RoPE positions"):
         hidden_states(model, with_image)
+
+
+def test_head_takes_the_hidden_states_in_its_own_dtype_as_the_model_does(probe_seqs):
+    """Mamba's last norm returns fp32 under a bf16 head; its forward casts before the head, and so must
+    padless's (it crashed with 'expected m1 and m2 to have the same dtype' in bf16)."""
+    from padless.tolerance import bound
+    from padless.zoo import build_zoo_model
+
+    model = build_zoo_model("mamba", "eager", dtype=torch.bfloat16)
+    seq = probe_seqs[1]
+    with torch.no_grad():
+        got = forward_packed(model, pack([Example(seq)])).logps[:-1]
+        own = model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+    want = own.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+    assert (got - want).abs().max() <= bound(torch.bfloat16, own.abs().max().item())

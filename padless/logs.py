@@ -108,6 +108,8 @@ def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) ->
         + (
             f"; in float32 on the same weights, after the {dtype} probe differed: {probe['float32_reprobe']}"
             if "float32_reprobe" in probe
+            else f"; in float32 on the same weights {probe['float32_probe']}"
+            if "float32_probe" in probe
             else ""
         )
         + "".join(

@@ -396,12 +396,14 @@ def _float32(model: torch.nn.Module) -> Iterator[None]:
     value round-trips through float32 bit for bit, so the weights trained are the weights proven."""
     cast = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.bfloat16, torch.float16)]
     dtypes = [t.dtype for t in cast]
-    for t in cast:
-        t.data = t.data.float()
+    done = 0
     try:
+        for t in cast:  # out of memory half-way: what was cast goes back all the same
+            t.data = t.data.float()
+            done += 1
         yield
     finally:
-        for t, dtype in zip(cast, dtypes, strict=True):
+        for t, dtype in zip(cast[:done], dtypes, strict=False):
             t.data = t.data.to(dtype)
 
 

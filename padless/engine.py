@@ -172,6 +172,23 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
+def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
+    """A packed row's ``[4, 1, T]`` ids for an M-RoPE model: the restarting text row the mask is built from,
+    then the three rope rows. Given one row, such a model computes its own rope rows and masks the whole
+    row causally on sdpa / eager (a leak: 23.8 nats on Qwen2.5-VL); text takes its restarting positions on
+    all three, images need theirs from the model's rope index."""
+    ids = batch.position_ids
+    if ids.dim() == 3 and len(ids) == 4:
+        return ids
+    if ids.dim() == 2 and not batch.vision:
+        return ids.expand(4, 1, -1)
+    raise ValueError(
+        f"a packed row of an M-RoPE model needs position ids [4, 1, T] (text row, then 3 rope rows), got "
+        f"{list(ids.shape)}{' with images' if batch.vision else ''}: tokenize the examples with the model's "
+        "rope index (padless.vision.RopeIndex)"
+    )
+
+
 def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
 
@@ -180,16 +197,8 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> t
     backend = checked_backend(model)
     base = backbone(model)
     inputs = model_inputs(batch)
-    if isinstance(batch, PackedBatch) and batch.position_ids.dim() == 2 and hasattr(base, "get_rope_index"):
-        # An M-RoPE model given one position row computes its own rope rows and masks the whole row
-        # causally on sdpa / eager (a leak, measured at 23.8 nats on Qwen2.5-VL): text rows take their
-        # restarting positions on all three rope rows, under the text row the mask is built from.
-        if batch.vision:
-            raise ValueError(
-                "a packed row with images needs each sample's M-RoPE positions: tokenize the examples "
-                "with the model's rope index (padless.vision.RopeIndex)"
-            )
-        inputs["position_ids"] = batch.position_ids.expand(4, 1, -1)
+    if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
+        inputs["position_ids"] = _mrope_rows(batch)
     with runtime_context(backend, batch.input_ids.device):
         return base(**inputs, use_cache=False).last_hidden_state
 

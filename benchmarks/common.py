@@ -353,6 +353,37 @@ def train_padless(trainer: Any, run: Measurement, count: Callable[[Any], None]) 
     trainer.train()
 
 
+def run_padless_sft(
+    spec: dict[str, Any], batching: str, examples: Callable[[Any], list[Any]]
+) -> dict[str, Any]:
+    """The padless SFT contender of every SFT benchmark: the real ``SFTRecipe`` on the shared ``Trainer``
+    loop with ``batching`` ``tokens`` (one packed row per step) or ``padded`` (right padding), on the
+    examples ``examples(session)`` returns (built with the session's model and tokenizer)."""
+    import tempfile
+
+    import padless.trainers.loop as loop
+    from padless.config import DataSettings, SFTConfig
+    from padless.trainers.sft import SFTRecipe
+
+    run = Measurement(spec)
+    with tempfile.TemporaryDirectory(prefix="padless-bench-") as out:
+        model, train = padless_settings(spec, out, batching)
+        data_settings = DataSettings(train=spec["data"]["spec"], max_length=spec["max_length"])
+        cfg = SFTConfig(model=model, data=data_settings, train=train)
+        session = start_padless(cfg, out, spec["device"])
+        recipe = SFTRecipe(examples(session), cfg.train, session.tokenizer, session.accelerator.device)
+        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
+
+        def count(micro: loop.MicroBatch) -> None:
+            lens = [len(e) for e in micro.data]
+            processed = len(lens) * max(lens) if batching == "padded" else sum(lens)
+            run.recorder.tokens(sum(lens), processed, int(micro.units))
+
+        train_padless(trainer, run, count)
+    layout = "packed, token budget" if batching == "tokens" else f"padded right, {spec['batch_size']} seqs"
+    return run.result(session.model, layout, padless_attention(run.cuda))
+
+
 def import_trl() -> ModuleType:
     """TRL, or a message saying how to get it (it is a benchmark-only extra)."""
     try:
@@ -495,13 +526,14 @@ def parse_benchmark_args(
     contenders: Sequence[str],
     cpu_steps: int,
     quick_help: str,
+    model: str = "tiny-qwen2",
 ) -> argparse.Namespace:
     """Add the options every benchmark takes to ``p`` (which holds the script's own) and parse.
 
     Settles the shared defaults: ``--quick`` is 1 warm-up + 2 timed steps, otherwise 3 warm-up +
-    ``cpu_steps`` timed steps on CPU, 100 on CUDA.
+    ``cpu_steps`` timed steps on CPU, 100 on CUDA; ``--model`` is ``model`` unless given.
     """
-    p.add_argument("--model", default="tiny-qwen2", help="embedded name, local directory or cached HF id")
+    p.add_argument("--model", default=model, help=f"embedded name, local directory or cached HF id ({model})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every contender")
     p.add_argument(
@@ -571,8 +603,13 @@ def run_benchmark(
 
     ``prepare`` runs once threads are limited and returns the spec and the data keyword arguments that
     ``contender(name=..., spec=..., **data)`` gets in every subprocess; ``progress`` describes one run.
+    With ``--report FILE`` (where a script offers it) only prints the report of a saved ``--json`` file.
     Returns the exit status: 2 without the asked-for GPU, 1 if any run failed.
     """
+    if getattr(args, "report", None):
+        saved = json.loads(Path(args.report).read_text())
+        report(saved["spec"], saved["runs"], saved["environment"])
+        return 0
     hide_devices_for_cpu(args.device)
     limit_threads(args.threads)
     env = environment()
@@ -842,3 +879,83 @@ def print_targets(targets: dict[str, dict[str, Any]], width: int) -> None:
     for label, t in targets.items():
         verdict = {None: "n/a", True: "met", False: "MISSED"}[t["met"]]
         print(f"target {label:{width}s} {fmt_ratio(t['ratio']):>7s}  {verdict}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The SFT benchmarks' report (text, vision-language, hybrid): packed vs padded, and TRL where it runs
+
+
+def loss_progress(r: dict[str, Any]) -> str:
+    """One SFT run's progress line: throughput and its final loss."""
+    return f"{throughput_line(r)}, loss {r['final_loss']:.4f}"
+
+
+def paired_ratios(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> list[float]:
+    """Real tokens/s ratio within each repeat that both contenders completed."""
+    by_repeat = {r["repeat"]: r["real_tokens_per_s"] for r in den}
+    return [r["real_tokens_per_s"] / by_repeat[r["repeat"]] for r in num if r["repeat"] in by_repeat]
+
+
+def sft_report(
+    spec: dict[str, Any],
+    runs: Runs,
+    env: dict[str, Any],
+    heading: str,
+    ratios: Sequence[tuple[str, str, str]],
+    targets: dict[str, tuple[str, str, float]],
+    padded: str = "padded",
+) -> dict:
+    """Print an SFT benchmark's table (median run of each contender), its ``ratios`` (label, numerator,
+    denominator; per repeat too, since runs of one repeat see similar load) and ``targets``; return them
+    for the JSON. ``heading`` names the benchmark, the machine line follows it; ``padded`` names the
+    contenders that take ``batch_size`` sequences per step."""
+    results = Results(spec, runs)
+    mem_key = "cuda_peak_mib" if results.cuda else "peak_rss_delta_mib"
+    table = results.table(
+        before=[("real tok/step", lambda r: fmt_number(r["real_tokens_per_step"]))],
+        after=[("loss (last 5)", lambda r: f"{r['final_loss_mean5']:.4f}")],
+    )
+    measured = {
+        label: {
+            **results.throughput_ratios(a, b, mem_key),
+            "per_repeat": paired_ratios(runs.get(a, []), runs.get(b, [])),
+        }
+        for label, a, b in ratios
+    }
+    met = results.targets(targets)
+    d = spec["data"]
+    print()
+    print(
+        f"{heading} on {machine_line(spec, env)}, data {d['spec']} ({d['examples']} examples, "
+        f"{d['tokens']:,} tokens, median {d['median_len']:.0f} / max {d['max_len']} tokens)"
+    )
+    git, versions = env.get("git", {}), env.get("versions", {})
+    dirty = " (uncommitted library edits)" if git.get("library_dirty") else ""
+    trl = f", TRL {versions.get('trl')}" if any(name.startswith("trl") for name in runs) else ""
+    print(
+        f"padless {versions.get('padless')} at {git.get('commit')}{dirty}, torch {versions.get('torch')}, "
+        f"transformers {versions.get('transformers')}{trl}; {env.get('date')}"
+    )
+    print(results.runs_line(spec))
+    print(
+        f"packed: budget {spec['max_tokens_per_batch']} tokens/step; "
+        f"{padded}: {spec['batch_size']} sequences/step"
+    )
+    print()
+    print(table)
+    print()
+    mem_label = "peak CUDA memory" if results.cuda else "peak RSS rise"
+    columns = [
+        ("real tok/s", "real_tokens_per_s", 10),
+        ("median step", "median_step", 12),
+        (mem_label, "memory", 16),
+    ]
+
+    def per_repeat(v: dict[str, Any]) -> str:
+        return ", ".join(fmt_ratio(x) for x in v["per_repeat"]) if results.n_runs > 1 else ""
+
+    print_ratios(measured, columns, tail=("per repeat", per_repeat))
+    print()
+    print_targets(met, width=max(map(len, targets), default=0))
+    results.print_failures()
+    return {"ratios": measured, "targets": met, "table": table}

@@ -31,11 +31,9 @@ included, for every contender). Neither side saves checkpoints, evaluates or log
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo root
@@ -55,8 +53,15 @@ Tokenized = tuple[list[int], list[bool]]
 # Parent: data, plan, orchestration
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(
+    argv: list[str] | None = None,
+    contenders: tuple[str, ...] = CONTENDERS,
+    model: str = "tiny-qwen2",
+    description: str = __doc__.split("\n\n")[0],
+) -> argparse.Namespace:
+    """This benchmark's options; another SFT benchmark on the same data and plan (``hybrid_packing``)
+    passes its own contenders, default model and description."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument(
         "--data", default="tiny:sft", help="SFT data (jsonl/json/parquet, datasets dir, tiny:<name>)"
     )
@@ -75,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--report", default=None, help="print the table of a saved --json file and exit")
     quick = "smoke run: 1 warm-up + 2 timed steps of 1024 tokens (< 2 min)"
-    args = common.parse_benchmark_args(p, argv, CONTENDERS, cpu_steps=30, quick_help=quick)
+    args = common.parse_benchmark_args(p, argv, contenders, cpu_steps=30, quick_help=quick, model=model)
     if args.max_tokens_per_batch is None:
         args.max_tokens_per_batch = 1024 if args.quick else 4096
     return args
@@ -154,30 +159,9 @@ def run_contender(name: str, spec: dict[str, Any], examples: list[Tokenized]) ->
 
 
 def run_padless(spec: dict[str, Any], examples: list[Tokenized], batching: str) -> dict[str, Any]:
-    import padless.trainers.loop as loop
-    from padless.config import DataSettings, SFTConfig
     from padless.packing import Example
-    from padless.trainers.sft import SFTRecipe
 
-    run = common.Measurement(spec)
-    with tempfile.TemporaryDirectory(prefix="padless-bench-") as out:
-        model, train = common.padless_settings(spec, out, batching)
-        data_settings = DataSettings(train=spec["data"]["spec"], max_length=spec["max_length"])
-        cfg = SFTConfig(model=model, data=data_settings, train=train)
-        session = common.start_padless(cfg, out, spec["device"])
-        data = [Example(ids, mask) for ids, mask in examples]
-        recipe = SFTRecipe(data, cfg.train, session.tokenizer, session.accelerator.device)
-
-        trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
-
-        def count(micro: loop.MicroBatch) -> None:
-            lens = [len(e) for e in micro.data]
-            processed = len(lens) * max(lens) if batching == "padded" else sum(lens)
-            run.recorder.tokens(sum(lens), processed, int(micro.units))
-
-        common.train_padless(trainer, run, count)
-    layout = "packed, token budget" if batching == "tokens" else f"padded right, {spec['batch_size']} seqs"
-    return run.result(session.model, layout, common.padless_attention(run.cuda))
+    return common.run_padless_sft(spec, batching, lambda _: [Example(ids, mask) for ids, mask in examples])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -292,79 +276,13 @@ RATIOS = (
 )
 
 
-def paired_ratios(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> list[float]:
-    """Real tokens/s ratio within each repeat that both contenders completed."""
-    by_repeat = {r["repeat"]: r["real_tokens_per_s"] for r in den}
-    return [r["real_tokens_per_s"] / by_repeat[r["repeat"]] for r in num if r["repeat"] in by_repeat]
-
-
 def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict:
     """Print the table (median run of each contender), ratios and targets; return them for the JSON."""
-    results = common.Results(spec, runs)
-    cuda = results.cuda
-    mem_key = "cuda_peak_mib" if cuda else "peak_rss_delta_mib"
-    table = results.table(
-        before=[("real tok/step", lambda r: common.fmt_number(r["real_tokens_per_step"]))],
-        after=[("loss (last 5)", lambda r: f"{r['final_loss_mean5']:.4f}")],
-    )
-    ratios = {
-        label: {
-            **results.throughput_ratios(a, b, mem_key),
-            # Runs of the same repeat ran minutes apart: their ratio sees similar load from other processes.
-            "per_repeat": paired_ratios(runs.get(a, []), runs.get(b, [])),
-        }
-        for label, a, b in RATIOS
-    }
-    targets = results.targets(TARGETS)
-
-    d = spec["data"]
-    print()
-    print(
-        f"SFT throughput on {common.machine_line(spec, env)}, data {d['spec']} ({d['examples']} examples, "
-        f"{d['tokens']:,} tokens, median {d['median_len']:.0f} / max {d['max_len']} tokens)"
-    )
-    git, versions = env.get("git", {}), env.get("versions", {})
-    dirty = " (uncommitted library edits)" if git.get("library_dirty") else ""
-    print(
-        f"padless {versions.get('padless')} at {git.get('commit')}{dirty}, torch {versions.get('torch')}, "
-        f"transformers {versions.get('transformers')}, TRL {versions.get('trl')}; {env.get('date')}"
-    )
-    print(results.runs_line(spec))
-    print(
-        f"packed: budget {spec['max_tokens_per_batch']} tokens/step; "
-        f"padded and TRL: {spec['batch_size']} sequences/step"
-    )
-    print()
-    print(table)
-    print()
-    mem_label = "peak CUDA memory" if cuda else "peak RSS rise"
-    columns = [
-        ("real tok/s", "real_tokens_per_s", 10),
-        ("median step", "median_step", 12),
-        (mem_label, "memory", 16),
-    ]
-
-    def per_repeat(v: dict[str, Any]) -> str:
-        return ", ".join(common.fmt_ratio(x) for x in v["per_repeat"]) if results.n_runs > 1 else ""
-
-    common.print_ratios(ratios, columns, tail=("per repeat", per_repeat))
-    print()
-    common.print_targets(targets, width=50)
-    results.print_failures()
-    return {"ratios": ratios, "targets": targets, "table": table}
-
-
-def progress(r: dict[str, Any]) -> str:
-    return f"{common.throughput_line(r)}, loss {r['final_loss']:.4f}"
+    return common.sft_report(spec, runs, env, "SFT throughput", RATIOS, TARGETS, padded="padded and TRL")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.report:
-        saved = json.loads(Path(args.report).read_text())
-        report(saved["spec"], saved["runs"], saved["environment"])
-        return 0
-    return common.run_benchmark(args, prepare, run_contender, progress, report)
+    return common.run_benchmark(parse_args(argv), prepare, run_contender, common.loss_progress, report)
 
 
 if __name__ == "__main__":

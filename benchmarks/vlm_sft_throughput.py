@@ -27,12 +27,10 @@ step to the end of the last timed step. Nothing is evaluated, saved or logged to
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo root
@@ -65,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step for the padded runs")
     p.add_argument("--report", default=None, help="print the table of a saved --json file and exit")
     quick = "smoke run: 1 warm-up + 2 timed steps of 1024 tokens"
-    args = common.parse_benchmark_args(p, argv, CONTENDERS, cpu_steps=30, quick_help=quick)
-    if args.model == "tiny-qwen2":  # the shared default is a text model
-        args.model = "tiny-qwen2.5-vl"
+    args = common.parse_benchmark_args(
+        p, argv, CONTENDERS, cpu_steps=30, quick_help=quick, model="tiny-qwen2.5-vl"
+    )
     if args.max_tokens_per_batch is None:
         args.max_tokens_per_batch = 1024 if args.quick else 4096
     return args
@@ -164,29 +162,7 @@ def run_contender(name: str, spec: dict[str, Any], rows: list[Row]) -> dict:
 
 
 def run_padless(spec: dict[str, Any], rows: list[Row], batching: str) -> dict[str, Any]:
-    import padless.trainers.loop as loop
-    from padless.config import DataSettings, SFTConfig
-    from padless.trainers.sft import SFTRecipe
-
-    run = common.Measurement(spec)
-    with tempfile.TemporaryDirectory(prefix="padless-bench-") as out:
-        model, train = common.padless_settings(spec, out, batching)
-        data_settings = DataSettings(train=spec["data"]["spec"], max_length=spec["max_length"])
-        cfg = SFTConfig(model=model, data=data_settings, train=train)
-        session = common.start_padless(cfg, out, spec["device"])
-        examples = tokenize(spec, rows, session.model)
-        recipe = SFTRecipe(examples, cfg.train, session.tokenizer, session.accelerator.device)
-        engine = session.engine()
-        trainer = loop.Trainer(recipe, engine, session.tokenizer, cfg.train, session.accelerator)
-
-        def count(micro: loop.MicroBatch) -> None:
-            lens = [len(e) for e in micro.data]
-            processed = len(lens) * max(lens) if batching == "padded" else sum(lens)
-            run.recorder.tokens(sum(lens), processed, int(micro.units))
-
-        common.train_padless(trainer, run, count)
-    layout = "packed, token budget" if batching == "tokens" else f"padded right, {spec['batch_size']} seqs"
-    return run.result(session.model, layout, common.padless_attention(run.cuda))
+    return common.run_padless_sft(spec, batching, lambda session: tokenize(spec, rows, session.model))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -239,52 +215,11 @@ RATIOS = (
 
 def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict:
     """Print the table (median run of each contender), ratios and targets; return them for the JSON."""
-    results = common.Results(spec, runs)
-    mem_key = "cuda_peak_mib" if results.cuda else "peak_rss_delta_mib"
-    table = results.table(
-        before=[("real tok/step", lambda r: common.fmt_number(r["real_tokens_per_step"]))],
-        after=[("loss (last 5)", lambda r: f"{r['final_loss_mean5']:.4f}")],
-    )
-    ratios = {label: results.throughput_ratios(a, b, mem_key) for label, a, b in RATIOS}
-    targets = results.targets(TARGETS)
-    d = spec["data"]
-    print()
-    print(
-        f"VLM SFT throughput on {common.machine_line(spec, env)}, {d['examples']} rows of {d['spec']} with "
-        f"a picture each ({d['tokens']:,} tokens, median {d['median_len']:.0f} / max {d['max_len']} tokens)"
-    )
-    git, versions = env.get("git", {}), env.get("versions", {})
-    dirty = " (uncommitted library edits)" if git.get("library_dirty") else ""
-    print(
-        f"padless {versions.get('padless')} at {git.get('commit')}{dirty}, torch {versions.get('torch')}, "
-        f"transformers {versions.get('transformers')}, TRL {versions.get('trl')}; {env.get('date')}"
-    )
-    print(results.runs_line(spec))
-    budget, seqs = spec["max_tokens_per_batch"], spec["batch_size"]
-    print(f"packed: budget {budget} tokens/step; padded: {seqs} sequences/step")
-    print()
-    print(table)
-    print()
-    mem_label = "peak CUDA memory" if results.cuda else "peak RSS rise"
-    columns = [("real tok/s", "real_tokens_per_s", 10), ("median step", "median_step", 12)]
-    common.print_ratios(ratios, [*columns, (mem_label, "memory", 16)])
-    print()
-    common.print_targets(targets, width=36)
-    results.print_failures()
-    return {"ratios": ratios, "targets": targets, "table": table}
-
-
-def progress(r: dict[str, Any]) -> str:
-    return f"{common.throughput_line(r)}, loss {r['final_loss']:.4f}"
+    return common.sft_report(spec, runs, env, "VLM SFT throughput, a picture in every row", RATIOS, TARGETS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.report:
-        saved = json.loads(Path(args.report).read_text())
-        report(saved["spec"], saved["runs"], saved["environment"])
-        return 0
-    return common.run_benchmark(args, prepare, run_contender, progress, report)
+    return common.run_benchmark(parse_args(argv), prepare, run_contender, common.loss_progress, report)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
+import inspect
 from typing import Any
 
 import torch
@@ -46,7 +47,13 @@ def flash_attn_installed() -> bool:
 
 
 def torch_varlen_available() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """PyTorch's ``varlen_attn`` as padless calls it: with ``window_size`` (PyTorch 2.11+; 2.10's took only
+    ``is_causal``). GQA without ``enable_gqa`` (before 2.13) is served by repeating the kv heads."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def backend_problem(backend: str, device: torch.device | str, training: bool = False) -> str | None:
@@ -90,7 +97,10 @@ def varlen_kernel_problem(kernel: str, device: torch.device) -> str | None:
     if kernel in ("torch", "flash_attn") and device.type != "cuda":
         return f"varlen kernel {kernel!r} needs a CUDA device; use varlen_kernel=sdpa (or auto) on CPU"
     if kernel == "torch" and not torch_varlen_available():
-        return "varlen kernel 'torch' needs torch.nn.attention.varlen (PyTorch >= 2.10); upgrade torch"
+        return (
+            f"varlen kernel 'torch' needs torch.nn.attention.varlen with window_size (PyTorch >= 2.11; this "
+            f"is {torch.__version__}); upgrade torch, install flash-attn, or use varlen_kernel=sdpa"
+        )
     if kernel == "flash_attn" and not flash_attn_installed():
         return "varlen kernel 'flash_attn' needs the flash-attn package: pip install 'padless[flash]'"
     return None
@@ -107,7 +117,10 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     choice = _varlen_kernel_choice
     if choice == "auto":
         if device.type == "cuda" and dtype in FUSED_DTYPES:
-            return "flash_attn" if flash_attn_installed() else "torch"
+            if flash_attn_installed():
+                return "flash_attn"
+            if torch_varlen_available():
+                return "torch"
         return "sdpa"
     problem = varlen_kernel_problem(choice, device)
     if problem:

@@ -419,6 +419,15 @@ class RolloutSettings(ConfigModel):
         """Whether rollouts are multi-turn episodes (an environment or tools)."""
         return self.environment is not None or bool(self.tools)
 
+    def model_token_budget(self) -> int:
+        """The most tokens the model writes in one sample: ``max_new_tokens``, or for an episode
+        ``max_new_tokens`` per turn over ``max_turns`` turns, within ``max_episode_tokens`` (dr_grpo's
+        constant per sequence: an episode's model tokens, all its turns together)."""
+        if not self.episodes():
+            return self.max_new_tokens
+        most = self.max_turns * self.max_new_tokens
+        return most if self.max_episode_tokens is None else min(most, self.max_episode_tokens)
+
     def _check(self) -> None:
         if not self.episodes():
             for key in ("max_episode_tokens", "response_template"):
@@ -555,7 +564,8 @@ class GRPOSettings(ConfigModel):
     """advantage grpo: divide group-centred rewards by the group std (default true; false = Dr.GRPO)"""
     loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo"] = "dapo"
     """dapo: token-mean over the step; grpo: mean of each sequence's token-mean; dr_grpo: sum over
-    sequences x max_new_tokens; cispo: capped, stop-gradient IS weight times log-prob, token-mean"""
+    sequences x the model-token budget (max_new_tokens; an episode: x max_turns); cispo: capped,
+    stop-gradient IS weight times log-prob, token-mean"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: GSPO, one length-normalised ratio per sequence (use small epsilons, e.g. 3e-4 / 4e-4)"""
     cispo_max_ratio: float | None = None

@@ -23,8 +23,8 @@ above instead, so every token-mixing step sees the boundaries.
 The functions are replaced once per modeling module by adapters that take the kernel path only inside
 a runner of this module (a context variable, so a thread generating meanwhile, as RL's sampler does,
 runs transformers' own functions). Where the kernels cannot run (no CUDA, a package missing, a
-convolution outside the kernel's contract), the layer runs :func:`padless.hybrid.run_exact`; on CUDA the
-log says why, once per kind and reason.
+convolution outside the kernel's contract), the layer runs :func:`padless.hybrid.run_exact`; but for
+the want of a CUDA device (a CPU's default path) the log says why, once per kind and reason.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ _ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _logged: set[tuple[str, str]] = set()
 
 
+NO_CUDA = "the kernels need a CUDA device"  # the CPU's default path: exact, nothing to say
+
+
 def kernel_problem(device: torch.device, packages: dict[str, str]) -> str | None:
     """Why the kernels of ``packages`` (import name -> pip name) cannot run on ``device`` (``None``: they
     can)."""
     if device.type != "cuda":
-        return "the kernels need a CUDA device"
+        return NO_CUDA
     missing = [pip for name, pip in packages.items() if importlib.util.find_spec(name) is None]
     if missing:
         return f"{' and '.join(missing)} not installed (pip install {' '.join(missing)})"
@@ -204,8 +207,8 @@ def run_on_kernels(
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """A :data:`padless.hybrid.RUNNERS` runner (with ``kind`` bound): a packed row on the kernels with its
-    boundaries, where they can run; else :func:`padless.hybrid.run_exact` (on CUDA, said once in the
-    log)."""
+    boundaries, where they can run; else :func:`padless.hybrid.run_exact`, said once in the log unless
+    only because there is no CUDA device (a CPU's default)."""
     from padless.hybrid import run_exact
 
     path = PATHS[kind]
@@ -216,7 +219,7 @@ def run_on_kernels(
         else "not a packed row"
     )
     if problem is not None:
-        if packed and hidden.device.type == "cuda" and (kind, problem) not in _logged:
+        if packed and problem != NO_CUDA and (kind, problem) not in _logged:
             _logged.add((kind, problem))
             log.warning(
                 f"{path.name} {type(module).__name__}: {problem}; it runs the exact per-sequence path"

@@ -236,7 +236,9 @@ def policy_loss_units(lengths: list[int], loss_type: str, max_new_tokens: int) -
     - ``grpo``: sequences with targets, each weighing its own token-mean (DeepSeekMath Eq. 3);
     - ``dr_grpo``: every sequence times ``max_new_tokens``, a constant per step (Dr.GRPO
       arXiv:2503.20783 §3.1, as in TRL: ``max_completion_length`` per sequence) that removes the
-      length bias of ``grpo`` and the dependence of ``dapo`` on how many tokens the step holds.
+      length bias of ``grpo`` and the dependence of ``dapo`` on how many tokens the step holds; for a
+      multi-turn episode, the most model tokens of the whole episode, not of one turn
+      (``RolloutSettings.model_token_budget``).
     """
     if loss_type in ("dapo", "cispo"):
         return float(sum(lengths))

@@ -9,6 +9,8 @@ sliding windows, soft-caps, sinks, scale, MLA head sizes) or refusing. Which ker
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 from collections import Counter
@@ -176,6 +178,12 @@ def _attention_args(
         sinks=s_aux,
         dropout=dropout,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _takes(kernel: Any, parameter: str) -> bool:
+    """Whether ``kernel`` (a function of some installed version) has ``parameter``."""
+    return parameter in inspect.signature(kernel).parameters
 
 
 def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Tensor | None:
@@ -445,16 +453,13 @@ def _fused_varlen(
     else:
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(
-            *flat,
-            cu,
-            cu,
-            max_len,
-            max_len,
-            scale=args.scale,
-            window_size=window,
-            enable_gqa=heads != k.shape[1],
-        )
+        gqa = {}
+        if heads != k.shape[1]:
+            if _takes(varlen_attn, "enable_gqa"):
+                gqa = {"enable_gqa": True}
+            else:  # PyTorch < 2.13: each kv head repeated for the query heads that read it, as GQA does
+                flat[1:] = [t.repeat_interleave(heads // k.shape[1], dim=1) for t in flat[1:]]
+        out = varlen_attn(*flat, cu, cu, max_len, max_len, scale=args.scale, window_size=window, **gqa)
     out = out[..., :out_dim]
     if index is not None:
         full = out.new_zeros(batch * length, heads, out_dim)

@@ -449,6 +449,8 @@ def _tiny_kwargs(defaults: dict[str, object]) -> dict[str, object]:
         kwargs.update({k: layers for k in TINY_SIZES if TINY_SIZES[k] == LAYERS and k in defaults})
     if defaults.get("kv_lora_rank") and "num_key_value_heads" in kwargs:  # MLA: one latent per query head
         kwargs["num_key_value_heads"] = HEADS
+    if isinstance(defaults.get("expand"), int) and {"num_heads", "head_dim"} <= kwargs.keys():
+        kwargs["num_heads"] = HIDDEN * defaults["expand"] // HEAD_DIM  # Mamba-2: heads span the expansion
     for key, value in defaults.items():  # special tokens inside the tiny vocabulary
         if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB_SIZE:
             kwargs[key] = VOCAB_SIZE - 1

@@ -280,6 +280,20 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     assert sum(e.meta["episode"]["env_tokens"] for e in examples) > 0  # and there were some to leave out
 
 
+def test_dr_grpo_normalises_an_episode_by_its_model_token_budget_not_one_turns(sampled):
+    """Dr.GRPO's constant per sequence is the most model tokens a sample can hold: for an episode all its
+    turns (max_turns x max_new_tokens = 4 x 8 here), not one turn's max_new_tokens, which these three-turn
+    episodes outgrow (a per-turn constant would weigh long episodes' tokens more than short ones')."""
+    _model, recipe, examples = sampled
+    recipe = copy.copy(recipe)
+    recipe.cfg = recipe.cfg.model_copy(deep=True)
+    recipe.cfg.grpo.loss_type = "dr_grpo"
+    assert max(e.num_targets for e in examples) > recipe.cfg.rollout.max_new_tokens
+    assert recipe.units(examples) == len(examples) * 4 * 8
+    recipe.cfg.rollout.max_episode_tokens = 20  # the budget, prompt and environment turns included
+    assert recipe.units(examples) == len(examples) * 20
+
+
 def test_vllm_episodes_keep_sampled_ids_and_their_logps_equal_the_trainers(tokenizer):
     """The same multi-turn episodes sampled by vLLM (token ids in, token ids out): model tokens as vLLM
     returned them, their log-probs within 1e-4 of the packed training forward's (vLLM's CPU GEMMs sum in

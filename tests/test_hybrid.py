@@ -77,16 +77,19 @@ def _carrying_over(exact: hybrid.Runner) -> hybrid.Runner:
     return leaky
 
 
-@pytest.mark.parametrize("name", ["mamba", "falcon_mamba"])
-def test_a_pure_mamba_packs_exactly_and_a_leak_names_its_state_layers(name, monkeypatch):
-    """Mamba's and Falcon-Mamba's blocks are handed no boundaries (their decoder drops position ids): the
-    decoder's own call records them for the mixers, and the probe passes. A state carried over one
-    boundary is refused naming what leaked, not attention the model does not have."""
+@pytest.mark.parametrize(
+    ("name", "kind"), [("mamba", "mamba"), ("falcon_mamba", "mamba"), ("mamba2", "mamba2")]
+)
+def test_a_pure_mamba_packs_exactly_and_a_leak_names_its_state_layers(name, kind, monkeypatch):
+    """Mamba's, Falcon-Mamba's and Mamba-2's blocks are handed no boundaries (their decoder drops position
+    ids): the decoder's own call records them for the mixers, and the probe passes. A state carried over
+    one boundary is refused naming what leaked, not attention the model does not have."""
     model = zoo_model(name, [list(range(3, 40))])
     model.set_attn_implementation("padless_varlen")
+    assert {hybrid.layer_kind(m) for m in model.modules()} - {None} == {kind}
     info = probe_attention(model, "varlen")
     assert info["max_delta_logps"] <= info["bound"] and info["calls"] == 0
-    monkeypatch.setitem(hybrid.RUNNERS, "mamba", _carrying_over(hybrid.RUNNERS["mamba"]))
+    monkeypatch.setitem(hybrid.RUNNERS, kind, _carrying_over(hybrid.RUNNERS[kind]))
     with pytest.raises(AttentionError) as refused:
         probe_attention(model, "varlen")
     assert (

@@ -153,3 +153,51 @@ def test_a_short_conv_or_mamba2_kernel_told_no_boundaries_fails_the_probe(name, 
             modules[SCAN_MODULE].mamba_chunk_scan_combined = blind_scan
         with pytest.raises(AttentionError, match="leaks between packed sequences"):
             probe_attention(model, "varlen")
+
+
+def test_a_layer_outside_the_kernel_contract_runs_exact_and_says_so_once(probe_seqs, caplog):
+    """A short convolution over 60 channels: the kernel takes seq_idx only channel-last, in multiples of
+    8 channels. The layer runs the exact path instead (no kernel call, log-probs still those of each
+    sequence alone) and the log says why, once."""
+    from transformers import AutoModelForCausalLM
+
+    from padless.zoo import zoo_config
+
+    config = zoo_config("lfm2")
+    config.hidden_size, config.num_attention_heads = 60, 6  # heads of 10 (rotary halves them)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="padless_varlen").eval()
+    model.padless_attention = "varlen"
+    assert hybrid.install(model) == ["model.layers.0.conv"]
+    batch = pack([Example(s) for s in probe_seqs])
+    calls: Counter[str] = Counter()
+    with state_kernels_on_cpu() as modules, torch.no_grad():
+        _count_kernels(modules, calls)
+        packed = [forward_packed(model, batch).logps for _ in range(2)]
+        alone = torch.cat([forward_packed(model, pack([Example(s)])).logps for s in probe_seqs])
+    assert calls == {}
+    assert (packed[0] - alone).abs().max().item() <= bound(torch.float32, alone.abs().max().item())
+    said = [r.getMessage() for r in caplog.records if r.name == hybrid_kernels.__name__]
+    assert said == [
+        "short convolution Lfm2ShortConv: 60 channels, width 3 (the kernel takes 8k channels, width 2-4); it "
+        "runs the exact per-sequence path"
+    ]
+
+
+def test_a_leak_under_the_bf16_bound_is_refused_by_the_float32_probe():
+    """In bf16 the probe's bound (~1 nat) is above what a convolution told no boundaries leaks
+    (0.03 nats): the float32 probe on the same weights, which load and check run for 16-bit models,
+    catches it; with the boundaries the model passes both."""
+    from padless.probe import prove_packing
+
+    def blind_conv(x, weight, bias=None, seq_idx=None, activation=None, **kwargs):
+        return reference_causal_conv1d_fn(x, weight, bias, activation=activation, **kwargs)
+
+    model = load_model(HYBRID, attn_implementation="varlen", dtype="bfloat16", probe=False)
+    with state_kernels_on_cpu() as modules:
+        info = prove_packing(model, "varlen")
+        assert info["max_delta_logps"] <= info["bound"] and "float32_probe" in info
+        modules["causal_conv1d"].causal_conv1d_fn = blind_conv
+        probe_attention(model, "varlen")  # 16 bits alone: the leak is under the bound
+        with pytest.raises(AttentionError, match="in float32 on the same weights; the 16-bit probe passed"):
+            prove_packing(model, "varlen")

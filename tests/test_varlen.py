@@ -499,6 +499,44 @@ def test_fused_branch_forward_and_backward_match_exact(
         assert (grads[param] - want).abs().max() <= bound(torch.float32, want.abs().max()), param
 
 
+def _varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):  # fmt: skip
+    """PyTorch 2.11's ``varlen_attn`` signature (no ``enable_gqa``: equal head counts only), seen failing on
+    an H200 when padless passed it ``enable_gqa``."""
+    from padless.testing.kernels import reference_varlen_attn
+
+    return reference_varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        dtypes=FP32_ONLY,
+    )  # fmt: skip
+
+
+def _varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+                     return_aux=None, scale=None):  # fmt: skip
+    """PyTorch 2.10's signature: causal or not, no window."""
+    raise AssertionError("padless must not call a varlen_attn without window_size")
+
+
+def test_torch_kernel_of_each_pytorch_version(zoo_varlen, exact_results, probe_seqs, pad_id):
+    """GQA through PyTorch 2.11's varlen_attn (no enable_gqa) repeats the kv heads and equals the exact
+    path; 2.10's (no window_size) is not picked by auto and, pinned, refused with the upgrade."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from padless.testing.kernels import fused_kernels_on_cpu
+
+    want_logps, _ = exact_results("qwen2", "packed")
+    with fused_kernels_on_cpu(FP32_ONLY), mock.patch.object(torch_varlen, "varlen_attn", _varlen_attn_2_11):
+        set_varlen_kernel("torch")
+        logps, _ = _logps_and_grads(zoo_varlen["qwen2"], probe_seqs, "packed", pad_id)
+    assert (logps - want_logps).abs().max() <= bound(torch.float32, want_logps.abs().max())
+    set_varlen_kernel("auto")
+    with mock.patch.object(torch_varlen, "varlen_attn", _varlen_attn_2_10):
+        assert not attention.torch_varlen_available()
+        with mock.patch.object(attention, "flash_attn_installed", lambda: False):
+            assert attention.varlen_kernel(torch.device("cuda"), torch.bfloat16) == "sdpa"
+        assert "PyTorch >= 2.11" in attention.varlen_kernel_problem("torch", torch.device("cuda"))
+
+
 def test_fused_branch_in_bf16_with_the_kernels_own_dtype_checks(probe_seqs, pad_id):
     from padless.check import alone_logps, layout_logps
     from padless.testing.kernels import fused_kernels_on_cpu

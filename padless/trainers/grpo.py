@@ -91,7 +91,7 @@ class GRPORecipe(RolloutRecipe):
 
     def units(self, chunk: list[Example]) -> float:
         lengths = [e.num_targets for e in chunk]
-        return policy_loss_units(lengths, self.cfg.grpo.loss_type, self.cfg.rollout.max_new_tokens)
+        return policy_loss_units(lengths, self.cfg.grpo.loss_type, self.cfg.rollout.model_token_budget())
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
@@ -122,10 +122,10 @@ class GRPORecipe(RolloutRecipe):
         weights = policy_token_weights(counts, g.loss_type).to(per_token.dtype)
         loss = (per_token * weights).sum() / normaliser
         # metrics are means over the step: per token (dapo, cispo) or of each sequence's mean (grpo; dr_grpo,
-        # whose normaliser counts max_new_tokens per sequence)
+        # whose normaliser counts the model-token budget per sequence)
         shown = weights
         if g.loss_type == "dr_grpo":
-            shown = policy_token_weights(counts, "grpo") * self.cfg.rollout.max_new_tokens
+            shown = policy_token_weights(counts, "grpo") * self.cfg.rollout.model_token_budget()
         metrics = {
             "loss": loss.item(),
             "entropy": (out.entropy[mask] * shown).sum().item() / normaliser,

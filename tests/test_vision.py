@@ -509,3 +509,13 @@ def test_qwen3_5_vl_hybrid_packs_with_per_sample_mrope():
     assert _delta(_packed_logps(model, batch), reference) <= FP32_TOL
     flat = _unguarded_logps(model, dataclasses.replace(batch, position_ids=batch.position_ids[0]))
     assert _delta(flat, reference) > LEAK_MIN
+
+
+def test_a_vision_config_transformers_maps_to_no_base_model_uses_no_m_rope():
+    """ShieldGemma 2's config has a vision tower but no base model in transformers' mapping: no M-RoPE
+    (the probe asked and crashed with a KeyError)."""
+    from transformers import ShieldGemma2Config
+
+    from padless.vision import uses_mrope
+
+    assert not uses_mrope(ShieldGemma2Config())

@@ -188,6 +188,11 @@ def run_matrix(
                 except (AttentionError, ValueError) as e:  # transformers refuses with ValueError
                     rows.append(BackendRow(backend, refused=_one_line(e)))
                     continue
+                except Exception as e:  # padless's probe crashed: every cell says so, never a refusal
+                    error = f"the load-time probe crashed: {_one_line(e)}"
+                    cells = [Cell(backend, layout, bound=limit, error=error) for layout in layouts]
+                    rows.append(BackendRow(backend, cells=cells))
+                    continue
                 row = BackendRow(backend, kernel)
                 with runtime_context(backend, device):
                     for layout in layouts:
@@ -348,8 +353,12 @@ def run_zoo(
         try:
             model = zoo_model(name, seqs, dtype, device)
             note = exercises(name, model.config)
+        except Exception as e:  # transformers could not build it or run its own forward: the result
+            results.append(ZooResult(name, "", [], math.nan, no_config=_one_line(e)))
+            continue
+        try:  # padless's own crashes are the matrix's cells, never "no tiny config"
             rows, limit = run_matrix(model, seqs, pad_id, backends, layouts)
-        except Exception as e:  # transformers could not build or run it: the reason is the result
+        except ReferenceForwardError as e:
             results.append(ZooResult(name, "", [], math.nan, no_config=_one_line(e)))
             continue
         results.append(ZooResult(name, note, rows, limit))

@@ -186,6 +186,11 @@ class _PerSequence:
         self.decoder: _DecoderCall | None = None  # ... else its decoder's call does
         self.context: dict[str, Any] | None = {}  # ... of the current call; None once used
 
+    def identity(self) -> tuple[Any, ...]:
+        """What decides how this wrapper runs (its runner is looked up by kind at each call), for
+        :mod:`padless.proofs`, which reuses a proof only where the code that runs is the same."""
+        return type(self), self.kind, self.hooked, self.forward.__func__
+
     def _where(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The boundary kwargs of this call: its own, else those its decoder layer received, used once.
 

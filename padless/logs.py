@@ -103,11 +103,23 @@ def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) ->
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     kernel = (
-        f"kernel {probe['kernel']} (proved by the load-time probe: {probe['calls']} calls; packed through "
+        (
+            f"kernel {probe['kernel']} (proved by the load-time probe: {probe['calls']} calls; "
+            if probe.get("kernel")
+            else "no attention layer (proved by the load-time probe: "  # a state-space model
+        )
+        + "packed through "
         f"padless's head vs its own forward alone, max |delta log-prob| {probe['max_delta_logps']:.1e}"
         + (
             f"; in float32 on the same weights, after the {dtype} probe differed: {probe['float32_reprobe']}"
             if "float32_reprobe" in probe
+            else f"; in float32 on the same weights {probe['float32_probe']}"
+            if "float32_probe" in probe
+            else ""
+        )
+        + (
+            "; reused: the same model and code were proven earlier in this process"
+            if probe.get("reused")
             else ""
         )
         + "".join(

@@ -8,11 +8,10 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from padless import hybrid, sources
+from padless import hybrid, proofs, sources
 from padless.attention import assert_attention, hf_name, require_backend
 from padless.choices import DTYPE_NAMES
 from padless.engine import pinned_kernel
-from padless.probe import prove_packing
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -73,7 +72,7 @@ def load_model(
         model.train(training)
         model.padless_attention = attn_implementation
         if probe:
-            model.padless_probe = prove_packing(model, attn_implementation)  # what ran: the run log says it
+            model.padless_probe = proofs.prove(model, attn_implementation)  # what ran: the run log says it
         else:
             hybrid.require_packing(model)  # what the probe refuses first, without it
             assert_attention(model, attn_implementation)

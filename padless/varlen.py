@@ -125,6 +125,7 @@ _INERT_KWARGS = frozenset(
         "return_dict",
         "num_items_in_batch",
         "image_sizes",  # InternVL's forward hands its language model the image sizes, unused there
+        "logits_to_keep",  # which positions the head scores; LLaVA-OneVision / GOT-OCR2 hand it down here
     }
 )
 

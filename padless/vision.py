@@ -38,10 +38,11 @@ def is_vision_config(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def _base_model_class(config: Any) -> type:
+def _base_model_class(config: Any) -> type | None:
+    """The base model class transformers maps ``config`` to (``None``: it maps none, e.g. ShieldGemma 2)."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    return MODEL_MAPPING[type(config)]
+    return MODEL_MAPPING.get(type(config), None)
 
 
 def uses_mrope(config: Any) -> bool:

@@ -283,3 +283,18 @@ def test_invariance_matrix_bf16_cuda(name, probe_seqs, pad_id):
     assert "varlen" in backends and "sdpa" in backends
     rows, _ = run_matrix(model, probe_seqs, pad_id, backends=backends)
     assert failures(rows) == [], format_matrix(rows)
+
+
+def test_a_crash_in_padless_is_a_failed_cell_not_a_missing_tiny_config(monkeypatch, probe_seqs, pad_id):
+    """Only transformers failing to build or run a config is "no tiny config"; padless's own probe
+    crashing (a bf16 Mamba head once did) is reported in the cells and fails the run."""
+    import padless.check as check
+
+    def crash(model, backend, reference=None):
+        raise RuntimeError("expected m1 and m2 to have the same dtype")
+
+    monkeypatch.setattr(check, "prove_packing", crash)
+    [result] = check.run_zoo(probe_seqs, pad_id, ("varlen",), ("qwen2",))
+    assert result.no_config is None
+    assert [c.layout for c in result.rows[0].cells] == list(check.LAYOUTS)
+    assert any("the load-time probe crashed" in f for f in check.zoo_failures([result]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import padless.check_vision as check_vision
 from padless.check import failures, run_matrix
@@ -57,21 +56,10 @@ def test_matrix_fails_when_packing_drops_the_mrope_rows(vlm, probe, monkeypatch)
         return dataclasses.replace(batch, position_ids=batch.position_ids[0])
 
     monkeypatch.setattr(check_vision, "pack", flat_positions)
-    # Scale the weights up so a wrong position moves log-probs visibly (a fresh tiny model is nearly flat).
-    with torch.no_grad():
-        saved = {n: p.clone() for n, p in vlm.named_parameters()}
-        for p in vlm.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    try:
-        rows, _ = run_matrix(vlm, probe, 0, ("varlen",), **LAYOUTS)
-    finally:
-        with torch.no_grad():
-            for n, p in vlm.named_parameters():
-                p.copy_(saved[n])
+    rows, _ = run_matrix(vlm, probe, 0, ("varlen",), **LAYOUTS)
     packed = next(c for c in rows[0].cells if c.layout == "packed")
-    assert packed.max_delta > 0.1
-    assert f"varlen/packed: {packed.max_delta:.3g} > bound {packed.bound:.3g}" in failures(rows)
+    assert "needs position ids [4, 1, T]" in packed.error  # the engine stops rather than run them
+    assert f"varlen/packed: {packed.error}" in failures(rows)
 
 
 def test_cli_check_on_a_saved_vlm_folder(tmp_path, capsys, probe):

@@ -83,3 +83,41 @@ def test_scorer_without_a_pad_in_its_config_gets_its_tokenizers_pad_not_eos(tmp_
     assert scorer.config.pad_token_id == tokenizer.pad_token_id
     # a tokenizer with no pad of its own: eos, the convention its reward models were trained with
     assert load_model(str(tmp_path), task="score").config.pad_token_id == tokenizer.eos_token_id
+
+
+def test_packed_text_rows_of_an_m_rope_model_get_rope_rows_and_images_without_them_stop(probe_seqs):
+    """An M-RoPE model handed one position row masks the whole packed row causally on sdpa (sequences
+    see each other): text rows get their restarting positions as rope rows, rows with images need
+    theirs from the rope index."""
+    import dataclasses
+
+    from padless.check import alone_logps
+    from padless.engine import hidden_states
+    from padless.tolerance import bound
+
+    model = load_model("tiny-qwen2.5-vl", attn_implementation="sdpa")
+    batch = pack([Example(s) for s in probe_seqs])
+    assert batch.position_ids.dim() == 2
+    with torch.no_grad():
+        alone = alone_logps(model, probe_seqs)
+        packed = [t[:-1] for t in batch.split(forward_packed(model, batch).logps)]
+    delta = max((p - a).abs().max().item() for p, a in zip(packed, alone.logps, strict=True))
+    assert delta <= bound(torch.float32, alone.magnitude)
+    with_image = dataclasses.replace(batch, vision={"pixel_values": torch.zeros(4, 8)})
+    with pytest.raises(ValueError, match=r"needs position ids \[4, 1, T\].* with images"):
+        hidden_states(model, with_image)
+
+
+def test_head_takes_the_hidden_states_in_its_own_dtype_as_the_model_does(probe_seqs):
+    """Mamba's last norm returns fp32 under a bf16 head; its forward casts before the head, and so must
+    padless's (it crashed with 'expected m1 and m2 to have the same dtype' in bf16)."""
+    from padless.tolerance import bound
+    from padless.zoo import build_zoo_model
+
+    model = build_zoo_model("mamba", "eager", dtype=torch.bfloat16)
+    seq = probe_seqs[1]
+    with torch.no_grad():
+        got = forward_packed(model, pack([Example(seq)])).logps[:-1]
+        own = model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+    want = own.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+    assert (got - want).abs().max() <= bound(torch.bfloat16, own.abs().max().item())

@@ -182,3 +182,22 @@ def test_a_layer_outside_the_kernel_contract_runs_exact_and_says_so_once(probe_s
         "short convolution Lfm2ShortConv: 60 channels, width 3 (the kernel takes 8k channels, width 2-4); it "
         "runs the exact per-sequence path"
     ]
+
+
+def test_a_leak_under_the_bf16_bound_is_refused_by_the_float32_probe():
+    """In bf16 the probe's bound (~1 nat) is above what a convolution told no boundaries leaks
+    (0.03 nats): the float32 probe on the same weights, which load and check run for 16-bit models,
+    catches it; with the boundaries the model passes both."""
+    from padless.probe import prove_packing
+
+    def blind_conv(x, weight, bias=None, seq_idx=None, activation=None, **kwargs):
+        return reference_causal_conv1d_fn(x, weight, bias, activation=activation, **kwargs)
+
+    model = load_model(HYBRID, attn_implementation="varlen", dtype="bfloat16", probe=False)
+    with state_kernels_on_cpu() as modules:
+        info = prove_packing(model, "varlen")
+        assert info["max_delta_logps"] <= info["bound"] and "float32_probe" in info
+        modules["causal_conv1d"].causal_conv1d_fn = blind_conv
+        probe_attention(model, "varlen")  # 16 bits alone: the leak is under the bound
+        with pytest.raises(AttentionError, match="in float32 on the same weights; the 16-bit probe passed"):
+            prove_packing(model, "varlen")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from padless import attention
 from padless.cli import main
@@ -83,3 +84,23 @@ def test_the_console_says_what_padless_adjusts(capsys, monkeypatch):
     assert main(["generate", "--model", "tiny-llama", "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "padless INFO: decoding with sdpa: the varlen backend runs whole sequences" in err
+
+
+def test_run_line_names_the_proven_kernel_or_says_there_is_no_attention_layer():
+    """A state-space model's probe counts no attention call and proves no kernel (Bamba's derived tiny
+    config): its run line says so instead of an empty kernel name."""
+    from types import SimpleNamespace
+
+    from padless.logs import describe_run
+
+    accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no", num_processes=1,
+                                  distributed_type=SimpleNamespace(value="NO"))  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    proven = {"kernel": "sdpa", "calls": 4, "max_delta_logps": 1e-6}
+    model.padless_probe = proven
+    assert "kernel sdpa (proved by the load-time probe: 4 calls; packed" in describe_run(
+        accelerator, model, "m", "auto"
+    )
+    model.padless_probe = {**proven, "kernel": "", "calls": 0}
+    line = describe_run(accelerator, model, "m", "auto")
+    assert "no attention layer (proved by the load-time probe: packed" in line and "kernel  (" not in line

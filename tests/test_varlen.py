@@ -398,6 +398,7 @@ def test_varlen_function_refuses_what_it_does_not_implement():
         use_cache=False,
         output_attentions=False,
         output_router_logits=False,
+        logits_to_keep=0,  # the head's argument, handed down by LLaVA-OneVision-style wrappers
         cu_seq_lens_q=CU,
     )
     torch.testing.assert_close(out[0], _expected_packed(q, k, v, 8**-0.5), rtol=0, atol=1e-5)

@@ -153,14 +153,16 @@ def test_lora_trains_adapter_only_and_checkpoints_it(tmp_path):
     assert resumed["train/loss"] > 0
 
 
-def test_llama4_chunked_attention_trains_packed(tmp_path):
-    """Llama 4 text (chunked attention, temperature-tuned NoPE layers, MoE) loads through the probe on
-    varlen and learns with SFT on packed rows far longer than its chunks and temperature floor."""
+@pytest.mark.parametrize("name", ["llama4_text", "qwen3-next", "lfm2", "falcon_h1"])
+def test_chunked_attention_and_hybrids_train_packed(tmp_path, name):
+    """Llama 4 text (chunked attention, temperature-tuned NoPE layers, MoE) and hybrids (Qwen3-Next's
+    gated delta-nets, LFM2's short convolutions, Falcon-H1's Mamba-2 mixers) load through the probe on varlen
+    and learn with SFT on packed rows far longer than Llama 4's chunks and temperature floor."""
     from padless.tiny import tiny_tokenizer
     from padless.zoo import build_zoo_model
 
-    path = tmp_path / "llama4"
-    build_zoo_model("llama4_text", "eager").save_pretrained(path)
+    path = tmp_path / name
+    build_zoo_model(name, "eager").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     cfg = tiny_config(tmp_path, max_steps=6)
     train = cfg.train.model_copy(update={"learning_rate": 1e-2, "max_tokens_per_batch": 1024})

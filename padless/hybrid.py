@@ -21,6 +21,7 @@ where a model is loaded and proven (:func:`packing_problem`), with the reason.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 
 from padless.attention import ATTENTION_LAYER_TYPES, text_config
 from padless.errors import AttentionError
-from padless.hybrid_kernels import run_gated_delta_net, run_mamba2, run_short_conv
+from padless.hybrid_kernels import run_on_kernels
 from padless.varlen import _GROUPS, SequenceGroups, Span, _Gather, _spans
 
 # Keyword arguments that describe where sequences lie; a runner passes them on only where its kernel
@@ -103,9 +104,10 @@ def run_exact(
 # Layer kind -> how a packed call of it runs. One entry per kind padless keeps apart exactly.
 RUNNERS: dict[str, Runner] = {
     # on CUDA kernels told the boundaries (padless.hybrid_kernels), else run_exact
-    "gated_delta_net": run_gated_delta_net,
-    "short_conv": run_short_conv,
-    "mamba2": run_mamba2,
+    **{
+        kind: functools.partial(run_on_kernels, kind, run_exact)
+        for kind in ("gated_delta_net", "short_conv", "mamba2")
+    },
     "mamba": run_exact,
 }
 

@@ -29,7 +29,6 @@ the want of a CUDA device (a CPU's default path) the log says why, once per kind
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import sys
@@ -200,17 +199,16 @@ def _adapt(modeling: Any, path: KernelPath) -> None:
 
 def run_on_kernels(
     kind: str,
+    exact: Callable[..., torch.Tensor],
     module: torch.nn.Module,
     forward: Any,
     hidden: torch.Tensor,
     bounds: Any,
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """A :data:`padless.hybrid.RUNNERS` runner (with ``kind`` bound): a packed row on the kernels with its
-    boundaries, where they can run; else :func:`padless.hybrid.run_exact`, said once in the log unless
-    only because there is no CUDA device (a CPU's default)."""
-    from padless.hybrid import run_exact
-
+    """A :data:`padless.hybrid.RUNNERS` runner (with ``kind`` and ``exact`` bound): a packed row on the
+    kernels with its boundaries, where they can run; else ``exact`` (:func:`padless.hybrid.run_exact`),
+    said once in the log unless only because there is no CUDA device (a CPU's default)."""
     path = PATHS[kind]
     packed = bounds.cu_seqlens is not None and bounds.batch == 1 and not bounds.whole_rows
     problem = (
@@ -224,15 +222,10 @@ def run_on_kernels(
             log.warning(
                 f"{path.name} {type(module).__name__}: {problem}; it runs the exact per-sequence path"
             )
-        return run_exact(module, forward, hidden, bounds, kwargs)
+        return exact(module, forward, hidden, bounds, kwargs)
     _adapt(sys.modules[type(module).__module__], path)
     token = _ROW.set(_row(bounds.cu_seqlens))
     try:
         return forward(hidden, **kwargs)
     finally:
         _ROW.reset(token)
-
-
-run_gated_delta_net = functools.partial(run_on_kernels, "gated_delta_net")
-run_short_conv = functools.partial(run_on_kernels, "short_conv")
-run_mamba2 = functools.partial(run_on_kernels, "mamba2")

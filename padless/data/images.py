@@ -26,58 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from padless.data.records import Row
+from padless.data.records import CHAT_FIELDS, PLACEHOLDER, Row, image_column
 from padless.packing import Example
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-PLACEHOLDER = "<image>"
-IMAGE_COLUMNS = ("images", "image")
-CHAT_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion", "response")
 INLINE_KEYS = ("image", "path", "url")
-
-
-def _image_column(row: Row) -> tuple[str | None, list[Any]]:
-    for name in IMAGE_COLUMNS:
-        value = row.data.get(name)
-        if value is None:
-            continue
-        if name == "image" or not isinstance(value, list):
-            value = [value]
-        return name, list(value)
-    return None, []
-
-
-def _parts_with_images(value: Any) -> bool:
-    if not isinstance(value, list):
-        return False
-    for msg in value:
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if isinstance(content, str) and PLACEHOLDER in content:
-            return True
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") == "image" for p in content
-        ):
-            return True
-    return False
-
-
-def has_images(row: Row) -> bool:
-    """Whether a row carries images (an image column, image parts or ``<image>`` placeholders)."""
-    return _image_column(row)[0] is not None or any(_parts_with_images(row.data.get(f)) for f in CHAT_FIELDS)
-
-
-def reject_images(row: Row) -> None:
-    """Stop on a row with images when the model reads text only (they would be dropped silently)."""
-    if has_images(row):
-        raise row.error(
-            None,
-            "has images, but the model reads text only, so they would be ignored",
-            reason="image on a text-only model",
-            fix="Train a vision-language model (e.g. model.name: tiny-qwen2.5-vl), or remove the images and "
-            "<image> placeholders from the data.",
-        )
 
 
 def _base_dir(row: Row) -> Path:
@@ -233,7 +188,7 @@ class ImageInputs:
 
     def prepare(self, row: Row) -> ImageRow:
         """Normalise the chat fields to parts, load every image, and check that the counts match."""
-        column, pool = _image_column(row)
+        column, pool = image_column(row)
         taken = 0
         images: list[Image] = []
         data = dict(row.data)

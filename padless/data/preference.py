@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
-from padless.data.images import ImageInputs, reject_images
+from padless.data.images import ImageInputs
 from padless.data.records import (
     DataError,
     RawRows,
@@ -40,6 +40,7 @@ from padless.data.records import (
     Truncation,
     good_rows,
     present_fields,
+    reject_images,
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature

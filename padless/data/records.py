@@ -95,6 +95,57 @@ class Row:
         )
 
 
+# What of a row holds images (turning them into model inputs is padless.data.images): a text-only model
+# reads no image, so its rows are checked here, where rows are read.
+PLACEHOLDER = "<image>"
+IMAGE_COLUMNS = ("images", "image")
+CHAT_FIELDS = ("messages", "prompt", "chosen", "rejected", "completion", "response")
+
+
+def image_column(row: Row) -> tuple[str | None, list[Any]]:
+    """The row's image column (``images``, or ``image`` for one) and its images; ``(None, [])`` if none."""
+    for name in IMAGE_COLUMNS:
+        value = row.data.get(name)
+        if value is None:
+            continue
+        if name == "image" or not isinstance(value, list):
+            value = [value]
+        return name, list(value)
+    return None, []
+
+
+def _parts_with_images(value: Any) -> bool:
+    """Whether chat messages hold image parts or ``<image>`` placeholders."""
+    if not isinstance(value, list):
+        return False
+    for msg in value:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str) and PLACEHOLDER in content:
+            return True
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image" for p in content
+        ):
+            return True
+    return False
+
+
+def has_images(row: Row) -> bool:
+    """Whether a row carries images (an image column, image parts or ``<image>`` placeholders)."""
+    return image_column(row)[0] is not None or any(_parts_with_images(row.data.get(f)) for f in CHAT_FIELDS)
+
+
+def reject_images(row: Row) -> None:
+    """Stop on a row with images when the model reads text only (they would be dropped silently)."""
+    if has_images(row):
+        raise row.error(
+            None,
+            "has images, but the model reads text only, so they would be ignored",
+            reason="image on a text-only model",
+            fix="Train a vision-language model (e.g. model.name: tiny-qwen2.5-vl), or remove the images and "
+            "<image> placeholders from the data.",
+        )
+
+
 @dataclass
 class SkipStats:
     """What ``skip_bad_rows`` dropped, so a run can report it instead of silently shrinking the data."""

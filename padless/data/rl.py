@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
-from padless.data.images import ImageInputs, reject_images
-from padless.data.records import RawRows, Row, SkipStats, good_rows, type_name
+from padless.data.images import ImageInputs
+from padless.data.records import RawRows, Row, SkipStats, good_rows, reject_images, type_name
 from padless.data.tokenized import Layout, ids_feature
 
 if TYPE_CHECKING:

@@ -13,8 +13,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from padless.data.chat import ChatEncoder, chat_messages, nonempty_str
-from padless.data.images import ImageInputs, reject_images
-from padless.data.records import RawRows, Row, SkipStats, Truncation, good_rows, present_fields, type_name
+from padless.data.images import ImageInputs
+from padless.data.records import (
+    RawRows,
+    Row,
+    SkipStats,
+    Truncation,
+    good_rows,
+    present_fields,
+    reject_images,
+    type_name,
+)
 from padless.data.tokenized import Layout, ids_feature
 from padless.packing import Example
 

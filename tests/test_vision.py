@@ -70,6 +70,18 @@ def _qwen2_vl() -> Qwen2VLConfig:
     return Qwen2VLConfig(text_config={**TEXT, "rope_parameters": rope}, vision_config=vision, **TOKENS)
 
 
+# The vision tower of Qwen3-VL and Qwen3.5-VL (patches of 16, merged into the text width)
+QWEN3_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "patch_size": 16,
+    "out_hidden_size": 128,
+    "num_position_embeddings": 64,
+}
+
+
 def _qwen3_vl() -> Qwen3VLConfig:
     rope = {
         "rope_type": "default",
@@ -77,16 +89,7 @@ def _qwen3_vl() -> Qwen3VLConfig:
         "mrope_section": [4, 6, 6],
         "mrope_interleaved": True,
     }
-    vision = {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
-        "patch_size": 16,
-        "out_hidden_size": 128,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0],
-    }
+    vision = {**QWEN3_VISION, "deepstack_visual_indexes": [0]}
     text = {**TEXT, "head_dim": 32, "rope_parameters": rope}
     return Qwen3VLConfig(text_config=text, vision_config=vision, **TOKENS)
 
@@ -111,16 +114,7 @@ def _qwen3_5_vl():
             "mrope_interleaved": True,
         },
     }
-    vision = {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
-        "patch_size": 16,
-        "out_hidden_size": 128,
-        "num_position_embeddings": 64,
-    }
-    return Qwen3_5Config(text_config=text, vision_config=vision, **TOKENS)
+    return Qwen3_5Config(text_config=text, vision_config=QWEN3_VISION, **TOKENS)
 
 
 FAMILIES = {

@@ -191,13 +191,25 @@ def user_call(spec: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         ) from e
 
 
-def checked_messages(spec: str, what: str, value: Any) -> list[dict[str, Any]]:
-    """Messages returned by user code: a list of {"role", "content"} dicts with a known role."""
+def is_part(part: Any) -> bool:
+    """A content part of a vision-language conversation: ``{"type": "text", "text": str}`` or an image."""
+    if not isinstance(part, dict):
+        return False
+    return part.get("type") == "image" or (part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
+def checked_messages(spec: str, what: str, value: Any, parts: bool = False) -> list[dict[str, Any]]:
+    """Messages returned by user code: a list of {"role", "content"} dicts with a known role; with
+    ``parts`` (a vision-language policy) a content may also be a list of text and image parts."""
     fix = 'return a list of {"role": ..., "content": str} dicts'
+    if parts:
+        fix += " (or contents as lists of {'type': 'text' | 'image', ...} parts)"
     if not isinstance(value, list):
         raise UserCodeError(f"environment {spec!r}: {what} returned {type(value).__name__}; fix: {fix}")
     for j, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, dict) else None
+        listed = parts and isinstance(content, list) and all(is_part(p) for p in content)
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (isinstance(content, str) or listed):
             raise UserCodeError(
                 f"environment {spec!r}: {what} returned message {j} = {str(m)[:80]}; fix: {fix} with role "
                 f"one of {', '.join(ROLES)}"
@@ -205,8 +217,9 @@ def checked_messages(spec: str, what: str, value: Any) -> list[dict[str, Any]]:
     return value
 
 
-def checked_step(spec: str, value: Any) -> Step:
-    """A step's answer, checked: a :class:`Step` with messages, a finite reward and a bool ``done``."""
+def checked_step(spec: str, value: Any, parts: bool = False) -> Step:
+    """A step's answer, checked: a :class:`Step` with messages (contents may be lists of parts with
+    ``parts``, see :func:`checked_messages`), a finite reward and a bool ``done``."""
     if not isinstance(value, Step):
         raise UserCodeError(
             f"environment {spec!r}: step() returned {type(value).__name__}; fix: return "
@@ -219,7 +232,7 @@ def checked_step(spec: str, value: Any) -> Step:
         )
     if not isinstance(value.done, bool):
         raise UserCodeError(f"environment {spec!r}: step() returned done={value.done!r}; fix: return a bool")
-    checked_messages(spec, "step()", value.messages)
+    checked_messages(spec, "step()", value.messages, parts)
     if value.messages and value.messages[-1]["role"] == "assistant":
         raise UserCodeError(
             f"environment {spec!r}: step() returned messages ending with an assistant message; fix: end "

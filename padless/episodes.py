@@ -15,6 +15,14 @@ Episodes run batched across those still going, turn by turn, through the rollout
 ids in, token ids out): every turn is one ``complete`` call for the running episodes, each seeded by its
 episode and turn alone. Under sharded engines every rank makes the same calls with as many prompts
 (fillers where its episodes ended sooner).
+
+With a vision-language policy an episode keeps its prompt's images: ``reset()``'s messages are read with the
+prompt row's image column (:meth:`ImageInputs.prepare`), rendered, and their image tokens expanded
+(:meth:`ImageInputs.expand`); every turn's ``complete`` gets those image inputs with the whole sequence so
+far, from which the model computes the M-RoPE positions of prompt, earlier turns and environment turns, and
+the training example gets the same images and per-sample positions. The images must be the prompt row's (a run
+resumed mid-rollout finds them there again): other images in ``reset()``, and any image in an environment
+turn, are refused in one line.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from padless.data.chat import ChatTemplateError
+from padless.data.records import IMAGE_COLUMNS, DataError, Row, parts_with_images
 from padless.environments import (
     Environment,
     Step,
@@ -37,6 +48,10 @@ from padless.environments import (
 from padless.errors import InputError, UserCodeError
 from padless.ranks import common_count
 from padless.rollout import Completion, Engine, row_seed
+
+if TYPE_CHECKING:
+    from padless.data import PromptExample
+    from padless.data.images import ImageInputs
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +75,7 @@ class Episode:
     last_turn: str = ""
     done: bool = False
     truncated: str | None = None  # why the episode was cut: "turn_length", "max_turns", "token_budget"
+    vision: dict[str, torch.Tensor] | None = None  # the prompt's image inputs (vision-language policies)
 
     def completion(self, greedy: bool) -> Completion:
         stats = {
@@ -92,9 +108,12 @@ class EpisodeRunner:
         env_spec: str,
         tools: Tools,
         eos_ids: set[int],
+        images: ImageInputs | None = None,
     ):
+        """``images``: the policy's image side (a vision-language policy), whose episodes keep their prompt's
+        images in every turn."""
         self.tok, self.rollout, self.env_cls, self.spec = tokenizer, rollout, env_cls, env_spec
-        self.tools, self.eos_ids = tools, eos_ids
+        self.tools, self.eos_ids, self.images = tools, eos_ids, images
         if tools:
             template = tokenizer.get_chat_template() if tokenizer.chat_template else ""
             if "tools" not in template:
@@ -157,24 +176,64 @@ class EpisodeRunner:
 
     # -- running ------------------------------------------------------------------------------------------
 
-    def start(self, row: dict[str, Any], seed: int) -> Episode:
+    def start(self, row: dict[str, Any], seed: int, prompt: PromptExample | None = None) -> Episode:
+        """The episode of ``row``: its environment and first messages; ``prompt``: the row as tokenized for
+        the policy, whose image inputs (vision-language policies) the episode's images must equal."""
         env = user_call(self.spec, "the constructor", self.env_cls, row)
-        messages = checked_messages(self.spec, "reset()", user_call(self.spec, "reset()", env.reset))
+        parts = self.images is not None
+        messages = checked_messages(self.spec, "reset()", user_call(self.spec, "reset()", env.reset), parts)
         if not messages or messages[-1]["role"] == "assistant":
             got = "messages ending with an assistant message" if messages else "no messages"
             raise UserCodeError(
                 f"environment {self.spec!r}: reset() returned {got}; fix: end with the message the model "
                 "answers"
             )
-        text = self.render(messages, True)
-        return Episode(env, messages, self.encode(text), seed, text=text)
+        if self.images is None:
+            text = self.render(messages, True)
+            return Episode(env, messages, self.encode(text), seed, text=text)
+        if prompt is None:
+            raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
+        messages, ids, vision = self.with_images(row, messages, prompt)
+        return Episode(env, messages, ids, seed, text=self.render(messages, True), vision=vision)
+
+    def with_images(
+        self, row: dict[str, Any], messages: list[dict[str, Any]], prompt: PromptExample
+    ) -> tuple[list[dict[str, Any]], list[int], dict[str, torch.Tensor] | None]:
+        """``reset()``'s messages read with the row's image column (image parts without an image of their
+        own, or ``<image>`` placeholders, take the next one): the messages as parts, the rendered ids with
+        each image's tokens expanded, and the image inputs, checked equal to the prompt's."""
+        assert self.images is not None
+        columns = {k: row[k] for k in IMAGE_COLUMNS if row.get(k) is not None}
+        where = Row({"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"])
+        try:
+            prepared = self.images.prepare(where)
+            messages = prepared.row.data["prompt"]
+            ids = self.encode(self.render(messages, True))
+            ids, _, vision = self.images.expand(prepared.row, ids, None, prepared.images)
+        except DataError as e:
+            raise UserCodeError(f"environment {self.spec!r}: the images of reset()'s messages: {e}") from None
+        if not same_vision(vision, prompt.vision):
+            raise UserCodeError(
+                f"environment {self.spec!r}: reset() of row {prompt.meta['row']} of {prompt.meta['source']} "
+                "returns images other than the prompt row's; an episode's images are its prompt row's (a "
+                "run resumed mid-rollout finds them there again); fix: return the row's prompt images, or "
+                "put the images the episode needs in the row's prompt and images column"
+            )
+        return messages, ids, vision
 
     def run(
-        self, engine: Engine, rows: Sequence[dict[str, Any]], seeds: Sequence[int], greedy: bool
+        self,
+        engine: Engine,
+        rows: Sequence[dict[str, Any]],
+        seeds: Sequence[int],
+        greedy: bool,
+        prompts: Sequence[PromptExample] | None = None,
     ) -> list[Episode]:
-        """One episode per row (``seeds[i]`` seeds every turn of episode ``i``), run to the end."""
+        """One episode per row (``seeds[i]`` seeds every turn of episode ``i``), run to the end;
+        ``prompts[i]``: row ``i`` as tokenized (needed by a vision-language policy, for its images)."""
         r = self.rollout
-        episodes = [self.start(row, seed) for row, seed in zip(rows, seeds, strict=True)]
+        starts = prompts if prompts is not None else [None] * len(rows)
+        episodes = [self.start(*a) for a in zip(rows, seeds, starts, strict=True)]
         budget = r.max_episode_tokens
         for turn in range(r.max_turns):
             running = [e for e in episodes if not e.done]
@@ -192,6 +251,7 @@ class EpisodeRunner:
                 1,
                 [row_seed(e.seed, turn) for e in batch],
                 greedy,
+                None if self.images is None else [e.vision for e in batch],
             )
             for e, c in zip(running, completions, strict=False):
                 self.take_turn(e, c, turn)
@@ -236,6 +296,7 @@ class EpisodeRunner:
         step: Step = checked_step(
             self.spec,
             user_call(self.spec, "step()", e.env.step, Turn(turn, text, list(ids), calls, tool_messages)),
+            self.images is not None,
         )
         e.reward += float(step.reward)
         if step.done or turn + 1 == self.rollout.max_turns:
@@ -252,6 +313,15 @@ class EpisodeRunner:
         appended = self.appended(e.messages, step.messages, eos)
         e.messages += step.messages
         new = self.encode(appended)
+        if self.images is not None and (
+            parts_with_images(step.messages) or self.images.image_token_id in new
+        ):
+            raise UserCodeError(
+                f"environment {self.spec!r}: step() at turn {turn} returned an image (an image part, "
+                f"<image> or {self.images.image_token!r}); padless keeps the prompt's images across turns "
+                "but takes none from environment turns (a run resumed mid-rollout could not find them "
+                "again); fix: answer in text, or put the images in the prompt row"
+            )
         if budget is not None and len(e.prompt_ids) + len(e.ids) + len(new) >= budget:
             e.done, e.truncated = True, "token_budget"  # no room left for the model to answer it
             return
@@ -260,14 +330,23 @@ class EpisodeRunner:
         e.text += appended
 
 
-def make_runner(tokenizer: Any, rollout: Any, eos_ids: set[int]) -> EpisodeRunner:
+def same_vision(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
+    """Whether two image inputs are the same images (same keys, equal tensors)."""
+    if not a or not b:
+        return not a and not b
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def make_runner(
+    tokenizer: Any, rollout: Any, eos_ids: set[int], images: ImageInputs | None = None
+) -> EpisodeRunner:
     from padless.environments import load_environment
 
     response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
     env_cls = load_environment(rollout.environment)
     tools = Tools([*rollout.tools, *getattr(env_cls, "tools", ())], response_template)
     spec = rollout.environment or "tools"
-    return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids)
+    return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
 
 
 __all__ = ["Environment", "Episode", "EpisodeRunner", "make_runner"]

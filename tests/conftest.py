@@ -118,6 +118,32 @@ def reference(models, probe_seqs, alone_logps) -> list[torch.Tensor]:
     return alone_logps(models["eager"], probe_seqs)
 
 
+@pytest.fixture(scope="session")
+def talkative_vlm(tmp_path_factory) -> str:
+    """A folder holding the embedded tiny VLM whose turns end: a random model almost never
+    samples its end-of-turn token, so multi-turn episodes would stop at their first turn's length. Every
+    token embedding gets the same value in one hidden dimension, which the residual stream then carries at
+    every text position; the end-of-turn token's (tied) output row gets a larger one there, lifting its
+    logit by a similar amount everywhere (about one turn in three ends within 8 tokens at temperature
+    0.7), while the other dimensions still read the images and the text."""
+    from padless.model import load_model
+    from padless.sources import load_processor
+    from padless.tiny import EOS_TOKEN_ID
+
+    model = load_model("tiny-qwen2.5-vl", probe=False)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings[:, 0] = TALK_LEVEL
+        embeddings[EOS_TOKEN_ID, 0] = TALK_LEVEL + TALK_LIFT
+    folder = tmp_path_factory.mktemp("talkative-vlm")
+    model.save_pretrained(folder)
+    load_processor("tiny-qwen2.5-vl").save_pretrained(folder)
+    return str(folder)
+
+
+TALK_LEVEL, TALK_LIFT = 0.5, 0.9
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``zoo_full`` tests (every causal-LM architecture of transformers: minutes) run only when asked
     for with ``-m zoo_full``; the suite runs CI's representative subset of the zoo."""

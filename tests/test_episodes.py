@@ -6,6 +6,7 @@ log-probs as at sampling time and in every layout."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -405,3 +406,139 @@ def test_the_calculator_example_learns_to_call_the_tool(tmp_path):
     assert mean("rollout/tool_calls", last) > mean("rollout/tool_calls", first)
     assert rollouts[0]["rollout/tool_calls"] > 0 and rollouts[0]["rollout/tool_call_success"] > 0.5
     assert all(r["rollout/env_tokens"] > 0 and r["mismatch/logp_diff_max"] < 1e-4 for r in rollouts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Vision-language policies: the prompt's images in every turn
+
+# TEMPLATE with contents that may be lists of text and image parts (the embedded VLM's rendering of parts)
+VLM_TEMPLATE = (
+    "{%- macro render(content) -%}{%- if content is string -%}{{ content }}{%- else -%}"
+    "{%- for part in content -%}{%- if part['type'] == 'image' -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{%- endmacro -%}" + TEMPLATE.replace("m.content", "render(m.content)")
+)
+VLM_SETTINGS = [
+    "rollout.environment=tools",
+    "rollout.temperature=0.7",
+    "rollout.max_new_tokens=8",
+    "grpo.beta=0",
+    "rollout.num_generations=2",
+    "rollout.mask_truncated=false",
+    "rollout.generation_batch_size=3",
+    "train.max_tokens_per_batch=400",
+]
+
+
+def vlm_recipe(folder: str, engine_cls: type = HFEngine) -> tuple[torch.nn.Module, GRPORecipe, list]:
+    """A GRPO recipe on the talkative tiny VLM with the tool template, and three image prompts."""
+    from padless.data import load_rows, tokenize_prompts
+    from padless.data.images import ImageInputs
+    from padless.sources import load_processor
+
+    processor = load_processor(folder)
+    tok = processor.tokenizer
+    tok.chat_template = VLM_TEMPLATE
+    model = load_model(folder)
+    images = ImageInputs(processor, model.config)
+    engine = ModelEngine(model)
+    cfg = load_config(GRPOConfig, None, VLM_SETTINGS)
+    cfg.rollout.response_template = RESPONSE
+    recipe = GRPORecipe(
+        [], cfg, tok, engine, engine_cls(engine, tok, cfg.rollout), torch.device("cpu"), images=images
+    )
+    recipe.episodes.env_cls, recipe.episodes.tools = Chatty, Tools([add], RESPONSE)
+    rows = load_rows("tiny:shapes_rl")[:3]
+    prompts, _ = tokenize_prompts(rows, tok, max_prompt_length=128, images=images)
+    for i, row in enumerate(rows):
+        recipe.rows[(row.source, row.index)] = {**row.data, "extra": 3 * i}
+    return model, recipe, prompts
+
+
+@pytest.fixture(scope="module")
+def vlm_sampled(talkative_vlm):
+    """GRPO's collect on multi-turn tool episodes of image prompts (pictures of 8 and 12 image tokens),
+    sampled by the tiny VLM at temperature 0.7: three turns each, tool turns of different lengths."""
+    model, recipe, prompts = vlm_recipe(talkative_vlm)
+    examples = recipe.collect(prompts, group=2, seed=5)
+    assert {e.meta["episode"]["turns"] for e in examples} == {3}
+    assert all(e.meta["episode"]["env_tokens"] > 0 and e.vision is not None for e in examples)
+    trained = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
+    scale = max(max(hf_alone(model, e, 0.7)[1] for e in examples), trained.abs().max().item())
+    return model, prompts, examples, bound(torch.float32, scale)
+
+
+def hf_alone(model: torch.nn.Module, example: Example, temperature: float) -> tuple[torch.Tensor, float]:
+    """The model's own forward on one episode (batch of one, positions computed by the model from its image
+    grid): the log-probs of its targets at ``temperature`` and the largest |logit / temperature|."""
+    from padless.rollout import image_inputs
+
+    ids = torch.tensor([example.input_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, **image_inputs(model, ids, [example.vision]), use_cache=False).logits[0]
+    logits = logits[:-1].float() / temperature
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logps[torch.tensor(example.loss_mask[1:])], logits.abs().max().item()
+
+
+def targets_logps(model: torch.nn.Module, batch) -> torch.Tensor:
+    """The packed training forward's log-probs of a batch's targets, at the sampling temperature."""
+    return forward_packed(model, batch, temperature=0.7).logps[batch.loss_mask[0]]
+
+
+def logps_gap(examples: list[Example], trained: torch.Tensor) -> float:
+    sampler = torch.tensor([v for e in examples for v in e.meta["sampler_logps"]])
+    assert sampler.numel() == trained.numel() == sum(e.num_targets for e in examples)
+    return (sampler - trained).abs().max().item()
+
+
+def test_vlm_sampled_logps_equal_the_training_forward_on_packed_episodes(vlm_sampled):
+    """The images stay in every turn: each turn's ``generate`` gets the prompt's pixels and computes M-RoPE
+    positions over prompt, earlier turns and tool turns; the packed training forward (padless's per-sample
+    M-RoPE rows) gives the sampler's log-probs within padless.tolerance's bound, M the largest |logit / T|
+    or |log-prob| (the sampler decodes on sdpa with a KV cache in a left-padded batch, the trainer packs on
+    varlen: summation order only). Measured 5.7e-6 against a bound of 4.0e-5."""
+    _model, _prompts, examples, limit = vlm_sampled
+    gap = logps_gap(examples, torch.tensor([v for e in examples for v in e.meta["old_logps"]]))
+    print(f"vlm episodes: max |sampler - trainer| = {gap:.2e}, bound {limit:.2e}")
+    assert gap <= limit
+
+
+def test_vlm_episodes_without_their_images_or_m_rope_positions_break_the_match(vlm_sampled, talkative_vlm):
+    """Planted breaks, each more than 10x the bound the test above holds: a sampler whose second and later
+    turns lose the prompt's images (measured 0.42), and a training forward given text-only positions (the
+    three M-RoPE rows counting tokens, as for a text model: 4.4e-3; text tokens keep their distances to
+    each other, only those to the image tokens change)."""
+    model, prompts, examples, limit = vlm_sampled
+
+    class Blind(HFEngine):  # images only in the first turn's generate
+        calls = 0
+
+        def complete(self, prompts, n, seeds, greedy=False, vision=None):
+            self.calls += 1
+            return super().complete(prompts, n, seeds, greedy, vision if self.calls == 1 else None)
+
+    _, blind, _ = vlm_recipe(talkative_vlm, Blind)
+    blind_examples = blind.collect(prompts, group=2, seed=5)
+    blind_trained = torch.tensor([v for e in blind_examples for v in e.meta["old_logps"]])
+    dropped = logps_gap(blind_examples, blind_trained)
+
+    flat = [
+        dataclasses.replace(e, rope_positions=torch.arange(len(e)).expand(3, -1).clone()) for e in examples
+    ]
+    with torch.no_grad():
+        positions = logps_gap(examples, targets_logps(model, pack(flat)))
+    print(f"planted: images dropped after turn 1 {dropped:.2e}, text-only positions {positions:.2e}")
+    assert dropped > 10 * limit and positions > 10 * limit
+
+
+def test_vlm_episodes_give_the_same_logps_alone_and_packed_with_others(vlm_sampled):
+    """Each episode's model tokens: packed with the other episodes, packed alone, and through the model's own
+    forward (its own M-RoPE positions) agree within the bound."""
+    model, _prompts, examples, limit = vlm_sampled
+    batch = pack(examples)
+    with torch.no_grad():
+        together = targets_logps(model, batch)
+        alone = torch.cat([targets_logps(model, pack([e])) for e in examples])
+    own = torch.cat([hf_alone(model, e, 0.7)[0] for e in examples])
+    assert (together - alone).abs().max() <= limit and (together - own).abs().max() <= limit

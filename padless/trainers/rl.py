@@ -91,16 +91,12 @@ class RolloutRecipe(Recipe):
             self.ahead = AheadSampler(unwrap(inner_engine(as_engine(policy)).model), tokenizer, cfg.rollout)
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (rollout.environment / tools)
         self.rows: dict[tuple[str, int], dict[str, Any]] = {}  # the prompts' data rows, for environments
-        if cfg.rollout.episodes():
-            if images is not None:
-                raise InputError(
-                    "rollout.environment / rollout.tools with a vision-language policy: padless does not "
-                    "carry images across episode turns yet; use a text model, or single-turn rollouts"
-                )
+        if cfg.rollout.episodes():  # a vision-language policy's episodes keep their prompt's images
             self.episodes = make_runner(
                 tokenizer,
                 cfg.rollout,
                 eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), tokenizer),
+                images,
             )
 
     def prompts_for(self, rollout: int) -> list[PromptExample]:
@@ -189,7 +185,8 @@ class RolloutRecipe(Recipe):
         assert self.episodes is not None
         rows = [self.row_of(p) for p in prompts for _ in range(group)]
         episode_seeds = [row_seed(s, k) for s in seeds for k in range(group)]
-        episodes = self.episodes.run(self.engine, rows, episode_seeds, greedy)
+        starts = [p for p in prompts for _ in range(group)]
+        episodes = self.episodes.run(self.engine, rows, episode_seeds, greedy, starts)
         cut = Counter(e.truncated for e in episodes if e.truncated is not None)
         if cut:
             what = (

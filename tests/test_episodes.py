@@ -542,3 +542,40 @@ def test_vlm_episodes_give_the_same_logps_alone_and_packed_with_others(vlm_sampl
         alone = torch.cat([targets_logps(model, pack([e])) for e in examples])
     own = torch.cat([hf_alone(model, e, 0.7)[0] for e in examples])
     assert (together - alone).abs().max() <= limit and (together - own).abs().max() <= limit
+
+
+class ShowsAPicture(Environment):
+    def step(self, turn):
+        return Step([{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "look"}]}])
+
+
+class OtherPicture(Environment):
+    def reset(self):
+        other = {"type": "image", "image": self.row["other"]}
+        return [{"role": "user", "content": [other, *self.row["prompt"][0]["content"]]}]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (ShowsAPicture, r"step\(\) at turn 0 returned an image .*fix: answer in text"),
+        (OtherPicture, r"reset\(\) of row \d+ of tiny:shapes_rl returns images other than the prompt row's"),
+    ],
+)
+def test_images_an_environment_adds_are_refused_in_one_line(env, message):
+    """An episode's images are its prompt row's: an image in an environment turn, or other images in
+    reset(), stop the run naming the environment, where, and the fix (never dropped or swapped silently)."""
+    from padless.data import load_rows, tokenize_prompts
+    from padless.data.images import ImageInputs
+    from padless.sources import load_processor
+    from padless.tiny.vlm import tiny_qwen2_5_vl
+
+    processor = load_processor("tiny-qwen2.5-vl")
+    images = ImageInputs(processor, tiny_qwen2_5_vl())
+    rows = load_rows("tiny:shapes_rl")[:2]
+    prompts, _ = tokenize_prompts(rows, processor.tokenizer, max_prompt_length=128, images=images)
+    data = {**rows[0].data, "other": rows[1].data["images"][0]}
+    run = EpisodeRunner(processor.tokenizer, settings(), env, "pictures", Tools([], None), {2}, images)
+    with pytest.raises(UserCodeError, match=message) as info:
+        run.run(Scripted(processor.tokenizer, ["a"]), [data], [0], False, prompts[:1])
+    assert "\n" not in str(info.value) and "'pictures'" in str(info.value)

@@ -18,6 +18,7 @@ from padless.config_loading import load_config
 from padless.data import load_rows, tokenize_preference
 from padless.data.images import ImageInputs
 from padless.engine import ModelEngine, sequence_scores
+from padless.environments import Environment, Step, Turn
 from padless.errors import InputError
 from padless.model import load_model
 from padless.packing import pack
@@ -167,6 +168,38 @@ def test_vlm_grpo_samples_with_images_and_resumes_mid_rollout(tmp_path):
 
 def variety(prompts: list[str], completions: list[str], **fields) -> list[float]:
     return [float(len(set(c))) for c in completions]
+
+
+class LookAgain(Environment):
+    """Asks once more about the picture: two model turns, the prompt's image read in both."""
+
+    def step(self, turn: Turn) -> Step:
+        return Step([{"role": "user", "content": "Look again. What is it?"}], done=turn.index == 1)
+
+
+def test_vlm_grpo_multi_turn_episodes_keep_their_images_and_resume_mid_rollout(tmp_path, talkative_vlm):
+    """GRPO of a VLM policy with a multi-turn environment through the trainer: episodes of two turns sampled
+    with the prompt's images, the sampler's log-probs within 1e-4 of the packed training forward's, and a
+    run resumed mid-rollout (episodes' images found again from their prompt rows) trains as the
+    uninterrupted one did."""
+    extra = (
+        f"model.name={talkative_vlm}",
+        f"rollout.environment={__file__}:LookAgain",
+        "rollout.max_turns=2",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=0.7",
+        "train.max_steps=2",
+    )
+    straight = run_grpo(load_config(GRPOConfig, None, grpo_overrides(tmp_path / "a", *extra)))
+    [record] = rollout_records(tmp_path / "a")
+    assert record["rollout/turns"] > 1 and record["rollout/env_tokens"] > 0
+    assert record["mismatch/logp_diff_max"] < 1e-4
+    shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
+    resume = "train.resume_from_checkpoint=latest"
+    resumed = run_grpo(load_config(GRPOConfig, None, grpo_overrides(tmp_path / "b", *extra, resume)))
+    assert rollout_records(tmp_path / "b") == []  # the saved episodes, not new ones
+    for key in ("train/loss", "train/kl", "train/clip_fraction"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-8), key
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ turn with the tokenizer's ``response_template`` (transformers' response parsing,
 syntax) or ``rollout.response_template``; a call that cannot be parsed, names no tool, has bad arguments or
 raises becomes a tool message saying so: the model sees its mistake, the run goes on.
 
+With a vision-language policy, message contents may also be lists of ``{"type": "text", "text": ...}`` and
+``{"type": "image", ...}`` parts: ``reset()``'s images are the prompt row's, and an environment turn's image
+parts hold their image (``image``, ``path`` or ``url``); see :mod:`padless.episodes`.
+
 Environments and tools are named like reward functions: ``package.module:Name``, ``path/file.py:Name`` or a
 bundled name (:data:`BUNDLED_ENVIRONMENTS`). An environment that raises or returns the wrong type stops the
 run with one line (:class:`padless.errors.UserCodeError`); one that never ends is cut at

@@ -20,9 +20,10 @@ With a vision-language policy an episode keeps its prompt's images: ``reset()``'
 prompt row's image column (:meth:`ImageInputs.prepare`), rendered, and their image tokens expanded
 (:meth:`ImageInputs.expand`); every turn's ``complete`` gets those image inputs with the whole sequence so
 far, from which the model computes the M-RoPE positions of prompt, earlier turns and environment turns, and
-the training example gets the same images and per-sample positions. The images must be the prompt row's (a run
-resumed mid-rollout finds them there again): other images in ``reset()``, and any image in an environment
-turn, are refused in one line.
+the training example gets the same images and per-sample positions. An environment turn may show images too
+(image parts holding their image, as in data rows): they are appended to the episode's image inputs in
+order, and saved with a rollout checkpointed mid-way (as PNG). ``reset()``'s images must be the prompt row's
+(a resumed run finds them there again): others are refused in one line.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from padless.data.chat import ChatTemplateError
-from padless.data.records import IMAGE_COLUMNS, DataError, Row, parts_with_images
+from padless.data.records import IMAGE_COLUMNS, DataError, Row
 from padless.environments import (
     Environment,
     Step,
@@ -46,6 +47,7 @@ from padless.environments import (
     user_call,
 )
 from padless.errors import InputError, UserCodeError
+from padless.packing import concat_vision
 from padless.ranks import common_count
 from padless.rollout import Completion, Engine, row_seed
 
@@ -75,7 +77,11 @@ class Episode:
     last_turn: str = ""
     done: bool = False
     truncated: str | None = None  # why the episode was cut: "turn_length", "max_turns", "token_budget"
-    vision: dict[str, torch.Tensor] | None = None  # the prompt's image inputs (vision-language policies)
+    # vision-language policies: the image inputs of the episode's images, the prompt's then those the
+    # environment showed (kept, too, to be saved with the rollout), and the prompt row's (source, index)
+    vision: dict[str, torch.Tensor] | None = None
+    env_images: list[Any] = field(default_factory=list)
+    origin: tuple[str, int] = ("", 0)
 
     def completion(self, greedy: bool) -> Completion:
         stats = {
@@ -94,6 +100,8 @@ class Episode:
             model_mask=self.model,
             text=self.last_turn,
             episode=stats,
+            vision=self.vision,
+            env_images=self.env_images,
         )
 
 
@@ -194,7 +202,9 @@ class EpisodeRunner:
         if prompt is None:
             raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
         messages, ids, vision = self.with_images(row, messages, prompt)
-        return Episode(env, messages, ids, seed, text=self.render(messages, True), vision=vision)
+        text = self.render(messages, True)
+        origin = (prompt.meta["source"], prompt.meta["row"])
+        return Episode(env, messages, ids, seed, text=text, vision=vision, origin=origin)
 
     def with_images(
         self, row: dict[str, Any], messages: list[dict[str, Any]], prompt: PromptExample
@@ -310,21 +320,28 @@ class EpisodeRunner:
             )
         e.messages.append({"role": "assistant", "content": text})
         eos = self.tok.decode(ids[-1:], skip_special_tokens=False)
-        appended = self.appended(e.messages, step.messages, eos)
-        e.messages += step.messages
-        new = self.encode(appended)
-        if self.images is not None and (
-            parts_with_images(step.messages) or self.images.image_token_id in new
-        ):
+        messages, shown, vision = step.messages, [], None
+        where = Row({"prompt": messages}, *e.origin)
+        try:  # a vision-language policy: image parts hold their images, read as a data row's are
+            if self.images is not None:
+                prepared = self.images.prepare(where)
+                messages, shown = prepared.row.data["prompt"], prepared.images
+            appended = self.appended(e.messages, messages, eos)
+            new = self.encode(appended)
+            if self.images is not None:  # each image's tokens expanded, its inputs after the episode's
+                new, _, vision = self.images.expand(where, new, None, shown)
+        except DataError as error:
             raise UserCodeError(
-                f"environment {self.spec!r}: step() at turn {turn} returned an image (an image part, "
-                f"<image> or {self.images.image_token!r}); padless keeps the prompt's images across turns "
-                "but takes none from environment turns (a run resumed mid-rollout could not find them "
-                "again); fix: answer in text, or put the images in the prompt row"
-            )
+                f"environment {self.spec!r}: the images of step()'s messages at turn {turn}: {error} (an "
+                "image part of an environment turn holds its image: 'image', 'path' or 'url' key)"
+            ) from None
+        e.messages += messages
         if budget is not None and len(e.prompt_ids) + len(e.ids) + len(new) >= budget:
             e.done, e.truncated = True, "token_budget"  # no room left for the model to answer it
             return
+        if vision is not None:
+            e.vision = concat_vision([e.vision, vision])
+            e.env_images += shown
         e.ids += new
         e.model += [False] * len(new)
         e.text += appended

@@ -50,6 +50,10 @@ class Completion:
     model_mask: list[bool] | None = None
     text: str | None = None
     episode: dict[str, Any] | None = None
+    # a vision-language policy's episode: the image inputs of all its images (the prompt's, then those its
+    # environment showed) and the images the environment showed (PIL)
+    vision: dict[str, torch.Tensor] | None = None
+    env_images: list[Any] | None = None
 
 
 def left_pad(

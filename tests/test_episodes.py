@@ -29,6 +29,7 @@ from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import Completion, HFEngine
 from padless.tiny import tiny_tokenizer
+from padless.tiny.vlm import IMAGE_TOKEN_ID
 from padless.tolerance import bound
 from padless.trainers.grpo import GRPORecipe
 
@@ -430,8 +431,20 @@ VLM_SETTINGS = [
 ]
 
 
+class ShowsAnother(Chatty):
+    """Chatty, whose first tool answer shows a picture (another row's, held in the image part)."""
+
+    def step(self, turn):
+        step = super().step(turn)
+        if turn.index == 0:
+            picture = {"type": "image", "image": self.row["another"]}
+            step.messages = [{"role": "tool", "content": [picture, {"type": "text", "text": "zoomed in"}]}]
+        return step
+
+
 def vlm_recipe(folder: str, engine_cls: type = HFEngine) -> tuple[torch.nn.Module, GRPORecipe, list]:
-    """A GRPO recipe on the talkative tiny VLM with the tool template, and three image prompts."""
+    """A GRPO recipe on the talkative tiny VLM with the tool template and a tool that shows a picture, and
+    three image prompts."""
     from padless.data import load_rows, tokenize_prompts
     from padless.data.images import ImageInputs
     from padless.sources import load_processor
@@ -447,22 +460,28 @@ def vlm_recipe(folder: str, engine_cls: type = HFEngine) -> tuple[torch.nn.Modul
     recipe = GRPORecipe(
         [], cfg, tok, engine, engine_cls(engine, tok, cfg.rollout), torch.device("cpu"), images=images
     )
-    recipe.episodes.env_cls, recipe.episodes.tools = Chatty, Tools([add], RESPONSE)
+    recipe.episodes.env_cls, recipe.episodes.tools = ShowsAnother, Tools([add], RESPONSE)
     rows = load_rows("tiny:shapes_rl")[:3]
     prompts, _ = tokenize_prompts(rows, tok, max_prompt_length=128, images=images)
     for i, row in enumerate(rows):
-        recipe.rows[(row.source, row.index)] = {**row.data, "extra": 3 * i}
+        another = rows[(i + 1) % 3].data["images"][0]
+        recipe.rows[(row.source, row.index)] = {**row.data, "extra": 3 * i, "another": another}
     return model, recipe, prompts
 
 
 @pytest.fixture(scope="module")
 def vlm_sampled(talkative_vlm):
     """GRPO's collect on multi-turn tool episodes of image prompts (pictures of 8 and 12 image tokens),
-    sampled by the tiny VLM at temperature 0.7: three turns each, tool turns of different lengths."""
+    sampled by the tiny VLM at temperature 0.7: three turns each, the first tool turn showing a second
+    picture, tool turns of different lengths."""
     model, recipe, prompts = vlm_recipe(talkative_vlm)
     examples = recipe.collect(prompts, group=2, seed=5)
     assert {e.meta["episode"]["turns"] for e in examples} == {3}
-    assert all(e.meta["episode"]["env_tokens"] > 0 and e.vision is not None for e in examples)
+    assert all(e.meta["episode"]["env_tokens"] > 0 and len(e.meta["env_images"]) == 1 for e in examples)
+    for e, prompt in zip(examples, [p for p in prompts for _ in range(2)], strict=True):
+        grids = e.vision["image_grid_thw"]  # the prompt's picture, then the one the tool showed
+        assert len(grids) == 2 and torch.equal(grids[:1], prompt.vision["image_grid_thw"])
+        assert sum(t == IMAGE_TOKEN_ID for t in e.input_ids) == int(grids.prod(-1).sum()) // 4
     trained = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
     scale = max(max(hf_alone(model, e, 0.7)[1] for e in examples), trained.abs().max().item())
     return model, prompts, examples, bound(torch.float32, scale)
@@ -506,9 +525,9 @@ def test_vlm_sampled_logps_equal_the_training_forward_on_packed_episodes(vlm_sam
 
 def test_vlm_episodes_without_their_images_or_m_rope_positions_break_the_match(vlm_sampled, talkative_vlm):
     """Planted breaks, each more than 10x the bound the test above holds: a sampler whose second and later
-    turns lose the prompt's images (measured 0.42), and a training forward given text-only positions (the
-    three M-RoPE rows counting tokens, as for a text model: 4.4e-3; text tokens keep their distances to
-    each other, only those to the image tokens change)."""
+    turns lose the images (measured 0.72), and a training forward given text-only positions (the three
+    M-RoPE rows counting tokens, as for a text model: 6.0e-3; text tokens keep their distances to each
+    other, only those to the image tokens change)."""
     model, prompts, examples, limit = vlm_sampled
 
     class Blind(HFEngine):  # images only in the first turn's generate
@@ -544,7 +563,7 @@ def test_vlm_episodes_give_the_same_logps_alone_and_packed_with_others(vlm_sampl
     assert (together - alone).abs().max() <= limit and (together - own).abs().max() <= limit
 
 
-class ShowsAPicture(Environment):
+class ShowsNoPicture(Environment):
     def step(self, turn):
         return Step([{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "look"}]}])
 
@@ -558,13 +577,14 @@ class OtherPicture(Environment):
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        (ShowsAPicture, r"step\(\) at turn 0 returned an image .*fix: answer in text"),
+        (ShowsNoPicture, r"step\(\)'s messages at turn 0: .*image placeholder number 1 .*holds its image"),
         (OtherPicture, r"reset\(\) of row \d+ of tiny:shapes_rl returns images other than the prompt row's"),
     ],
 )
-def test_images_an_environment_adds_are_refused_in_one_line(env, message):
-    """An episode's images are its prompt row's: an image in an environment turn, or other images in
-    reset(), stop the run naming the environment, where, and the fix (never dropped or swapped silently)."""
+def test_unreadable_environment_images_and_other_reset_images_are_refused_in_one_line(env, message):
+    """An image part of an environment turn without its image, or reset() returning images other than the
+    prompt row's (which a resumed run finds again), stop the run naming the environment, where, and the fix
+    (never dropped or swapped silently)."""
     from padless.data import load_rows, tokenize_prompts
     from padless.data.images import ImageInputs
     from padless.sources import load_processor

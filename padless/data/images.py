@@ -17,6 +17,7 @@ the file, row and fix: an image is never dropped silently.
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 from collections.abc import Sequence
@@ -297,7 +298,7 @@ class ImageInputs:
             )
         if not images:
             return ids, mask, None
-        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        vision = self.inputs(images)
         sizes = [(image.height, image.width) for image in images]
         counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
         new_ids: list[int] = []
@@ -309,8 +310,12 @@ class ImageInputs:
                 n, k = counts[k], k + 1
             new_ids += [t] * n
             new_mask += [bool(mask[i]) if mask is not None and n == 1 else False] * n
-        vision = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
         return new_ids, None if mask is None else new_mask, vision
+
+    def inputs(self, images: Sequence[Image]) -> dict[str, torch.Tensor]:
+        """The model's image inputs (pixel values, grids) of ``images``, in order."""
+        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        return {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
 
     def fit(
         self,
@@ -369,6 +374,21 @@ class ImageInputs:
         if self.rope is not None:
             rope = self.rope(ids, None if vision is None else vision.get("image_grid_thw"))
         return Example(ids, mask, meta, vision=vision, rope_positions=rope)
+
+
+def png_text(image: Image) -> str:
+    """An image as base64 PNG text (lossless for the 8-bit RGB images padless reads), to save in JSON."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def from_png_text(text: str) -> Image:
+    """The image :func:`png_text` saved."""
+    from PIL import Image as PILImage
+
+    with PILImage.open(io.BytesIO(base64.b64decode(text))) as image:
+        return image.convert("RGB")
 
 
 def check_parts(row: Row, where: str, content: list[Any]) -> None:

@@ -114,7 +114,7 @@ def image_column(row: Row) -> tuple[str | None, list[Any]]:
     return None, []
 
 
-def parts_with_images(value: Any) -> bool:
+def _parts_with_images(value: Any) -> bool:
     """Whether chat messages hold image parts or ``<image>`` placeholders."""
     if not isinstance(value, list):
         return False
@@ -131,7 +131,7 @@ def parts_with_images(value: Any) -> bool:
 
 def has_images(row: Row) -> bool:
     """Whether a row carries images (an image column, image parts or ``<image>`` placeholders)."""
-    return image_column(row)[0] is not None or any(parts_with_images(row.data.get(f)) for f in CHAT_FIELDS)
+    return image_column(row)[0] is not None or any(_parts_with_images(row.data.get(f)) for f in CHAT_FIELDS)
 
 
 def reject_images(row: Row) -> None:

@@ -25,7 +25,7 @@ import torch
 from padless.ahead import AheadSampler
 from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, load_rows, reward_inputs
-from padless.data.images import ImageInputs
+from padless.data.images import ImageInputs, from_png_text, png_text
 from padless.data.rl import PromptLayout
 from padless.data.tokenized import ExampleSet, load_set
 from padless.engine import as_engine, inner_engine, reference_engine, unwrap
@@ -33,7 +33,7 @@ from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
 from padless.losses import soft_overlong_penalty
 from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
-from padless.packing import Example, PackedBatch, budget_batches, pack
+from padless.packing import Example, PackedBatch, budget_batches, concat_vision, pack
 from padless.ranks import agreed, equal_share, gather_shares, lockstep
 from padless.rewards import RewardComposer, scored_mean
 from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
@@ -167,7 +167,10 @@ class RolloutRecipe(Recipe):
                 meta["staleness"] = staleness
             if c.episode is not None:
                 meta["episode"] = c.episode
-            examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, prompt.vision))
+            if c.env_images:  # saved with a rollout checkpointed mid-way (the prompt's are found again)
+                meta["env_images"] = [png_text(image) for image in c.env_images]
+            vision = prompt.vision if c.vision is None else c.vision  # an episode's: with its env's images
+            examples.append(self.example(c.prompt_ids + c.completion_ids, targets, meta, vision))
         filler, examples = examples[0], examples[: real * group]
         self.score(mine[:real], examples, completions[: real * group], group, filler)
         if not greedy:
@@ -409,12 +412,16 @@ class RolloutRecipe(Recipe):
         return [{"input_ids": e.input_ids, "loss_mask": e.loss_mask, "meta": e.meta} for e in self.rollout[1]]
 
     def restore_plan(self, epoch: int, state: list[dict[str, Any]]) -> None:
-        """The saved rollout back; image inputs come from the prompts (a checkpoint's plan holds tokens)."""
+        """The saved rollout back; image inputs come from the prompts (a checkpoint's plan holds tokens),
+        followed by those of the images an episode's environment showed (saved as PNG)."""
         vision = {p.meta["row"]: p.vision for p in self.prompts} if self.images is not None else {}
-        examples = [
-            self.example(e["input_ids"], e["loss_mask"], e["meta"], vision.get(e["meta"]["prompt_row"]))
-            for e in state
-        ]
+        examples = []
+        for e in state:
+            images = vision.get(e["meta"]["prompt_row"])
+            if self.images is not None and e["meta"].get("env_images"):
+                shown = [from_png_text(text) for text in e["meta"]["env_images"]]
+                images = concat_vision([images, self.images.inputs(shown)])
+            examples.append(self.example(e["input_ids"], e["loss_mask"], e["meta"], images))
         self.rollout = (epoch, examples)
 
     def ahead_state(self) -> list[dict[str, Any]] | None:

@@ -171,17 +171,18 @@ def variety(prompts: list[str], completions: list[str], **fields) -> list[float]
 
 
 class LookAgain(Environment):
-    """Asks once more about the picture: two model turns, the prompt's image read in both."""
+    """Shows the picture once more and asks again: two model turns, the second after two images."""
 
     def step(self, turn: Turn) -> Step:
-        return Step([{"role": "user", "content": "Look again. What is it?"}], done=turn.index == 1)
+        again = [{"type": "image", "image": self.row["images"][0]}, {"type": "text", "text": "And now?"}]
+        return Step([{"role": "user", "content": again}], done=turn.index == 1)
 
 
 def test_vlm_grpo_multi_turn_episodes_keep_their_images_and_resume_mid_rollout(tmp_path, talkative_vlm):
     """GRPO of a VLM policy with a multi-turn environment through the trainer: episodes of two turns sampled
-    with the prompt's images, the sampler's log-probs within 1e-4 of the packed training forward's, and a
-    run resumed mid-rollout (episodes' images found again from their prompt rows) trains as the
-    uninterrupted one did."""
+    with the prompt's image and the one the environment shows, the sampler's log-probs within 1e-4 of the
+    packed training forward's, and a run resumed mid-rollout (the prompt's images found again from the
+    prompt rows, the environment's read back from the checkpoint) trains as the uninterrupted one did."""
     extra = (
         f"model.name={talkative_vlm}",
         f"rollout.environment={__file__}:LookAgain",
@@ -194,6 +195,8 @@ def test_vlm_grpo_multi_turn_episodes_keep_their_images_and_resume_mid_rollout(t
     [record] = rollout_records(tmp_path / "a")
     assert record["rollout/turns"] > 1 and record["rollout/env_tokens"] > 0
     assert record["mismatch/logp_diff_max"] < 1e-4
+    plan = json.loads((tmp_path / "a" / "checkpoint-1" / PLAN_FILE).read_text())
+    assert all(len(e["meta"]["env_images"]) == 1 for e in plan)  # saved as PNG
     shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
     resume = "train.resume_from_checkpoint=latest"
     resumed = run_grpo(load_config(GRPOConfig, None, grpo_overrides(tmp_path / "b", *extra, resume)))

@@ -29,7 +29,7 @@ from padless.model import load_model
 from padless.packing import Example, pack
 from padless.rollout import Completion, HFEngine
 from padless.tiny import tiny_tokenizer
-from padless.tiny.vlm import IMAGE_TOKEN_ID
+from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.tolerance import bound
 from padless.trainers.grpo import GRPORecipe
 
@@ -481,7 +481,7 @@ def vlm_sampled(talkative_vlm):
     for e, prompt in zip(examples, [p for p in prompts for _ in range(2)], strict=True):
         grids = e.vision["image_grid_thw"]  # the prompt's picture, then the one the tool showed
         assert len(grids) == 2 and torch.equal(grids[:1], prompt.vision["image_grid_thw"])
-        assert sum(t == IMAGE_TOKEN_ID for t in e.input_ids) == int(grids.prod(-1).sum()) // 4
+        assert sum(t == IMAGE_TOKEN_ID for t in e.input_ids) == int(grids.prod(-1).sum()) // MERGE_SIZE**2
     trained = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
     scale = max(max(hf_alone(model, e, 0.7)[1] for e in examples), trained.abs().max().item())
     return model, prompts, examples, bound(torch.float32, scale)
@@ -512,11 +512,12 @@ def logps_gap(examples: list[Example], trained: torch.Tensor) -> float:
 
 
 def test_vlm_sampled_logps_equal_the_training_forward_on_packed_episodes(vlm_sampled):
-    """The images stay in every turn: each turn's ``generate`` gets the prompt's pixels and computes M-RoPE
-    positions over prompt, earlier turns and tool turns; the packed training forward (padless's per-sample
-    M-RoPE rows) gives the sampler's log-probs within padless.tolerance's bound, M the largest |logit / T|
-    or |log-prob| (the sampler decodes on sdpa with a KV cache in a left-padded batch, the trainer packs on
-    varlen: summation order only). Measured 5.7e-6 against a bound of 4.0e-5."""
+    """The images stay in every turn: each turn's ``generate`` gets the episode's pixels (the prompt's, then
+    the tool's) and computes M-RoPE positions over prompt, earlier turns and tool turns; the packed training
+    forward (padless's per-sample M-RoPE rows) gives the sampler's log-probs within padless.tolerance's
+    bound, M the largest |logit / T| or |log-prob| (the sampler decodes on sdpa with a KV cache in a
+    left-padded batch, the trainer packs on varlen: summation order only). Measured 5.7e-6 against a bound
+    of 4.0e-5."""
     _model, _prompts, examples, limit = vlm_sampled
     gap = logps_gap(examples, torch.tensor([v for e in examples for v in e.meta["old_logps"]]))
     print(f"vlm episodes: max |sampler - trainer| = {gap:.2e}, bound {limit:.2e}")

@@ -214,7 +214,9 @@ class EpisodeRunner:
         each image's tokens expanded, and the image inputs, checked equal to the prompt's."""
         assert self.images is not None
         columns = {k: row[k] for k in IMAGE_COLUMNS if row.get(k) is not None}
-        where = Row({"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"])
+        where = Row(
+            {"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"], skippable=False
+        )
         try:
             prepared = self.images.prepare(where)
             messages = prepared.row.data["prompt"]
@@ -321,7 +323,7 @@ class EpisodeRunner:
         e.messages.append({"role": "assistant", "content": text})
         eos = self.tok.decode(ids[-1:], skip_special_tokens=False)
         messages, shown, vision = step.messages, [], None
-        where = Row({"prompt": messages}, *e.origin)
+        where = Row({"prompt": messages}, *e.origin, skippable=False)
         try:  # a vision-language policy: image parts hold their images, read as a data row's are
             if self.images is not None:
                 prepared = self.images.prepare(where)

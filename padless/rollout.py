@@ -111,18 +111,30 @@ class SeededSampler:
     row's tokens depend only on its seed (never on its batch, rank or neighbours).
 
     Each row draws one uniform per step and picks by inverse CDF over ``softmax(logits / temperature)``,
-    after top-p filtering; it records the chosen token's ``log_softmax(logits / temperature)`` (before
-    top-p) for :class:`Completion`'s ``logprobs``.
+    without the ``forbidden`` tokens and after top-p filtering; it records the chosen token's
+    ``log_softmax(logits / temperature)`` (before either) for :class:`Completion`'s ``logprobs``.
+    ``forbidden``: a vision-language model's image / video placeholders, whose pixels a sampled one would
+    lack (the next turn's forward and the training forward would stop on the count).
     """
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
+    def __init__(
+        self,
+        seeds: list[int],
+        temperature: float,
+        top_p: float,
+        device: torch.device,
+        forbidden: tuple[int, ...] = (),
+    ):
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.forbidden = temperature, top_p, list(forbidden)
         self.logprobs: list[torch.Tensor] = []  # per step, [rows]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logps = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         probs = logps.exp()
+        if self.forbidden:
+            probs[:, self.forbidden] = 0.0
+            probs = probs / probs.sum(-1, keepdim=True)
         if self.top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
@@ -203,7 +215,9 @@ def generate(
                     extra = image_inputs(inner, ids, vision[start : start + batch_size])
                 sampler = None
                 if row_seeds is not None:
-                    sampler = SeededSampler(row_seeds[start : start + batch_size], temperature, top_p, device)
+                    sampler = SeededSampler(
+                        row_seeds[start : start + batch_size], temperature, top_p, device, placeholders(inner)
+                    )
                     extra["logits_processor"] = LogitsProcessorList([sampler])
                 with sampling_guard():
                     out = engine(
@@ -228,6 +242,16 @@ def generate(
     finally:
         inner.train(was_training)
     return results
+
+
+def placeholders(model: torch.nn.Module) -> tuple[int, ...]:
+    """The image / video placeholder ids of a vision-language model (none for a text model)."""
+    config = model.config
+    return tuple(
+        i
+        for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+        if i is not None
+    )
 
 
 @contextlib.contextmanager

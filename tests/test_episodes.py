@@ -600,3 +600,4 @@ def test_unreadable_environment_images_and_other_reset_images_are_refused_in_one
     with pytest.raises(UserCodeError, match=message) as info:
         run.run(Scripted(processor.tokenizer, ["a"]), [data], [0], False, prompts[:1])
     assert "\n" not in str(info.value) and "'pictures'" in str(info.value)
+    assert "skip_bad_rows" not in str(info.value)  # no data setting skips an environment's turn

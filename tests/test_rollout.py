@@ -146,6 +146,42 @@ def test_vlm_generation_without_token_types_would_differ(vlm_prompts, monkeypatc
     assert [c.completion_ids for c in batched] != [c.completion_ids for c in alone]
 
 
+def test_a_vlm_policy_never_samples_an_image_placeholder(vlm_prompts, monkeypatch):
+    """The tiny VLM with its image / video placeholders' (tied) output rows lifted above every other token:
+    unfiltered, the seeded sampler draws them (their pixels would not exist, and the next forward stops on
+    the count); filtered, never, and it still records log-probs of the whole tempered distribution."""
+    import padless.rollout as rollout
+
+    tokenizer, prompts, vision = vlm_prompts
+    model = load_model("tiny-qwen2.5-vl", probe=False)
+    forbidden = rollout.placeholders(model)
+    assert set(forbidden) == {model.config.image_token_id, model.config.video_token_id}
+    with torch.no_grad():
+        rows = model.get_input_embeddings().weight
+        rows[:, 0] = 0.5
+        rows[list(forbidden), 0] = 4.0
+
+    def sample() -> list:
+        return generate(
+            model,
+            tokenizer,
+            prompts[:2],
+            vision=vision[:2],
+            max_new_tokens=4,
+            do_sample=True,
+            seeds=[1, 2],
+            num_return_sequences=2,
+        )
+
+    completions = sample()
+    sampled = [t for c in completions for t in c.completion_ids]
+    assert sampled and not set(sampled) & set(forbidden)
+    # the filter removed most of the mass: the recorded log-probs are the unfiltered policy's
+    assert max(lp for c in completions for lp in c.logprobs) < -1.0
+    monkeypatch.setattr(rollout, "placeholders", lambda model: ())
+    assert {t for c in sample() for t in c.completion_ids} & set(forbidden)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Batched seeded sampling: a prompt's samples are a function of its seed, whatever batch it is sampled in
 # ----------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import base64
 import io
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,7 +182,7 @@ class ImageInputs:
                 else m
                 for m in messages[:last]
             ]
-            cut.append(Row({"prompt": prompt}, row.source, row.index, row.numbering))
+            cut.append(replace(row, data={"prompt": prompt}))
         return cut
 
     # -- rows ------------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class ImageInputs:
                 "to skip the row.",
             )
         data.pop(column, None)
-        return ImageRow(Row(data, row.source, row.index, row.numbering), images)
+        return ImageRow(replace(row, data=data), images)
 
     def _parts(
         self, row: Row, where: str, content: Any, pool: list[Any], taken: int, images: list[Image]

@@ -28,6 +28,7 @@ ACCEPTED_FORMATS = (
     "in-memory datasets.Dataset / DatasetDict"
 )
 SKIP_FIX = "Fix the row or set data.skip_bad_rows: true to skip it."
+SKIP_CLAUSE = re.compile(r",? or set data\.skip_bad_rows: true to skip (?:it|the row)(?=\.)")
 # What to do with a row longer than the length limit: refuse it, or keep its first tokens.
 Truncation = Literal["error", "truncate"]
 
@@ -76,6 +77,8 @@ class Row:
     source: str
     index: int
     numbering: Literal["line", "index"] = "index"
+    skippable: bool = True
+    """False for what no ``data.skip_bad_rows`` can skip (an environment's turn): its fixes leave it out"""
 
     @property
     def where(self) -> str:
@@ -86,6 +89,8 @@ class Row:
     def error(self, field: str | None, problem: str, *, reason: str, fix: str = SKIP_FIX) -> DataError:
         """A :class:`DataError` about this row: ``"<where>: field '<field>' <problem>. <fix>"``."""
         subject = f"field '{field}' " if field else ""
+        if not self.skippable:
+            fix = SKIP_CLAUSE.sub("", fix)
         return DataError(
             f"{self.where}: {subject}{problem}. {fix}",
             source=self.source,

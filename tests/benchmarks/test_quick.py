@@ -26,10 +26,14 @@ SCRIPTS = sorted(
 ONE_STEP = ("--warmup", "0", "--steps", "1")
 # contenders the smoke runs where a benchmark has variants one setting apart (the setting's code is tested in
 # the suite: staleness in tests/trainers/test_rl.py, per-prompt generate calls in tests/test_rollout.py,
-# padded DPO in tests/trainers/test_dpo_rm.py); the benchmark's own code for each is shared with these
+# padded DPO in tests/trainers/test_dpo_rm.py, padded SFT in tests/trainers/test_sft.py and test_vision.py);
+# the benchmark's own code for each is shared with these. sft_throughput's padless-padded is the function
+# hybrid_packing's smoke runs; its trl-padded is trl-padding-free's with padding_free=False.
 SMOKE_CONTENDERS = {
     "grpo_throughput.py": ("--contenders", "padless,trl"),
     "dpo_throughput.py": ("--contenders", "padless-packed,trl"),
+    "sft_throughput.py": ("--contenders", "padless-packed,trl-padding-free,dense-ideal"),
+    "vlm_sft_throughput.py": ("--contenders", "padless-packed,trl-padded"),
 }
 TRAINERS = {
     "sft_throughput.py",

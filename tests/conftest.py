@@ -35,11 +35,19 @@ def _datasets_cache() -> Iterator[None]:
     shutil.rmtree(_DATASETS_CACHE, ignore_errors=True)
 
 
+_TORCH_LINEAR = torch.nn.functional.linear
+
+
 @pytest.fixture(autouse=True)
 def _reset_varlen_kernel() -> Iterator[None]:
-    """``set_varlen_kernel`` (and ``padless check --varlen-kernel``) set process-wide state: never leak it."""
+    """``set_varlen_kernel`` (and ``padless check --varlen-kernel``) set process-wide state: never leak it.
+    Nor DeepSpeed's ZeRO-3 linear, which it leaves in ``torch.nn.functional`` for the rest of the process
+    (every later test ran slower through it): a test that leaves it there fails."""
     yield
     set_varlen_kernel("auto")
+    leaked = torch.nn.functional.linear is not _TORCH_LINEAR
+    torch.nn.functional.linear = _TORCH_LINEAR
+    assert not leaked, "this test left torch.nn.functional.linear patched (DeepSpeed ZeRO-3): restore it"
 
 
 @pytest.fixture(scope="session")

@@ -195,6 +195,18 @@ class Chatty(Environment):
         return Step(turn.tool_messages or [{"role": "tool", "content": words}], done=turn.index == 2)
 
 
+# GRPO's settings for the sampled-vs-trained proofs (text and VLM): tool episodes at temperature 0.7
+EPISODE_SETTINGS = [
+    "rollout.environment=tools",
+    "rollout.temperature=0.7",
+    "rollout.max_new_tokens=8",
+    "grpo.beta=0",
+    "rollout.num_generations=2",
+    "rollout.mask_truncated=false",
+    "rollout.generation_batch_size=3",
+]
+
+
 @pytest.fixture(scope="module")
 def sampled(tokenizer):
     """GRPO's collect on multi-turn tool episodes sampled at temperature 0.7 by the embedded warm start
@@ -203,20 +215,7 @@ def sampled(tokenizer):
     tok.chat_template = TEMPLATE
     model = load_model("tiny-llama-arith")
     engine = ModelEngine(model)
-    cfg = load_config(
-        GRPOConfig,
-        None,
-        [
-            "rollout.environment=tools",
-            "rollout.temperature=0.7",
-            "rollout.max_new_tokens=8",
-            "grpo.beta=0",
-            "rollout.num_generations=2",
-            "rollout.mask_truncated=false",
-            "rollout.generation_batch_size=3",
-            "train.max_tokens_per_batch=200",
-        ],
-    )
+    cfg = load_config(GRPOConfig, None, [*EPISODE_SETTINGS, "train.max_tokens_per_batch=200"])
     cfg.rollout.response_template = RESPONSE
     recipe = GRPORecipe([], cfg, tok, engine, HFEngine(engine, tok, cfg.rollout), torch.device("cpu"))
     recipe.episodes.env_cls, recipe.episodes.tools = Chatty, Tools([add], RESPONSE)
@@ -419,16 +418,7 @@ VLM_TEMPLATE = (
     "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}{%- endmacro -%}" + TEMPLATE.replace("m.content", "render(m.content)")
 )
-VLM_SETTINGS = [
-    "rollout.environment=tools",
-    "rollout.temperature=0.7",
-    "rollout.max_new_tokens=8",
-    "grpo.beta=0",
-    "rollout.num_generations=2",
-    "rollout.mask_truncated=false",
-    "rollout.generation_batch_size=3",
-    "train.max_tokens_per_batch=400",
-]
+VLM_SETTINGS = [*EPISODE_SETTINGS, "train.max_tokens_per_batch=400"]
 
 
 class ShowsAnother(Chatty):

@@ -20,7 +20,7 @@ from padless.data.images import ImageInputs
 from padless.engine import forward_packed
 from padless.packing import Example, pack
 from padless.tiny.shapes import QUESTIONS, answer, draw
-from padless.vision import uses_mrope
+from padless.vision import image_token_types, uses_mrope
 
 SOURCE = "padless check probe"
 
@@ -51,7 +51,7 @@ def alone_logps(model: PreTrainedModel, examples: list[Example]) -> Alone:
         ids = torch.tensor(ex.input_ids, device=device)[None]
         extra = {k: v.to(device) for k, v in (ex.vision or {}).items()}
         if uses_mrope(model.config):
-            extra["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+            extra["mm_token_type_ids"] = image_token_types(ids, model.config)
         logits = model(input_ids=ids, use_cache=False, **extra).logits[0]
         logps = next_token_logps(logits, ids[0])
         result.logps.append(logps)

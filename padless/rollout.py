@@ -25,7 +25,7 @@ from padless.errors import DIVERGENCE_FIX, DivergenceError
 from padless.model import pad_token_id
 from padless.packing import concat_vision
 from padless.strategy import strategy_in_use
-from padless.vision import uses_mrope
+from padless.vision import image_token_types, placeholder_ids, uses_mrope
 
 log = logging.getLogger(__name__)
 DECODE_BACKEND = {"varlen": "sdpa", "flex_attention": "sdpa"}
@@ -216,7 +216,11 @@ def generate(
                 sampler = None
                 if row_seeds is not None:
                     sampler = SeededSampler(
-                        row_seeds[start : start + batch_size], temperature, top_p, device, placeholders(inner)
+                        row_seeds[start : start + batch_size],
+                        temperature,
+                        top_p,
+                        device,
+                        placeholder_ids(inner.config),
                     )
                     extra["logits_processor"] = LogitsProcessorList([sampler])
                 with sampling_guard():
@@ -244,16 +248,6 @@ def generate(
     return results
 
 
-def placeholders(model: torch.nn.Module) -> tuple[int, ...]:
-    """The image / video placeholder ids of a vision-language model (none for a text model)."""
-    config = model.config
-    return tuple(
-        i
-        for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
-        if i is not None
-    )
-
-
 @contextlib.contextmanager
 def sampling_guard() -> Iterator[None]:
     """A policy whose probabilities are no longer finite (weights blown up by too high a learning rate)
@@ -277,7 +271,7 @@ def image_inputs(
     device = ids.device
     images = {k: v.to(device) for k, v in (concat_vision(vision) or {}).items()}
     if uses_mrope(model.config):
-        images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        images["mm_token_type_ids"] = image_token_types(ids, model.config)
     return images
 
 

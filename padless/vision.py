@@ -50,6 +50,17 @@ def uses_mrope(config: Any) -> bool:
     return is_vision_config(config) and hasattr(_base_model_class(config), "get_rope_index")
 
 
+def placeholder_ids(config: Any) -> tuple[int, ...]:
+    """The image / video placeholder token ids of a vision-language config (none for a text model)."""
+    ids = (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+    return tuple(i for i in ids if i is not None)
+
+
+def image_token_types(ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` for inputs with images and no video: 1 at image placeholders."""
+    return (ids == config.image_token_id).int()
+
+
 class RopeIndex:
     """The model's own ``get_rope_index`` for one sample at a time, without loading the model.
 

@@ -154,7 +154,7 @@ def test_a_vlm_policy_never_samples_an_image_placeholder(vlm_prompts, monkeypatc
 
     tokenizer, prompts, vision = vlm_prompts
     model = load_model("tiny-qwen2.5-vl", probe=False)
-    forbidden = rollout.placeholders(model)
+    forbidden = rollout.placeholder_ids(model.config)
     assert set(forbidden) == {model.config.image_token_id, model.config.video_token_id}
     with torch.no_grad():
         rows = model.get_input_embeddings().weight
@@ -178,7 +178,7 @@ def test_a_vlm_policy_never_samples_an_image_placeholder(vlm_prompts, monkeypatc
     assert sampled and not set(sampled) & set(forbidden)
     # the filter removed most of the mass: the recorded log-probs are the unfiltered policy's
     assert max(lp for c in completions for lp in c.logprobs) < -1.0
-    monkeypatch.setattr(rollout, "placeholders", lambda model: ())
+    monkeypatch.setattr(rollout, "placeholder_ids", lambda config: ())
     assert {t for c in sample() for t in c.completion_ids} & set(forbidden)
 
 

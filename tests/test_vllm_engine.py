@@ -62,7 +62,7 @@ def test_inference_weights_of_a_plain_model_are_its_state_dict():
     assert weights.keys() == model.state_dict().keys()
 
 
-def test_inference_weights_of_a_zero3_lora_policy_are_gathered_and_merged(tmp_path):
+def test_inference_weights_of_a_zero3_lora_policy_are_gathered_and_merged():
     """ZeRO-3 holds each parameter as an empty tensor between uses (its values in a partition): every
     weight, a LoRA layer's base with its factors, must be gathered while it is given out, and be
     partitioned again afterwards. One process is enough to see both (its partition is the whole tensor).

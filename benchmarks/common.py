@@ -288,7 +288,7 @@ class Measurement:
 def padless_settings(spec: dict[str, Any], output_dir: str, batching: str) -> tuple[Any, Any]:
     """padless's ``ModelSettings`` and ``TrainSettings`` for a contender: the embedded model from seed 0 (or
     the checkpoint) with varlen attention, the benchmark's optimizer, no logging or progress bar."""
-    from padless.config import ModelSettings, TrainSettings
+    from padless.config.schema import ModelSettings, TrainSettings
 
     o = spec["optim"]
     model = ModelSettings(name=spec["model"], attn_implementation="varlen", dtype="auto", seed=0)
@@ -315,7 +315,7 @@ def padless_settings(spec: dict[str, Any], output_dir: str, batching: str) -> tu
 
 def start_padless(cfg: Any, output_dir: str, device: str) -> Any:
     """A padless session for ``cfg``, refused unless accelerate put it on the device that was asked for."""
-    from padless.trainers.session import start_session
+    from padless.run.session import start_session
 
     return require_device(start_session(cfg.model, cfg.train.seed, output_dir, cfg), device)
 
@@ -335,7 +335,7 @@ def padless_attention(cuda: bool) -> str:
 
 def train_padless(trainer: Any, run: Measurement, count: Callable[[Any], None]) -> None:
     """Train with every optimizer step timed by ``run``; ``count`` records each micro-batch's tokens first."""
-    import padless.trainers.loop as loop
+    import padless.run.loop as loop
 
     # The final checkpoint is not part of the measurement and would only write to disk.
     loop.save_checkpoint = lambda *args, **kwargs: None
@@ -361,8 +361,8 @@ def run_padless_sft(
     examples ``examples(session)`` returns (built with the session's model and tokenizer)."""
     import tempfile
 
-    import padless.trainers.loop as loop
-    from padless.config import DataSettings, SFTConfig
+    import padless.run.loop as loop
+    from padless.config.schema import DataSettings, SFTConfig
     from padless.trainers.sft import SFTRecipe
 
     run = Measurement(spec)
@@ -402,7 +402,7 @@ def trl_attention(choice: str, device: str) -> str:
             return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
         return "sdpa"
     if choice == "varlen":
-        from padless.attention import VARLEN_NAME
+        from padless.forward.attention import VARLEN_NAME
 
         return VARLEN_NAME
     return choice
@@ -416,7 +416,7 @@ def trl_model(spec: dict[str, Any]) -> tuple[Any, Any, str]:
     import transformers
 
     from padless import tiny
-    from padless.model import load_tokenizer
+    from padless.proof.load import load_tokenizer
 
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()

@@ -135,7 +135,7 @@ def child_rank(data: str, cache: str) -> dict[str, Any]:
 
     import torch
 
-    from padless.config import TrainSettings
+    from padless.config.schema import TrainSettings
     from padless.data.sft import SFTLayout
     from padless.data.tokenized import load_set
     from padless.tiny import tiny_tokenizer
@@ -192,7 +192,8 @@ def child_start(argv: list[str], spawned: float) -> dict[str, Any]:
     """``padless sft`` until its first training step; times from the parent's spawn of this process."""
     marks: dict[str, float] = {"started": time.time()}
     from padless import cli
-    from padless.trainers import loop, sft
+    from padless.run import loop
+    from padless.trainers import sft
 
     marks["imported"] = time.time()
     original_load = sft.load_set

@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_data(args: argparse.Namespace) -> tuple[list[Pair], list[dict[str, Any]]]:
     """padless's tokenized pairs and the raw rows (for TRL), read once in the parent."""
     from padless.data import load_rows, tokenize_preference
-    from padless.model import load_tokenizer
+    from padless.proof.load import load_tokenizer
 
     rows = load_rows(args.data)
     pairs, _ = tokenize_preference(rows, load_tokenizer(args.model), max_length=args.max_length)
@@ -165,7 +165,7 @@ def load_data(args: argparse.Namespace) -> tuple[list[Pair], list[dict[str, Any]
 
 def matching_budget(lengths: list[int], pairs_per_step: int, seed: int) -> int:
     """Smallest budget (>= the longest pair) giving >= ``pairs_per_step`` pairs per micro-batch on average."""
-    from padless.packing import budget_batches
+    from padless.forward.packing import budget_batches
 
     target_bins = len(lengths) / pairs_per_step
     budget = max(lengths)
@@ -176,7 +176,7 @@ def matching_budget(lengths: list[int], pairs_per_step: int, seed: int) -> int:
 
 def plan(args: argparse.Namespace, pairs: list[Pair]) -> dict[str, Any]:
     """Everything a contender needs: settings, data facts, and the budget matching TRL's pairs per step."""
-    from padless.packing import budget_batches
+    from padless.forward.packing import budget_batches
 
     lengths = [len(c) + len(r) for c, _, r, _ in pairs]
     sides = [n for c, _, r, _ in pairs for n in (len(c), len(r))]
@@ -255,11 +255,11 @@ def run_contender(name: str, spec: dict[str, Any], pairs: list[Pair], rows: list
 
 
 def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[str, Any]:
-    import padless.trainers.loop as loop
-    from padless.config import DPOConfig, DPOSettings, PreferenceDataSettings
+    import padless.run.loop as loop
+    from padless.config.schema import DPOConfig, DPOSettings, PreferenceDataSettings
     from padless.data import PairExample
-    from padless.model import load_model
-    from padless.packing import Example
+    from padless.forward.packing import Example
+    from padless.proof.load import load_model
     from padless.trainers.dpo import DPORecipe
 
     recorder = PairRecorder(spec["warmup"], cuda=spec["device"] == "cuda")

@@ -152,7 +152,7 @@ def arithmetic_reward(
 ) -> list[float | None]:
     """padless's bundled ``arithmetic`` reward as a TRL reward function: TRL hands conversational prompts and
     completions over as message lists (padless as text) and adds keyword arguments of its own."""
-    from padless.rewards import arithmetic
+    from padless.rl.rewards import arithmetic
 
     def text(x: Any) -> str:
         return x if isinstance(x, str) else x[-1]["content"]
@@ -226,7 +226,7 @@ def trl_prompt(value: Any, templated: bool) -> Any:
 def load_prompts(args: argparse.Namespace) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """padless's prompt ids (for the lengths and TRL's check) and TRL's rows, read once in the parent."""
     from padless.data import load_rows, tokenize_prompts
-    from padless.model import load_tokenizer
+    from padless.proof.load import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     rows = load_rows(args.data)
@@ -323,9 +323,15 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
     ``staleness``: ``rollout.max_staleness`` (the next rollout sampled in a background thread while the step
     trains); its generation time counts only sampling on the training thread (the first rollout) and
     waiting for the background sampler."""
-    import padless.trainers.loop as loop
-    from padless.config import GRPOConfig, GRPOSettings, RewardSettings, RLDataSettings, RolloutSettings
-    from padless.packing import Example
+    import padless.run.loop as loop
+    from padless.config.schema import (
+        GRPOConfig,
+        GRPOSettings,
+        RewardSettings,
+        RLDataSettings,
+        RolloutSettings,
+    )
+    from padless.forward.packing import Example
     from padless.trainers.grpo import GRPORecipe
     from padless.trainers.rl import start_rl
 
@@ -359,9 +365,10 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
         engine = parts.engine
         engine.complete = timed(engine.complete, recorder.generation)
         if staleness:  # the training thread's wait for the background sampler
-            import padless.ahead
+            import padless.rl.ahead
 
-            padless.ahead.AheadSampler.take = timed(padless.ahead.AheadSampler.take, recorder.generation)
+            sampler = padless.rl.ahead.AheadSampler
+            sampler.take = timed(sampler.take, recorder.generation)
         recipe = parts.recipe(GRPORecipe)
 
         trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)

@@ -1,8 +1,8 @@
 """Hybrid SFT: padless packed vs padless padded on the embedded gated delta-net hybrid (``tiny-qwen3.5``).
 
-In a packed row the hybrid's delta-net layers run per sequence (``padless.hybrid``: sequences regrouped
-into right-padded rows of similar length, every sequence starting at zero state); padded, they run on
-the batch's rows as transformers wrote them. This measures what that exactness costs: real (non-pad)
+In a packed row the hybrid's delta-net layers run per sequence (``padless.forward.hybrid``: sequences
+regrouped into right-padded rows of similar length, every sequence starting at zero state); padded, they run
+on the batch's rows as transformers wrote them. This measures what that exactness costs: real (non-pad)
 tokens per second and peak RSS of both, same model, data, optimizer and machine, one run, each contender
 in a fresh subprocess with the same thread count. The contenders are those of
 ``benchmarks/sft_throughput.py`` (its data, plan and training code are reused as they are):

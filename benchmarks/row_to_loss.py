@@ -60,15 +60,15 @@ def measure() -> list[str]:
     import torch
 
     import padless
-    from padless.config import TrainSettings
+    from padless.config.schema import TrainSettings
     from padless.data.tokenized import load_set
 
     try:
         from padless.data.sft import SFTLayout
     except ImportError:  # before the layouts sat beside their tasks
         from padless.data.tokenized import SFTLayout
-    from padless.engine import ModelEngine
-    from padless.model import load_model, load_tokenizer
+    from padless.forward.engine import ModelEngine
+    from padless.proof.load import load_model, load_tokenizer
     from padless.tiny import data_path
     from padless.trainers.sft import SFTRecipe
 

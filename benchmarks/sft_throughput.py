@@ -89,7 +89,7 @@ def parse_args(
 def tokenize(args: argparse.Namespace) -> list[Tokenized]:
     """Examples as (input_ids, loss_mask), tokenized once in the parent so every contender sees the same."""
     from padless.data import load_rows, tokenize_sft
-    from padless.model import load_tokenizer
+    from padless.proof.load import load_tokenizer
 
     examples, _ = tokenize_sft(load_rows(args.data), load_tokenizer(args.model), max_length=args.max_length)
     return [(e.input_ids, list(e.loss_mask)) for e in examples]
@@ -97,7 +97,7 @@ def tokenize(args: argparse.Namespace) -> list[Tokenized]:
 
 def plan(args: argparse.Namespace, examples: list[Tokenized]) -> dict[str, Any]:
     """Everything a contender needs: settings, data, and the batch size that matches packed tokens/step."""
-    from padless.packing import budget_batches
+    from padless.forward.packing import budget_batches
 
     lengths = [len(ids) for ids, _ in examples]
     if args.quick:  # the small smoke-run budget must still hold the longest example
@@ -159,7 +159,7 @@ def run_contender(name: str, spec: dict[str, Any], examples: list[Tokenized]) ->
 
 
 def run_padless(spec: dict[str, Any], examples: list[Tokenized], batching: str) -> dict[str, Any]:
-    from padless.packing import Example
+    from padless.forward.packing import Example
 
     return common.run_padless_sft(spec, batching, lambda _: [Example(ids, mask) for ids, mask in examples])
 

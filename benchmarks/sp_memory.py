@@ -47,11 +47,11 @@ def worker(tokens: int, out: Path) -> None:
     from accelerate import PartialState
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from padless import sequence_parallel
-    from padless.attention import hf_name
-    from padless.engine import EngineSettings, ModelEngine
+    from padless.forward import sequence_parallel
+    from padless.forward.attention import hf_name
+    from padless.forward.engine import EngineSettings, ModelEngine
+    from padless.forward.packing import Example, pack
     from padless.losses import sft_token_weights
-    from padless.packing import Example, pack
 
     state = PartialState(cpu=True)
     torch.manual_seed(0)

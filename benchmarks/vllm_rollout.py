@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from padless.config import GRPOConfig
-from padless.config_loading import load_config
-from padless.model import load_model
-from padless.rollout import HFEngine
+from padless.config.loading import load_config
+from padless.config.schema import GRPOConfig
+from padless.proof.load import load_model
+from padless.rl.generate import HFEngine
+from padless.rl.vllm_engine import VLLMEngine
 from padless.tiny import data_path, tiny_tokenizer
-from padless.vllm_engine import VLLMEngine
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:

@@ -106,8 +106,8 @@ def tokenize(spec: dict[str, Any], rows: list[Row], model: Any) -> list[Any]:
 
 def plan(args: argparse.Namespace, rows: list[Row]) -> dict[str, Any]:
     """Settings, data facts, and the padded batch size that matches packed tokens per step."""
-    from padless.model import load_model
-    from padless.packing import budget_batches
+    from padless.forward.packing import budget_batches
+    from padless.proof.load import load_model
 
     spec = {**common.base_spec(args, OPTIM), "data": {"spec": args.data}}
     lengths = [len(e) for e in tokenize(spec, rows, load_model(args.model, probe=False))]
@@ -175,7 +175,7 @@ def run_trl(spec: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
     import datasets
     from PIL import Image
 
-    from padless.sources import load_processor
+    from padless.data.sources import load_processor
 
     trl = common.import_trl()
     model, _, attn = common.trl_model(spec)

@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from padless.attention import backend_problem, set_varlen_kernel, validate_backend_name
-from padless.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
+from padless.config.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
-from padless.interrupts import handled, interruption
-from padless.logs import log_failure, setup_logging
+from padless.forward.attention import backend_problem, set_varlen_kernel, validate_backend_name
+from padless.run.interrupts import handled, interruption
+from padless.run.logs import log_failure, setup_logging
 
 
 def _check(args: argparse.Namespace) -> int:
-    from padless import check, check_vision
-    from padless.model import load_model, load_tokenizer, pad_token_id, resolve_dtype
-    from padless.sources import load_processor
+    from padless.data.sources import load_processor
+    from padless.forward.vision import is_vision_config
+    from padless.proof import check, check_vision
+    from padless.proof.load import load_model, load_tokenizer, pad_token_id, resolve_dtype
+    from padless.proof.zoo import zoo_names
     from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
-    from padless.vision import is_vision_config
-    from padless.zoo import zoo_names
 
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
@@ -103,18 +103,19 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from padless.doctor import report
+    from padless.proof.doctor import report
 
     print(report())
     return 0
 
 
+SCHEMA = "padless.config.schema:"
 TRAINERS = {
-    "sft": ("padless.config:SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
-    "dpo": ("padless.config:DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
-    "rm": ("padless.config:RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
-    "grpo": ("padless.config:GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
-    "ppo": ("padless.config:PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
+    "sft": (SCHEMA + "SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
+    "dpo": (SCHEMA + "DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
+    "rm": (SCHEMA + "RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
+    "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
+    "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
 }
 
 
@@ -124,7 +125,7 @@ def _load(target: str) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from padless.config_loading import load_config
+    from padless.config.loading import load_config
 
     config_target, run_target, _ = TRAINERS[args.command]
     config, overrides = args.config, list(args.overrides)
@@ -141,7 +142,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from padless.config_loading import json_schema
+    from padless.config.loading import json_schema
 
     print(json.dumps(json_schema(_load(TRAINERS[args.trainer][0])), indent=2))
     return 0
@@ -196,8 +197,8 @@ def _refuse_scorer(model: str) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from padless.model import load_model, load_tokenizer
-    from padless.rollout import generate
+    from padless.proof.load import load_model, load_tokenizer
+    from padless.rl.generate import generate
 
     if not 0 <= args.temperature < float("inf"):
         raise InputError(
@@ -323,7 +324,7 @@ def debug_from_env() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
     (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line. Ctrl-C and
-    SIGTERM end it with 130 / 143 (see :mod:`padless.interrupts`)."""
+    SIGTERM end it with 130 / 143 (see :mod:`padless.run.interrupts`)."""
     with handled():
         return _main(argv)
 
@@ -355,7 +356,7 @@ def _main(argv: list[str] | None) -> int:
         log_failure(message)
         return exit_code(e)
     finally:
-        from padless.trainers.rundir import end_all_runs
+        from padless.run.rundir import end_all_runs
 
         end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
         if offline is None:

@@ -1100,8 +1100,8 @@ def build_warm_start(out: Path) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from transformers import AutoModelForCausalLM
 
-    from padless.config import SFTConfig
-    from padless.config_loading import load_config
+    from padless.config.loading import load_config
+    from padless.config.schema import SFTConfig
     from padless.trainers.sft import run_sft
 
     rows = [json.loads(line) for line in (out / "data" / "rl.jsonl").read_text().splitlines()]
@@ -1170,7 +1170,7 @@ def tool_chats(rows: list[dict], tokenizer, fresh: tuple[int, int], direct_copie
     SFT rows carry no ``tools``, so the template's tools preamble (what an episode's prompt starts with) is
     put in as the system message that renders the same text, checked per conversation against the rendering
     with ``tools=``: a template change fails the build instead of training on another format."""
-    from padless.environments import calculate, tool_schema
+    from padless.rl.environments import calculate, tool_schema
 
     schemas = [tool_schema("calculate", calculate)]
 
@@ -1231,8 +1231,8 @@ def build_tool_warm_start(out: Path) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from padless.config import SFTConfig
-    from padless.config_loading import load_config
+    from padless.config.loading import load_config
+    from padless.config.schema import SFTConfig
     from padless.trainers.sft import run_sft
 
     rows = [json.loads(line) for line in (out / "data" / "rl.jsonl").read_text().splitlines()]

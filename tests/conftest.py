@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from padless.attention import set_varlen_kernel
+from padless.forward.attention import set_varlen_kernel
 
 # Very different lengths on purpose: a short sequence packed before a long one is where leaks show.
 PROBE_LENGTHS = (3, 20, 90)
@@ -65,7 +65,7 @@ def pad_id(tokenizer) -> int:
 @pytest.fixture(scope="session")
 def probe_seqs(tokenizer) -> list[list[int]]:
     """Real text from the embedded corpus, tokenized, cut to :data:`PROBE_LENGTHS`."""
-    from padless.check import probe_sequences
+    from padless.proof.check import probe_sequences
 
     seqs = probe_sequences(tokenizer, PROBE_LENGTHS)
     assert [len(s) for s in seqs] == list(PROBE_LENGTHS)
@@ -115,7 +115,7 @@ def per_token_delta() -> Callable[[list[torch.Tensor], list[torch.Tensor]], floa
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
     """tiny-qwen2 on the three cheap CPU backends, eval mode, built and probed once per test module."""
-    from padless.model import load_model
+    from padless.proof.load import load_model
 
     return {b: load_model("tiny-qwen2", attn_implementation=b) for b in ("varlen", "sdpa", "eager")}
 
@@ -134,8 +134,8 @@ def talkative_vlm(tmp_path_factory) -> str:
     every text position; the end-of-turn token's (tied) output row gets a larger one there, lifting its
     logit by a similar amount everywhere (about one turn in three ends within 8 tokens at temperature
     0.7), while the other dimensions still read the images and the text."""
-    from padless.model import load_model
-    from padless.sources import load_processor
+    from padless.data.sources import load_processor
+    from padless.proof.load import load_model
     from padless.tiny import EOS_TOKEN_ID
 
     model = load_model("tiny-qwen2.5-vl", probe=False)

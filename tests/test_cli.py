@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from padless.attention import BACKENDS, VARLEN_NAME, varlen_kernel
-from padless.check import LAYOUTS
 from padless.cli import main
-from padless.varlen import varlen_attention_forward
+from padless.forward.attention import BACKENDS, VARLEN_NAME, varlen_kernel
+from padless.forward.varlen import varlen_attention_forward
+from padless.proof.check import LAYOUTS
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a CPU-only machine reports")
 

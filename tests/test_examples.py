@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from padless.cli import TRAINERS, _load
-from padless.config_loading import load_config
+from padless.config.loading import load_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
@@ -45,7 +45,7 @@ def test_example_runs(path, tmp_path):
         if "cpu" not in path.stem and not torch.cuda.is_available():
             pytest.skip("a vLLM example for GPUs (its CPU variant runs here)")
     if "sequence_parallel:" in path.read_text():
-        pytest.skip("needs several processes: run by tests/test_sequence_parallel.py")
+        pytest.skip("needs several processes: run by tests/forward/test_sequence_parallel.py")
     overrides = [
         f"train.output_dir={tmp_path}",
         "train.max_steps=2",

@@ -1054,7 +1054,7 @@ def test_epochs_with_nothing_to_train_warn_and_a_run_of_them_stops(caplog) -> No
     import logging
     from types import SimpleNamespace
 
-    from padless.trainers.loop import IDLE_LIMIT, MicroBatch, Trainer
+    from padless.run.loop import IDLE_LIMIT, MicroBatch, Trainer
 
     trainer = SimpleNamespace(_idle=0)
     masked = [MicroBatch([], 0.0, 10)]
@@ -1073,7 +1073,7 @@ def test_epochs_with_nothing_to_train_warn_and_a_run_of_them_stops(caplog) -> No
 
 def test_a_non_finite_policy_while_sampling_stops_as_divergence() -> None:
     from padless.errors import DivergenceError
-    from padless.rollout import sampling_guard
+    from padless.rl.generate import sampling_guard
 
     expected = r"not finite .* while sampling a rollout.*learning_rate"
     with pytest.raises(DivergenceError, match=expected), sampling_guard():
@@ -1177,7 +1177,7 @@ def test_sigterm_during_a_checkpoint_write_finishes_it_and_the_resume_continues(
     """SIGTERM while checkpoint 2 is being written (its optimizer state, half way): the write is finished,
     then the run stops with 143; nothing half-written is left, and the resumed run ends with the weights
     of an uninterrupted one."""
-    from padless.trainers import checkpoint
+    from padless.run import checkpoint
 
     argv = ["sft", *RUN1, "train.max_steps=4", "train.save_steps=2"]
     assert main([*argv, f"train.output_dir={tmp_path / 'straight'}"]) == 0

@@ -1,9 +1,10 @@
-"""Loading raw data with provenance and turning it into tokenized :class:`~padless.packing.Example` s."""
+"""Loading raw data with provenance and turning it into tokenized
+:class:`~padless.forward.packing.Example` s."""
 
 from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.preference import PairExample, tokenize_preference, tokenize_scoring
+from padless.data.prompts import PromptExample, reward_inputs, tokenize_prompts
 from padless.data.records import ACCEPTED_FORMATS, DataError, Row, SkipStats, load_rows
-from padless.data.rl import PromptExample, reward_inputs, tokenize_prompts
 from padless.data.sft import detect_format, tokenize_sft
 
 __all__ = [

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from padless.data.records import CHAT_FIELDS, PLACEHOLDER, Row, image_column
-from padless.packing import Example
+from padless.forward.packing import Example
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -144,7 +144,7 @@ class ImageInputs:
     """What a vision-language model needs from the data: its processor and, for M-RoPE, its rope index."""
 
     def __init__(self, processor: Any, config: Any) -> None:
-        from padless.vision import RopeIndex, uses_mrope
+        from padless.forward.vision import RopeIndex, uses_mrope
 
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -155,16 +155,16 @@ class ImageInputs:
     @classmethod
     def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
         """The image side of the model ``name`` (its processor), or None for a text-only model."""
-        from padless.engine import unwrap
-        from padless.sources import load_processor
-        from padless.vision import is_vision_config
+        from padless.data.sources import load_processor
+        from padless.forward.engine import unwrap
+        from padless.forward.vision import is_vision_config
 
         config = unwrap(model).config
         return cls(load_processor(name), config) if is_vision_config(config) else None
 
     def prompt_rows(self, rows: Sequence[Row]) -> list[Row]:
-        """Generation prompts of chat rows, as prompt rows (:func:`padless.data.rl.tokenize_prompts` reads
-        them): each conversation up to its last assistant turn, with the images of the turns kept."""
+        """Generation prompts of chat rows, as prompt rows (:func:`padless.data.prompts.tokenize_prompts`
+        reads them): each conversation up to its last assistant turn, with the images of the turns kept."""
         cut = []
         for row in rows:
             prepared = self.prepare(row)

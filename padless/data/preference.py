@@ -44,7 +44,7 @@ from padless.data.records import (
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature
-from padless.packing import Example
+from padless.forward.packing import Example
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

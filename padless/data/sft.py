@@ -1,4 +1,5 @@
-"""SFT rows → :class:`~padless.packing.Example`: which tokens are targets, checked rather than guessed.
+"""SFT rows → :class:`~padless.forward.packing.Example`: which tokens are targets, checked rather than
+guessed.
 
 Three row formats are accepted (detected from the first row, or given): ``messages`` (a chat; loss on what the
 assistant writes), ``prompt`` + ``completion`` (loss on the completion) and ``text`` (loss on everything).
@@ -25,7 +26,7 @@ from padless.data.records import (
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature
-from padless.packing import Example
+from padless.forward.packing import Example
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -9,12 +9,12 @@ tokenizer and settings, builds the set on a cache miss (:mod:`padless.data.cache
 
 Each task lays its items out in columns with a :class:`Layout`, which sits beside the task's rows
 (``SFTLayout`` in :mod:`padless.data.sft`, ``PairLayout`` in :mod:`padless.data.preference`,
-``PromptLayout`` in :mod:`padless.data.rl`). A layout makes each item with the task's own per-row function
-— the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``, ``tokenize_prompts``)
-— and turns it into columns and back, so both paths give the same examples and the same errors. Errors are
-not raised inside the workers: a bad row becomes a row of error columns, and once the map is done the error
-the row-by-row driver would have raised first is raised (any unreadable line, then the first bad row), or
-the bad rows are counted as skipped, in row order, whatever the number of processes.
+``PromptLayout`` in :mod:`padless.data.prompts`). A layout makes each item with the task's own per-row
+function — the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``,
+``tokenize_prompts``) — and turns it into columns and back, so both paths give the same examples and the same
+errors. Errors are not raised inside the workers: a bad row becomes a row of error columns, and once the map
+is done the error the row-by-row driver would have raised first is raised (any unreadable line, then the
+first bad row), or the bad rows are counted as skipped, in row order, whatever the number of processes.
 
 What recipes plan micro-batches from is an :class:`ExampleSet`: an :class:`ArrowSet` reads only its
 ``length`` column to plan, and a micro-batch's items become Python objects only when it runs

@@ -233,11 +233,11 @@ def fused_kernels_on_cpu(dtypes: tuple[torch.dtype, ...] = HALF) -> Iterator[Non
     Installs the stand-ins where padless imports the kernels from (``torch.nn.attention.varlen`` and a
     ``flash_attn`` module), reports both as installed and lets a pinned ``varlen_kernel`` (``torch`` or
     ``flash_attn``) run on CPU in ``dtypes``. Pin the kernel with
-    :func:`padless.attention.set_varlen_kernel` inside the block.
+    :func:`padless.forward.attention.set_varlen_kernel` inside the block.
     """
     import torch.nn.attention.varlen as torch_varlen
 
-    import padless.attention as attention
+    import padless.forward.attention as attention
 
     flash_attn = types.ModuleType("flash_attn")
     flash_attn.flash_attn_varlen_func = functools.partial(reference_flash_attn_varlen_func, dtypes=dtypes)

@@ -264,7 +264,7 @@ def state_kernels_on_cpu() -> Iterator[dict[str, types.ModuleType]]:
     """Make the CUDA kernels' packages importable, each holding its stand-in, inside the block:
     ``causal_conv1d.causal_conv1d_fn``, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` and
     ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``, and let padless's kernel branch
-    (:mod:`padless.hybrid_kernels`) run on any device. Yields the installed modules."""
+    (:mod:`padless.forward.hybrid_kernels`) run on any device. Yields the installed modules."""
     modules: dict[str, types.ModuleType] = {}
 
     def module(name: str, **attrs: object) -> None:
@@ -285,7 +285,7 @@ def state_kernels_on_cpu() -> Iterator[dict[str, types.ModuleType]]:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(modules[parent], child, made)
-    import padless.hybrid_kernels as hybrid_kernels
+    import padless.forward.hybrid_kernels as hybrid_kernels
 
     with (
         mock.patch.dict(sys.modules, modules),

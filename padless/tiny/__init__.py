@@ -80,7 +80,7 @@ def _tiny_llama() -> PretrainedConfig:
 def _tiny_qwen3_5() -> PretrainedConfig:
     """~3.5M-parameter Qwen3.5 text hybrid: three gated delta-net layers then one gated full-attention
     layer (Qwen3.5's 3:1 pattern), partial rotary, GQA 8:2, tied embeddings: a stateful architecture
-    that every trainer runs packed (see padless.hybrid)."""
+    that every trainer runs packed (see padless.forward.hybrid)."""
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
@@ -114,7 +114,7 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-qwen3.5": _tiny_qwen3_5,
     "tiny-qwen2.5-vl": tiny_qwen2_5_vl,
 }
-VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.sources.load_processor
+VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.data.sources.load_processor
 
 # Trained models shipped as Hugging Face folders (built by ``scripts/build_tiny.py --warm-start``):
 # ``tiny-llama-arith`` is tiny-llama fine-tuned on the answers of the ``tiny:rl`` prompts, a policy that
@@ -160,7 +160,7 @@ def build_tiny_model(name: str, seed: int = 0, task: str = "causal-lm", **kwargs
         AutoModelForSequenceClassification,
     )
 
-    from padless.vision import add_score_head
+    from padless.forward.vision import add_score_head
 
     _check_choice("task", task, TASKS)
     config = tiny_config(name)

@@ -100,8 +100,8 @@ def tiny_vlm_processor() -> ProcessorMixin:
     from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from padless.forward.vision import image_only
     from padless.tiny import tiny_tokenizer
-    from padless.vision import image_only
 
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})

@@ -7,17 +7,17 @@ from typing import Any
 
 import torch
 
-from padless.config import DPOConfig, DPOSettings, TrainSettings
+from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.engine import reference_engine
+from padless.forward.engine import reference_engine
+from padless.forward.packing import budget_batches
+from padless.forward.ranks import shared_pass
 from padless.losses import dpo_loss
-from padless.model import pad_token_id
-from padless.packing import budget_batches
-from padless.ranks import shared_pass
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.proof.load import pad_token_id
+from padless.run.loop import MicroBatch, Trainer
+from padless.run.session import start_session
 from padless.trainers.pairs import PairRecipe, load_pairs, sequence_logps, shares, split_pairs
-from padless.trainers.session import start_session
 
 
 class DPORecipe(PairRecipe):

@@ -8,7 +8,8 @@ import random
 
 import torch
 
-from padless.config import GRPOConfig
+from padless.config.schema import GRPOConfig
+from padless.forward.packing import Example, pack
 from padless.losses import (
     cispo_policy_loss,
     clipped_policy_loss,
@@ -21,8 +22,7 @@ from padless.losses import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from padless.packing import Example, pack
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.run.loop import MicroBatch, Trainer
 from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
 
 

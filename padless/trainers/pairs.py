@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
-from padless.config import TrainSettings
+from padless.config.schema import TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
 from padless.data.preference import PairLayout
 from padless.data.tokenized import ExampleSet, as_set, load_set
-from padless.engine import BatchLayout
-from padless.packing import PackedBatch, budget_batches, fixed_count_batches, pack
-from padless.trainers.loop import MicroBatch, Recipe
-from padless.trainers.reporting import report_data
+from padless.forward.engine import BatchLayout
+from padless.forward.packing import PackedBatch, budget_batches, fixed_count_batches, pack
+from padless.run.loop import MicroBatch, Recipe
+from padless.run.reporting import report_data
 
 
 class PairRecipe(Recipe):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from padless.config import PPOConfig
+from padless.config.schema import PPOConfig
+from padless.forward.packing import Example, pack
+from padless.forward.vision import require_same_inputs
 from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
-from padless.packing import Example, pack
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.run.loop import MicroBatch, Trainer
 from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl, without_dropout
-from padless.vision import require_same_inputs
 
 
 class PPORecipe(RolloutRecipe):

@@ -22,28 +22,28 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from padless.ahead import AheadSampler
-from padless.correction import importance_weights, mismatch_metrics
 from padless.data import PromptExample, load_rows, reward_inputs
 from padless.data.images import ImageInputs, from_png_text, png_text
-from padless.data.rl import PromptLayout
+from padless.data.prompts import PromptLayout
+from padless.data.sources import require_scoring_model
 from padless.data.tokenized import ExampleSet, load_set
-from padless.engine import as_engine, inner_engine, reference_engine, unwrap
-from padless.episodes import EpisodeRunner, make_runner
 from padless.errors import InputError
+from padless.forward.engine import as_engine, inner_engine, reference_engine, unwrap
+from padless.forward.packing import Example, PackedBatch, budget_batches, concat_vision, pack
+from padless.forward.ranks import agreed, equal_share, gather_shares, lockstep
+from padless.forward.sequence_parallel import data_parallel
+from padless.forward.vision import require_same_inputs
 from padless.losses import soft_overlong_penalty
-from padless.model import disable_dropout, load_model, load_tokenizer, pad_token_id
-from padless.packing import Example, PackedBatch, budget_batches, concat_vision, pack
-from padless.ranks import agreed, equal_share, gather_shares, lockstep
-from padless.rewards import RewardComposer, scored_mean
-from padless.rollout import Completion, Engine, HFEngine, eos_token_ids, row_seed
-from padless.sequence_parallel import data_parallel
-from padless.sources import require_scoring_model
-from padless.trainers.loop import MicroBatch, Recipe
-from padless.trainers.reporting import report_data
+from padless.proof.load import disable_dropout, load_model, load_tokenizer, pad_token_id
+from padless.rl.ahead import AheadSampler
+from padless.rl.correction import importance_weights, mismatch_metrics
+from padless.rl.episodes import EpisodeRunner, make_runner
+from padless.rl.generate import Completion, Engine, HFEngine, eos_token_ids, row_seed
+from padless.rl.rewards import RewardComposer, scored_mean
+from padless.run.loop import MicroBatch, Recipe
+from padless.run.reporting import report_data
+from padless.run.session import Session, start_session
 from padless.trainers.rm import score_examples
-from padless.trainers.session import Session, start_session
-from padless.vision import require_same_inputs
 
 Pass = Callable[[PackedBatch], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -552,7 +552,7 @@ def make_engine(
                 "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
                 "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
             )
-        from padless.vllm_engine import VLLMEngine
+        from padless.rl.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
     return HFEngine(policy, tokenizer, cfg.rollout)

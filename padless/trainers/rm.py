@@ -9,19 +9,19 @@ from pathlib import Path
 import datasets
 import torch
 
-from padless.config import RMConfig
+from padless.config.schema import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.data.images import ImageInputs
-from padless.engine import ModelEngine, sequence_scores
+from padless.data.sources import require_scoring_model
 from padless.errors import InputError
+from padless.forward.engine import ModelEngine, sequence_scores
+from padless.forward.packing import Example, budget_batches, pack
+from padless.forward.ranks import lockstep
 from padless.losses import bradley_terry_loss
-from padless.model import load_model, load_tokenizer, pad_token_id
-from padless.packing import Example, budget_batches, pack
-from padless.ranks import lockstep
-from padless.sources import require_scoring_model
-from padless.trainers.loop import MicroBatch, Trainer
+from padless.proof.load import load_model, load_tokenizer, pad_token_id
+from padless.run.loop import MicroBatch, Trainer
+from padless.run.session import start_session
 from padless.trainers.pairs import PairRecipe, load_pairs, shares, split_pairs
-from padless.trainers.session import start_session
 
 
 class RMRecipe(PairRecipe):

@@ -10,23 +10,23 @@ from typing import Any
 import torch
 from accelerate import PartialState
 
-from padless.config import SFTConfig, TrainSettings
+from padless.config.schema import SFTConfig, TrainSettings
 from padless.data import load_rows
 from padless.data.images import ImageInputs
-from padless.data.rl import tokenize_prompts
+from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
 from padless.data.tokenized import ExampleSet, as_set, load_set
-from padless.engine import BatchLayout
 from padless.faults import doing
+from padless.forward.engine import BatchLayout
+from padless.forward.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
+from padless.forward.ranks import equal_share, gather_shares
 from padless.losses import sft_token_weights
-from padless.model import pad_token_id
-from padless.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
-from padless.ranks import equal_share, gather_shares
-from padless.rollout import generate
-from padless.runfiles import own
-from padless.trainers.loop import MicroBatch, Recipe, Trainer
-from padless.trainers.reporting import report_data
-from padless.trainers.session import start_session
+from padless.proof.load import pad_token_id
+from padless.rl.generate import generate
+from padless.run.loop import MicroBatch, Recipe, Trainer
+from padless.run.reporting import report_data
+from padless.run.runfiles import own
+from padless.run.session import start_session
 
 
 def group_examples(

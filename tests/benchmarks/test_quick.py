@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # benchmarks whose --quick run a test of their own already checks more closely (not run twice)
 OWN_TEST = {
     "sp_memory.py": "tests/benchmarks/test_sp_memory.py",
-    "vllm_rollout.py": "tests/test_vllm_engine.py",
+    "vllm_rollout.py": "tests/rl/test_vllm_engine.py",
     "row_to_loss.py": "tests/benchmarks/test_row_to_loss.py",
 }
 SCRIPTS = sorted(
@@ -25,7 +25,7 @@ SCRIPTS = sorted(
 # code to its table; the warm-up and the second step of --quick run the same code again
 ONE_STEP = ("--warmup", "0", "--steps", "1")
 # contenders the smoke runs where a benchmark has variants one setting apart (the setting's code is tested in
-# the suite: staleness in tests/trainers/test_rl.py, per-prompt generate calls in tests/test_rollout.py,
+# the suite: staleness in tests/trainers/test_rl.py, per-prompt generate calls in tests/rl/test_generate.py,
 # padded DPO in tests/trainers/test_dpo_rm.py, padded SFT in tests/trainers/test_sft.py and test_vision.py);
 # the benchmark's own code for each is shared with these. sft_throughput's padless-padded is the function
 # hybrid_packing's smoke runs; its trl-padded is trl-padding-free's with padding_free=False.

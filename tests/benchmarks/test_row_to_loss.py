@@ -7,9 +7,9 @@ import importlib.util
 from pathlib import Path
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "row_to_loss.py"
-# measured with this script; a module that joins the path has to be argued for. 12: padless/hybrid.py left
-# again (stateful layers no wrapper keeps apart are refused where the model is loaded, proven or put in an
-# engine, not by the per-forward guard)
+# measured with this script; a module that joins the path has to be argued for. 12: padless/forward/hybrid.py
+# left again (stateful layers no wrapper keeps apart are refused where the model is loaded, proven or put in
+# an engine, not by the per-forward guard)
 MOST = 11  # 12 at 79f82f0 by this script; 11 once rows are checked for images in records.py
 
 
@@ -24,9 +24,9 @@ def test_one_sft_row_runs_through_the_expected_modules_and_no_more():
         "padless/data/chat.py",
         "padless/data/sft.py",
         "padless/data/tokenized.py",
-        "padless/packing.py",
-        "padless/engine.py",
-        "padless/varlen.py",
+        "padless/forward/packing.py",
+        "padless/forward/engine.py",
+        "padless/forward/varlen.py",
         "padless/losses.py",
         "padless/trainers/sft.py",
     } <= set(modules)

@@ -20,7 +20,7 @@ from padless.data import (
     tokenize_sft,
 )
 from padless.data.images import ImageInputs
-from padless.sources import load_processor
+from padless.data.sources import load_processor
 from padless.tiny import tiny_config, tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID
 

@@ -20,7 +20,7 @@ from padless.data import (
 )
 from padless.data import tokenized as tk
 from padless.data.preference import PairLayout
-from padless.data.rl import PromptLayout
+from padless.data.prompts import PromptLayout
 from padless.data.sft import SFTLayout
 from padless.data.tokenized import ArrowSet, InMemory, load_set
 from padless.tiny import tiny_tokenizer

@@ -375,9 +375,9 @@ def test_the_shipped_warm_start_earns_some_reward() -> None:
     """tiny-llama-arith answers some of the embedded arithmetic prompts right (greedy: 5 of the first 16,
     measured), and not all: RL examples start from a policy with reward to gain."""
     from padless.data import load_rows
-    from padless.model import load_model, load_tokenizer
-    from padless.rewards import arithmetic
-    from padless.rollout import generate
+    from padless.proof.load import load_model, load_tokenizer
+    from padless.rl.generate import generate
+    from padless.rl.rewards import arithmetic
 
     tok, model = load_tokenizer("tiny-llama-arith"), load_model("tiny-llama-arith")
     assert model.name_or_path == "tiny-llama-arith" and model.dtype == torch.float32
@@ -407,7 +407,7 @@ def test_the_calculator_warm_start_data_call_the_tool_as_the_template_writes_it(
     result is its answer (the build asserts it per row), the template's own <call>{json}</call> turn (its
     tools preamble standing in as a system message, checked by the build per conversation), and direct
     answers on those prompts too."""
-    from padless.environments import Tools, calculate
+    from padless.rl.environments import Tools, calculate
 
     build = build_script()
     rows = [json.loads(line) for line in data_path("rl").read_text().splitlines()]
@@ -430,13 +430,13 @@ def test_the_calculator_warm_start_calls_the_tool_on_some_episodes() -> None:
     """tiny-llama-calc, sampled at temperature 1 in calculator episodes on the first 16 tiny:rl prompts
     (2 each, the first turn): some episodes call the tool and most of those calls run, but not all
     episodes call it, so GRPO has tool use to learn (measured: 5 of 32 call, all 5 calls run)."""
-    from padless.config import GRPOConfig
-    from padless.config_loading import load_config
+    from padless.config.loading import load_config
+    from padless.config.schema import GRPOConfig
     from padless.data import load_rows
-    from padless.engine import ModelEngine
-    from padless.episodes import make_runner
-    from padless.model import load_model, load_tokenizer
-    from padless.rollout import HFEngine
+    from padless.forward.engine import ModelEngine
+    from padless.proof.load import load_model, load_tokenizer
+    from padless.rl.episodes import make_runner
+    from padless.rl.generate import HFEngine
 
     tok, model = load_tokenizer("tiny-llama-calc"), load_model("tiny-llama-calc")
     assert (SHIPPED_MODELS["tiny-llama-calc"] / "model.safetensors").stat().st_size < 3_000_000

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from padless.trainers.loop import MicroBatch
+from padless.run.loop import MicroBatch
 
 StepFn = Callable[..., tuple[dict[str, float], list[torch.Tensor]]]
 

@@ -3,7 +3,7 @@ costly part on CPU), recording after each what the prepared model really was.
 
 Usage: ``accelerate launch ... strategy_runs.py RUNS.json``, where RUNS.json is a list of
 ``{"argv": [...], "facts": "path.json"}``. Each run starts from accelerate's state as a fresh process
-finds it (``padless.strategy.start_accelerator`` resets it; the process group stays).
+finds it (``padless.run.strategy.start_accelerator`` resets it; the process group stays).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from padless import cli
-from padless.trainers import loop
+from padless.run import loop
 
 
 def main(spec: str) -> int:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from padless.config import (
+from padless.config.schema import (
     DPOConfig,
     DPOSettings,
     ModelSettings,
@@ -19,12 +19,12 @@ from padless.config import (
     TrainSettings,
 )
 from padless.data import load_rows, tokenize_preference
-from padless.engine import ModelEngine, sequence_scores
-from padless.model import load_model
-from padless.packing import budget_batches, pack
+from padless.forward.engine import ModelEngine, sequence_scores
+from padless.forward.packing import budget_batches, pack
+from padless.proof.load import load_model
+from padless.run.loop import MicroBatch
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers.dpo import DPORecipe, run_dpo
-from padless.trainers.loop import MicroBatch
 from padless.trainers.rm import RMRecipe, run_rm, score_examples
 
 CPU = torch.device("cpu")

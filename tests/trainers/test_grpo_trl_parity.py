@@ -24,11 +24,11 @@ import pytest
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from padless.config import GRPOConfig
-from padless.config_loading import load_config
-from padless.packing import Example
+from padless.config.loading import load_config
+from padless.config.schema import GRPOConfig
+from padless.forward.packing import Example
+from padless.run.loop import MicroBatch
 from padless.trainers.grpo import GRPORecipe
-from padless.trainers.loop import MicroBatch
 
 LENGTHS = [5, 2, 7, 4]  # completion tokens per sequence
 WIDTH = max(LENGTHS)  # TRL's padded width, and max_new_tokens (Dr.GRPO's constant)

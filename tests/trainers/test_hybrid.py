@@ -1,6 +1,6 @@
 """Every trainer on the embedded hybrid (``tiny-qwen3.5``: gated delta-net + attention), packed: two
 steps each, with the stateful layers seen running rows of several sequences through the per-sequence
-path, and finite losses. Exactness itself is proven per token in tests/test_hybrid.py and by the
+path, and finite losses. Exactness itself is proven per token in tests/forward/test_hybrid.py and by the
 load-time probe every run starts with."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from padless import hybrid
 from padless.cli import TRAINERS, _load
-from padless.config_loading import load_config
+from padless.config.loading import load_config
+from padless.forward import hybrid
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 COMMON = [

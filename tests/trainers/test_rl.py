@@ -15,22 +15,22 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from padless.config import GRPOConfig, PPOConfig, PPOSettings, SFTConfig
-from padless.config_loading import load_config
+from padless.config.loading import load_config
+from padless.config.schema import GRPOConfig, PPOConfig, PPOSettings, SFTConfig
 from padless.data import load_rows
-from padless.engine import ModelEngine, forward_packed, hidden_states
+from padless.forward.engine import ModelEngine, forward_packed, hidden_states
+from padless.forward.packing import Example, pack
 from padless.losses import gae, whiten
-from padless.model import load_model
-from padless.packing import Example, pack
-from padless.rollout import HFEngine
+from padless.proof.load import load_model
+from padless.rl.generate import HFEngine
+from padless.run.checkpoint import PLAN_FILE
+from padless.run.loop import Trainer
+from padless.run.session import Session
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers import grpo
-from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.grpo import GRPORecipe, run_grpo
-from padless.trainers.loop import Trainer
 from padless.trainers.ppo import PPORecipe, run_ppo
 from padless.trainers.rl import start_rl
-from padless.trainers.session import Session
 from padless.trainers.sft import run_sft
 
 FAST = ["train.logging_steps=1", "train.progress_bar=false", "train.report_to=[jsonl]"]

@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from padless.config import DataSettings, ModelSettings, SFTConfig, TrainSettings
+from padless.config.schema import DataSettings, ModelSettings, SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_sft
-from padless.engine import ModelEngine
-from padless.model import load_model
-from padless.packing import budget_batches
-from padless.trainers.loop import MicroBatch
+from padless.forward.engine import ModelEngine
+from padless.forward.packing import budget_batches
+from padless.proof.load import load_model
+from padless.run.loop import MicroBatch
 from padless.trainers.sft import SFTRecipe, run_sft
 
 
@@ -138,7 +138,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_lora_trains_adapter_only_and_checkpoints_it(tmp_path):
-    from padless.config import LoraSettings
+    from padless.config.schema import LoraSettings
 
     cfg = tiny_config(tmp_path, max_steps=2, save_steps=2)
     lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
@@ -158,8 +158,8 @@ def test_chunked_attention_and_hybrids_train_packed(tmp_path, name):
     """Llama 4 text (chunked attention, temperature-tuned NoPE layers, MoE) and hybrids (Qwen3-Next's
     gated delta-nets, LFM2's short convolutions, Falcon-H1's Mamba-2 mixers) load through the probe on varlen
     and learn with SFT on packed rows far longer than Llama 4's chunks and temperature floor."""
+    from padless.proof.zoo import build_zoo_model
     from padless.tiny import tiny_tokenizer
-    from padless.zoo import build_zoo_model
 
     path = tmp_path / name
     build_zoo_model(name, "eager").save_pretrained(path)

@@ -146,7 +146,8 @@ RESUME_FROM = {
 # ZeRO-3 gathers a module's parameters at each call, and the hybrid's exact path calls each stateful layer
 # once per group of sequence lengths, a count that differs between ranks: the collectives mismatch and gloo
 # stops the run ("Received data size doesn't match expected size"). padless refuses it at start with that
-# reason (padless.hybrid.sharded_problem, tests/test_hybrid.py); not run there until it does not.
+# reason (padless.forward.hybrid.sharded_problem, tests/forward/test_hybrid.py); not run there until it does
+# not.
 NOT_UNDER = {("zero3", "sft_hybrid")}
 CONFIGS = {
     "ddp": "ddp.yaml",

@@ -13,21 +13,21 @@ import pytest
 import torch
 from PIL import Image
 
-from padless.config import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainSettings
-from padless.config_loading import load_config
+from padless.config.loading import load_config
+from padless.config.schema import DPOSettings, GRPOConfig, PPOConfig, SFTConfig, TrainSettings
 from padless.data import load_rows, tokenize_preference
 from padless.data.images import ImageInputs
-from padless.engine import ModelEngine, sequence_scores
-from padless.environments import Environment, Step, Turn
+from padless.data.sources import load_processor
 from padless.errors import InputError
-from padless.model import load_model
-from padless.packing import pack
-from padless.sources import load_processor
+from padless.forward.engine import ModelEngine, sequence_scores
+from padless.forward.packing import pack
+from padless.proof.load import load_model
+from padless.rl.environments import Environment, Step, Turn
+from padless.run.checkpoint import PLAN_FILE
+from padless.run.loop import MicroBatch
 from padless.tiny import PAD_TOKEN_ID, build_tiny_model, shapes
-from padless.trainers.checkpoint import PLAN_FILE
 from padless.trainers.dpo import DPORecipe
 from padless.trainers.grpo import run_grpo
-from padless.trainers.loop import MicroBatch
 from padless.trainers.ppo import run_ppo
 from padless.trainers.rm import RMRecipe, score_file
 from padless.trainers.sft import run_sft
@@ -247,7 +247,7 @@ def test_text_reward_model_refused_for_a_vlm_policy(tmp_path):
 
 
 def test_vllm_refused_for_image_prompts(tmp_path):
-    from padless.vllm_engine import VLLMEngine
+    from padless.rl.vllm_engine import VLLMEngine
 
     cfg = load_config(GRPOConfig, None, [*grpo_overrides(tmp_path), "rollout.engine=vllm"])
     with pytest.raises(ValueError, match=r"does not hand images to vLLM yet.*torchvision"):

@@ -1,0 +1,759 @@
+"""The run configs the trainers read: one pydantic section per part of a run, one config per trainer.
+
+To add a key, add a field (with a default and a docstring) to its section below; cross-field rules go in
+the section's ``_check`` (raise :func:`padless.config.loading.invalid`). Loading, overrides and error
+messages are in :mod:`padless.config.loading`. This module imports no torch, so configs can be checked
+quickly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from padless.config.choices import Backend, ModelDType, VarlenKernel
+from padless.config.loading import ConfigModel, invalid
+
+REPORTERS = ("tensorboard", "jsonl")
+
+
+# Bounds are part of a key's type (PositiveInt, ... from pydantic, or Field(ge=..., lt=...)), so that the
+# JSON Schema carries them and editors check them too; rules that need a reason or a fix of their own
+# go in the section's _check.
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+
+
+class LoraSettings(ConfigModel):
+    """LoRA adapters; present (even as ``lora: {}``) means train adapters instead of all weights."""
+
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: Fraction = 0.05
+    target_modules: list[str] | str = "all-linear"
+    """module names, or all-linear"""
+
+    def _check(self) -> None:
+        if not self.target_modules:
+            raise invalid(
+                "target_modules",
+                "is empty, so no layer would get an adapter",
+                "list module names such as [q_proj, v_proj], or use all-linear",
+            )
+
+
+class ModelSettings(ConfigModel):
+    name: str = "tiny-qwen2"
+    """embedded name, local dir or cached HF id"""
+    attn_implementation: Backend = "varlen"
+    varlen_kernel: VarlenKernel = "auto"
+    dtype: ModelDType = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU"""
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
+    seed: int = 0
+    """init seed for embedded tiny models"""
+    trust_remote_code: bool = False
+    """run Python code shipped in a model folder (auto_map); never a prompt"""
+
+    def _check(self) -> None:
+        if not self.name:
+            raise invalid("name", "is empty", "give an embedded model name, a local directory or a HF id")
+        if self.varlen_kernel != "auto" and self.attn_implementation != "varlen":
+            raise invalid(
+                ("varlen_kernel", "attn_implementation"),
+                f"varlen_kernel={self.varlen_kernel!r} only applies to attn_implementation 'varlen', "
+                f"but attn_implementation is {self.attn_implementation!r}, so it would be ignored",
+                "set attn_implementation to varlen, or varlen_kernel to auto",
+            )
+
+
+class DataSettings(ConfigModel):
+    train: str = "tiny:sft"
+    """jsonl/json/parquet path, a datasets dir (save_to_disk), or tiny:<name>"""
+    eval: str | None = None
+    format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
+    max_length: PositiveInt = 2048
+    truncation: Literal["error", "truncate"] = "error"
+    """what to do with a sequence longer than max_length"""
+    completion_only_loss: bool = True
+    per_turn: bool = False
+    """each assistant turn of a chat its own example (context as rendered for generation, loss on that turn):
+    for templates that show earlier turns differently from the last one (e.g. Qwen3 strips their reasoning)"""
+    skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
+
+    def _check(self) -> None:
+        if not self.train:
+            raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
+
+
+class TrainSettings(ConfigModel):
+    output_dir: str = "runs/sft"
+    seed: int = 42
+    num_epochs: NonNegativeFloat = 1.0
+    max_steps: int = -1
+    """>0 overrides num_epochs"""
+    learning_rate: PositiveFloat = 1e-4
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: Fraction = 0.0
+    warmup_steps: NonNegativeInt = 0
+    """>0 overrides warmup_ratio"""
+    weight_decay: NonNegativeFloat = 0.0
+    adam_beta1: Fraction = 0.9
+    adam_beta2: Fraction = 0.999
+    adam_epsilon: PositiveFloat = 1e-8
+    max_grad_norm: float = 1.0
+    """<=0 disables clipping"""
+    gradient_accumulation_steps: PositiveInt = 1
+    batching: Literal["tokens", "packing", "padded"] = "tokens"
+    max_tokens_per_batch: PositiveInt = 4096
+    """tokens per micro-batch for batching tokens, and bin size for packing"""
+    batch_size: PositiveInt = 8
+    """sequences per micro-batch for "padded" (comparison mode only)"""
+    padding_side: Literal["left", "right"] = "right"
+    """batching padded only"""
+    logits_memory_mb: PositiveInt = 1024
+    """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
+    sequence_parallel: PositiveInt = 1
+    """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
+    logging_steps: PositiveInt = 10
+    eval_steps: NonNegativeInt = 0
+    """0: evaluate only at the end (if data.eval is set)"""
+    eval_generate: bool = False
+    eval_max_new_tokens: PositiveInt = 64
+    eval_batch_size: PositiveInt = 8
+    save_steps: NonNegativeInt = 0
+    """0: save only at the end"""
+    save_total_limit: NonNegativeInt = 0
+    """0: keep all"""
+    resume_from_checkpoint: str | None = None
+    """path, "latest" (must exist) or "auto" (latest if any)"""
+    overwrite_output_dir: bool = False
+    """a used output_dir is refused unless resuming or this is true"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """a NaN/inf loss or grad norm: stop, or skip the step"""
+    report_to: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
+    progress_bar: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console and output_dir/log.txt"""
+
+    def _check(self) -> None:
+        if not self.output_dir:
+            raise invalid("output_dir", "is empty", "give a directory for checkpoints and logs, e.g. runs/x")
+        if not (self.num_epochs > 0 or self.max_steps > 0):
+            raise invalid(
+                ("num_epochs", "max_steps"),
+                f"num_epochs={self.num_epochs!r} and max_steps={self.max_steps!r} give no training steps",
+                "set num_epochs > 0, or max_steps > 0",
+            )
+        unknown = [r for r in self.report_to if r not in REPORTERS]
+        if unknown:
+            raise invalid(
+                "report_to",
+                f"unknown reporter(s) {', '.join(map(repr, unknown))}; padless writes to "
+                f"{', '.join(map(repr, REPORTERS))}",
+                "use a subset of [tensorboard, jsonl] ([] for none)",
+            )
+        if self.resume_from_checkpoint == "":
+            raise invalid(
+                "resume_from_checkpoint",
+                "is an empty string",
+                "give a checkpoint path, 'latest', 'auto', or null to start fresh",
+            )
+        if self.overwrite_output_dir and self.resume_from_checkpoint in ("latest", "auto"):
+            raise invalid(
+                ("overwrite_output_dir", "resume_from_checkpoint"),
+                f"overwrite_output_dir deletes the checkpoints in output_dir that resume_from_checkpoint="
+                f"{self.resume_from_checkpoint} would resume from",
+                "set one of them: overwrite_output_dir=false to resume, or resume_from_checkpoint=null",
+            )
+        if self.sequence_parallel > 1 and self.batching == "padded":
+            raise invalid(
+                ("sequence_parallel", "batching"),
+                f"sequence_parallel={self.sequence_parallel} splits packed rows; batching padded makes none",
+                "set batching to tokens or packing, or sequence_parallel to 1",
+            )
+
+
+def _check_eval_set(eval_data: str | None, train: TrainSettings, what: str) -> None:
+    if eval_data is None and train.eval_steps > 0:
+        raise invalid(
+            ("train.eval_steps", "data.eval"),
+            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
+            f"set data.eval to {what}, or train.eval_steps to 0",
+        )
+
+
+class SFTConfig(ConfigModel):
+    """Supervised fine-tuning: the loss on completions (or assistant turns) of packed examples."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+
+    def _check(self) -> None:
+        _check_eval_set(self.data.eval, self.train, "an eval data set")
+        if self.data.eval is None and self.train.eval_generate:
+            raise invalid(
+                ("train.eval_generate", "data.eval"),
+                "eval_generate samples completions for eval prompts, but data.eval is not set",
+                "set data.eval, or train.eval_generate to false",
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference training: DPO (and its reference-free variants) and reward models
+
+
+class PreferenceDataSettings(ConfigModel):
+    train: str = "tiny:preference"
+    """same sources as DataSettings.train"""
+    eval: str | None = None
+    max_length: PositiveInt = 2048
+    """per side: prompt + chosen, and prompt + rejected"""
+    truncation: Literal["error", "truncate"] = "error"
+    """truncate cuts the completion, never the prompt"""
+    skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
+
+    def _check(self) -> None:
+        if not self.train:
+            raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
+
+
+class DPOSettings(ConfigModel):
+    beta: PositiveFloat = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    label_smoothing: float = 0.0
+    """sigmoid only, in [0, 0.5): conservative DPO for noisy labels"""
+    rpo_alpha: float | None = None
+    """weight of an NLL term on chosen (RPO); null: none"""
+    simpo_gamma: NonNegativeFloat = 0.5
+    """SimPO target reward margin; used as gamma / beta inside the sigmoid, like TRL"""
+    reference: Literal["model", "adapters"] = "model"
+    """adapters: the policy with its LoRA adapters disabled"""
+    ref_model: str | None = None
+    """null: a frozen copy of model.name"""
+    precompute_ref_logps: bool = False
+
+    def _check(self) -> None:
+        if not 0 <= self.label_smoothing < 0.5:
+            raise invalid(
+                "label_smoothing",
+                f"must be in [0, 0.5), got {self.label_smoothing!r} (0.5 would make chosen and rejected "
+                "interchangeable)",
+                "set label_smoothing to at least 0 and below 0.5, e.g. 0.1",
+            )
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise invalid(
+                ("label_smoothing", "loss_type"),
+                f"label_smoothing={self.label_smoothing} only applies to loss_type 'sigmoid', but loss_type "
+                f"is {self.loss_type!r}, so it would be ignored",
+                "set label_smoothing to 0, or loss_type to sigmoid",
+            )
+        if self.rpo_alpha is not None and not self.rpo_alpha >= 0:
+            raise invalid("rpo_alpha", f"must be >= 0, got {self.rpo_alpha!r}", "set rpo_alpha >= 0, or null")
+        if self.ref_model == "":
+            raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
+        if self.ref_model is not None and self.reference == "adapters":
+            raise invalid(
+                ("ref_model", "reference"),
+                f"reference 'adapters' uses the policy itself with adapters disabled, so ref_model="
+                f"{self.ref_model!r} would be ignored",
+                "set ref_model to null, or reference to model",
+            )
+        if self.loss_type == "simpo":
+            given = [
+                (name, text)
+                for name, text, used in (
+                    ("ref_model", f"ref_model={self.ref_model!r}", self.ref_model is not None),
+                    ("reference", "reference='adapters'", self.reference == "adapters"),
+                    ("precompute_ref_logps", "precompute_ref_logps=true", self.precompute_ref_logps),
+                )
+                if used
+            ]
+            if given:
+                name, text = given[0]
+                raise invalid(
+                    (name, "loss_type"),
+                    f"simpo is reference-free (it scores length-normalized policy log-probs only), so "
+                    f"{text} would be ignored",
+                    f"unset {name}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
+                )
+
+
+def _check_preference_run(data: PreferenceDataSettings, train: TrainSettings) -> None:
+    """Cross-section checks shared by DPO and reward-model configs."""
+    if train.eval_generate:
+        raise invalid(
+            "train.eval_generate",
+            "eval_generate is an SFT option (DPO and reward-model evaluation report preference metrics on "
+            "data.eval instead)",
+            "set train.eval_generate to false",
+        )
+    _check_eval_set(data.eval, train, "an eval data set (e.g. tiny:preference_eval)")
+
+
+class DPOConfig(ConfigModel):
+    """Direct preference optimisation (sigmoid, IPO, hinge, SimPO; optional RPO term) on preference pairs."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/dpo", learning_rate=5e-6)
+    )
+    dpo: DPOSettings = Field(default_factory=DPOSettings)
+
+    def _check(self) -> None:
+        _check_preference_run(self.data, self.train)
+        if self.dpo.reference == "adapters" and self.model.lora is None:
+            raise invalid(
+                ("dpo.reference", "model.lora"),
+                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+                "not set, so there are no adapters",
+                "add a model.lora section (e.g. model.lora.r=16), or set dpo.reference to model",
+            )
+
+
+class RMSettings(ConfigModel):
+    margin: bool = False
+    """add each row's "margin" field to the Bradley-Terry loss (every row must have one)"""
+
+
+class RMConfig(ConfigModel):
+    """A reward model: a scalar head trained with the Bradley-Terry loss on chosen/rejected pairs."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/rm", learning_rate=1e-4)
+    )
+    rm: RMSettings = Field(default_factory=RMSettings)
+
+    def _check(self) -> None:
+        _check_preference_run(self.data, self.train)
+
+
+# --------------------------------------------------------------------------------------------------
+# Online RL: GRPO and PPO
+
+
+class RLDataSettings(ConfigModel):
+    train: str = "tiny:rl"
+    """rows {"prompt": str | messages, ...}; other columns go to the reward functions"""
+    eval: str | None = None
+    max_prompt_length: PositiveInt = 512
+    """prompts are never truncated: a longer one is a bad row"""
+    chat_template: bool | None = None
+    """string prompts as a user message; None: when the tokenizer has one"""
+    skip_bad_rows: bool = False
+    cache_dir: str | None = None
+    """tokenized sets are cached here; null: padless/ in the datasets cache"""
+    num_proc: PositiveInt | None = None
+    """processes that tokenize on a cache miss; null: one per core, at most 8"""
+
+    def _check(self) -> None:
+        if not self.train:
+            raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
+
+
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+class RolloutSettings(ConfigModel):
+    engine: Literal["hf", "vllm"] = "hf"
+    """vllm: colocated, needs vLLM and CUDA (checked at start)"""
+    prompts_per_step: PositiveInt = 16
+    """prompts per rollout batch"""
+    num_generations: PositiveInt = 4
+    """samples per prompt (GRPO group size; PPO usually 1)"""
+    max_new_tokens: PositiveInt = 64
+    temperature: float = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
+    generation_batch_size: PositiveInt = 32
+    """sequences per generate() call"""
+    mask_truncated: bool = True
+    """completions that hit max_new_tokens without EOS: out of the loss, or kept"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """engine vllm: share of GPU memory for its weights + KV cache"""
+    importance_sampling_correction: bool | None = None
+    """weight the policy loss by trainer / sampler probability; default: on when the sampler is not the
+    training forward (engine vllm) or samples are stale (max_staleness > 0)"""
+    importance_sampling_mode: ImportanceSamplingMode = "sequence_mask"
+    """per token or per sequence (summed log-ratio); clip to the bounds or zero what falls outside (TRL's)"""
+    importance_sampling_clip_max: PositiveFloat | None = 3.0
+    """upper bound C_max of the ratio (null: none)"""
+    importance_sampling_clip_min: NonNegativeFloat | None = None
+    """lower bound C_min of the ratio (null: none)"""
+    max_staleness: NonNegativeInt = 0
+    """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+    environment: str | None = None
+    """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
+    tools: the plain tool loop); max_new_tokens is then per model turn"""
+    tools: list[str] = Field(default_factory=list)
+    """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
+    template's tools"""
+    max_turns: PositiveInt = 4
+    """model turns per episode (environment or tools); an episode still going then is truncated"""
+    max_episode_tokens: PositiveInt | None = None
+    """tokens per episode, prompt and environment turns included (null: no limit but max_turns)"""
+    response_template: dict[str, Any] | None = None
+    """how tool calls are read from a model turn (transformers' response_template schema); null: the
+    tokenizer's own"""
+
+    def correction(self) -> bool:
+        """Whether the importance-sampling correction runs (its default resolved)."""
+        if self.importance_sampling_correction is not None:
+            return self.importance_sampling_correction
+        return self.engine == "vllm" or self.max_staleness > 0
+
+    def episodes(self) -> bool:
+        """Whether rollouts are multi-turn episodes (an environment or tools)."""
+        return self.environment is not None or bool(self.tools)
+
+    def model_token_budget(self) -> int:
+        """The most tokens the model writes in one sample: ``max_new_tokens``, or for an episode
+        ``max_new_tokens`` per turn over ``max_turns`` turns, within ``max_episode_tokens`` (dr_grpo's
+        constant per sequence: an episode's model tokens, all its turns together)."""
+        if not self.episodes():
+            return self.max_new_tokens
+        most = self.max_turns * self.max_new_tokens
+        return most if self.max_episode_tokens is None else min(most, self.max_episode_tokens)
+
+    def _check(self) -> None:
+        if not self.episodes():
+            for key in ("max_episode_tokens", "response_template"):
+                if getattr(self, key) is not None:
+                    raise invalid(
+                        (key, "environment", "tools"),
+                        f"{key} shapes multi-turn episodes, but neither an environment nor tools are set",
+                        "set rollout.environment (or rollout.tools), or remove the key",
+                    )
+        if self.episodes() and self.engine == "vllm" and self.max_episode_tokens is None:
+            raise invalid(
+                ("max_episode_tokens", "engine"),
+                "vLLM sizes its context when it starts, and an episode's turns have no length limit without "
+                "a token budget",
+                "set rollout.max_episode_tokens (e.g. 1024)",
+            )
+        if self.episodes() and self.max_staleness > 0:
+            raise invalid(
+                ("max_staleness", "environment"),
+                "multi-turn episodes are sampled on-policy only for now (the ahead sampler runs single "
+                "completions)",
+                "set max_staleness: 0",
+            )
+        if self.max_staleness > 0 and self.importance_sampling_correction is False:
+            raise invalid(
+                ("max_staleness", "importance_sampling_correction"),
+                f"max_staleness={self.max_staleness} samples from weights up to that many updates old, and "
+                "the loss must weight them by trainer / sampler probability, which "
+                "importance_sampling_correction: false switches off",
+                "remove importance_sampling_correction (or set it true), or set max_staleness: 0",
+            )
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if low is not None and high is not None and not low < high:
+            raise invalid(
+                ("importance_sampling_clip_min", "importance_sampling_clip_max"),
+                f"clip_min={low!r} is not below clip_max={high!r}: no ratio would pass",
+                "set e.g. importance_sampling_clip_min: null, importance_sampling_clip_max: 3.0",
+            )
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise invalid(
+                "vllm_gpu_memory_utilization",
+                f"must be in (0, 1), got {self.vllm_gpu_memory_utilization!r}: the rest of the GPU holds the "
+                "policy, its gradients and optimizer state",
+                "set it to e.g. 0.3",
+            )
+        if not self.temperature > 0:
+            raise invalid(
+                "temperature",
+                f"must be > 0, got {self.temperature!r}: RL samples completions, and greedy decoding would "
+                "give every sample of a prompt the same completion",
+                "set temperature to e.g. 1.0 (or 0.7 for less random samples)",
+            )
+
+
+class RewardSettings(ConfigModel):
+    """The reward: a weighted sum of ``functions`` (see :mod:`padless.rl.rewards`) and a reward model's
+    score."""
+
+    functions: list[str] = Field(default_factory=lambda: ["arithmetic"])
+    """bundled, module:fn or file.py:fn"""
+    weights: list[float] | None = None
+    """default 1.0 each; one per function, in order"""
+    model: str | None = None
+    """a padless reward model checkpoint (score at each sequence's last token)"""
+    model_weight: float = 1.0
+    overlong_buffer: NonNegativeInt = 0
+    """DAPO soft overlong penalty: from rollout.max_new_tokens - overlong_buffer tokens on, a penalty falling
+    linearly to -overlong_penalty at max_new_tokens is added to the reward; 0 = off"""
+    overlong_penalty: float | None = None
+    """the penalty at max_new_tokens (default 1.0)"""
+
+    def _check(self) -> None:
+        if not self.functions and self.model is None:
+            raise invalid(
+                ("functions", "model"),
+                "no reward: functions is empty and model is not set",
+                "list reward functions (e.g. [arithmetic]) or set model to a reward model checkpoint",
+            )
+        for i, spec in enumerate(self.functions):
+            if not spec.strip():
+                raise invalid(
+                    "functions",
+                    f"item {i} is an empty string",
+                    "write 'package.module:function', 'path/to/file.py:function' or a bundled name",
+                )
+        repeated = sorted({s for s in self.functions if self.functions.count(s) > 1})
+        if repeated:
+            raise invalid(
+                "functions",
+                f"{repeated[0]!r} is listed more than once, so it would count twice",
+                "list it once and raise its weight instead",
+            )
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise invalid(
+                ("weights", "functions"),
+                f"{len(self.weights)} weight(s) for {len(self.functions)} function(s)",
+                "give one weight per function, in the same order, or null for 1.0 each",
+            )
+        if self.model == "":
+            raise invalid("model", "is an empty string", "give a reward model checkpoint, or null for none")
+        if self.model is None and self.model_weight != 1.0:
+            raise invalid(
+                ("model_weight", "model"),
+                f"model_weight={self.model_weight} weights a reward model's score, but model is not set, so "
+                "it would be ignored",
+                "set model to a reward model checkpoint, or leave model_weight at 1.0",
+            )
+        if self.overlong_penalty is not None and not self.overlong_penalty > 0:
+            raise invalid(
+                "overlong_penalty",
+                f"must be > 0, got {self.overlong_penalty!r} (it is subtracted from the reward)",
+                "set it to e.g. 1.0, or null for 1.0",
+            )
+        if self.overlong_penalty is not None and self.overlong_buffer == 0:
+            raise invalid(
+                ("overlong_penalty", "overlong_buffer"),
+                "overlong_penalty scales the soft overlong penalty, which is off (overlong_buffer: 0)",
+                "set overlong_buffer to the length of the penalised zone (e.g. a quarter of max_new_tokens)",
+            )
+
+    @property
+    def overlong_factor(self) -> float:
+        """The soft overlong penalty at ``rollout.max_new_tokens``."""
+        return 1.0 if self.overlong_penalty is None else self.overlong_penalty
+
+
+class GRPOSettings(ConfigModel):
+    beta: NonNegativeFloat = 0.04
+    """KL (k3) coefficient; 0 disables the reference model"""
+    epsilon: float = 0.2
+    """clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """asymmetric upper clip (DAPO); default = epsilon"""
+    scale_rewards: bool | None = None
+    """advantage grpo: divide group-centred rewards by the group std (default true; false = Dr.GRPO)"""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo"] = "dapo"
+    """dapo: token-mean over the step; grpo: mean of each sequence's token-mean; dr_grpo: sum over
+    sequences x the model-token budget (max_new_tokens; an episode: x max_turns); cispo: capped,
+    stop-gradient IS weight times log-prob, token-mean"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """sequence: GSPO, one length-normalised ratio per sequence (use small epsilons, e.g. 3e-4 / 4e-4)"""
+    cispo_max_ratio: float | None = None
+    """loss_type cispo: cap on the importance weight (default 5.0, ScaleRL's epsilon_max)"""
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: group mean (and std); rloo: leave-one-out group mean; reinforce_pp: group mean, then one
+    std over the whole rollout (REINFORCE++-baseline)"""
+    dynamic_sampling_rounds: NonNegativeInt = 0
+    """DAPO dynamic sampling: groups whose rewards are all equal are dropped and refilled with fresh
+    prompts, at most this many refill rounds per rollout; 0 = off"""
+    updates_per_rollout: PositiveInt = 1
+    """policy passes over each rollout batch (ratios from stored old log-probs)"""
+    mini_batches_per_rollout: PositiveInt = 1
+    """optimizer steps per pass"""
+
+    def _check(self) -> None:
+        if not 0 < self.epsilon < 1:
+            raise invalid(
+                "epsilon",
+                f"must be in (0, 1), got {self.epsilon!r} (the lower clip bound 1 - epsilon must stay > 0)",
+                "set epsilon to e.g. 0.2",
+            )
+        if self.epsilon_high is not None and not self.epsilon_high >= self.epsilon:
+            raise invalid(
+                ("epsilon_high", "epsilon"),
+                f"epsilon_high={self.epsilon_high!r} is below epsilon={self.epsilon!r}; it is the upper clip "
+                "range, meant to be at least as wide as the lower one (DAPO's clip-higher: 0.28 with 0.2)",
+                "set epsilon_high >= epsilon, or null for a symmetric clip",
+            )
+        if self.cispo_max_ratio is not None and not self.cispo_max_ratio > 0:
+            raise invalid(
+                "cispo_max_ratio",
+                f"must be > 0, got {self.cispo_max_ratio!r}",
+                "set it to e.g. 5.0, or null for 5.0",
+            )
+        if self.cispo_max_ratio is not None and self.loss_type != "cispo":
+            raise invalid(
+                ("cispo_max_ratio", "loss_type"),
+                f"cispo_max_ratio is the cap of loss_type cispo, but loss_type is {self.loss_type!r}",
+                "set loss_type: cispo, or remove cispo_max_ratio (clipped losses use epsilon / epsilon_high)",
+            )
+        if self.loss_type == "cispo" and self.importance_sampling_level == "sequence":
+            raise invalid(
+                ("importance_sampling_level", "loss_type"),
+                "a sequence-level ratio (GSPO) is implemented for the clipped losses, not for cispo",
+                "set importance_sampling_level: token, or a clipped loss_type (dapo, grpo, dr_grpo)",
+            )
+        if self.scale_rewards is not None and self.advantage != "grpo":
+            raise invalid(
+                ("scale_rewards", "advantage"),
+                f"scale_rewards divides by the group std of advantage grpo; advantage is {self.advantage!r}",
+                "remove scale_rewards, or set advantage: grpo",
+            )
+
+    @property
+    def group_std(self) -> bool:
+        """Whether GRPO advantages divide by the group std (``scale_rewards``, default true)."""
+        return self.scale_rewards is not False
+
+    @property
+    def max_ratio(self) -> float:
+        """CISPO's cap on the importance weight."""
+        return 5.0 if self.cispo_max_ratio is None else self.cispo_max_ratio
+
+
+class PPOSettings(ConfigModel):
+    value_model: str | None = None
+    """default: model.name with a fresh scalar head"""
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_coef: NonNegativeFloat = 0.05
+    """per-token KL penalty folded into the reward"""
+    cliprange: float = Field(0.2, gt=0, lt=1)
+    cliprange_value: float = Field(0.2, gt=0, lt=1)
+    vf_coef: PositiveFloat = 0.1
+    whiten_advantages: bool = True
+    critic_warmup_steps: NonNegativeInt = 0
+    """rollouts that update only the value model first"""
+    updates_per_rollout: PositiveInt = 1
+    mini_batches_per_rollout: PositiveInt = 1
+    value_learning_rate: float | None = None
+    """default: train.learning_rate"""
+
+    def _check(self) -> None:
+        if self.value_model == "":
+            raise invalid(
+                "value_model", "is an empty string", "name a model, or null for model.name with a fresh head"
+            )
+        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
+            raise invalid(
+                "value_learning_rate",
+                f"must be > 0, got {self.value_learning_rate!r}",
+                "set a positive learning rate, or null to use train.learning_rate",
+            )
+
+
+def _check_rl_run(
+    data: RLDataSettings,
+    train: TrainSettings,
+    rollout: RolloutSettings,
+    reward: RewardSettings,
+    mini_batches: str,
+    n_mini: int,
+) -> None:
+    """Cross-section checks shared by GRPO and PPO configs."""
+    if train.batching == "padded":
+        raise invalid(
+            "train.batching",
+            "'padded' is a comparison mode for SFT and preference training; RL scoring always runs packed",
+            "set train.batching to tokens or packing",
+        )
+    if train.eval_generate:
+        raise invalid(
+            "train.eval_generate",
+            "eval_generate is an SFT option (RL evaluation samples completions for data.eval and reports "
+            "their rewards instead)",
+            "set train.eval_generate to false",
+        )
+    _check_eval_set(data.eval, train, "a prompt data set")
+    if rollout.episodes() and reward.overlong_buffer:
+        raise invalid(
+            ("reward.overlong_buffer", "rollout.environment"),
+            "the soft overlong penalty reads one completion's length, and an episode has several model turns",
+            "set reward.overlong_buffer: 0, or cap episodes with rollout.max_episode_tokens",
+        )
+    if reward.overlong_buffer > rollout.max_new_tokens:
+        raise invalid(
+            ("reward.overlong_buffer", "rollout.max_new_tokens"),
+            f"the soft overlong zone of {reward.overlong_buffer} tokens is longer than the "
+            f"{rollout.max_new_tokens} tokens a completion may have",
+            "set reward.overlong_buffer <= rollout.max_new_tokens",
+        )
+    samples = rollout.prompts_per_step * rollout.num_generations
+    if samples % n_mini:
+        raise invalid(
+            (mini_batches, "rollout.prompts_per_step", "rollout.num_generations"),
+            f"a rollout of {rollout.prompts_per_step} prompts x {rollout.num_generations} generations = "
+            f"{samples} samples does not split into {n_mini} equal mini-batches",
+            f"choose {mini_batches.rpartition('.')[2]} dividing {samples}, or change prompts_per_step",
+        )
+
+
+class GRPOConfig(ConfigModel):
+    """Group Relative Policy Optimization: ``num_generations`` samples per prompt, advantages within groups.
+
+    ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout of
+    ``rollout.prompts_per_step`` prompts gives ``grpo.updates_per_rollout x grpo.mini_batches_per_rollout``
+    of them, so a run makes ``max_steps / (updates x mini-batches)`` rollouts.
+    """
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: RLDataSettings = Field(default_factory=RLDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/grpo", learning_rate=1e-5, max_steps=100)
+    )
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+
+    def _check(self) -> None:
+        if self.rollout.num_generations < 2:
+            raise invalid(
+                "rollout.num_generations",
+                f"is {self.rollout.num_generations}, but GRPO's advantages compare the samples of one prompt "
+                "with each other, so every group needs at least 2",
+                "set rollout.num_generations to 2 or more (e.g. 4 or 8)",
+            )
+        n = self.grpo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, self.reward, "grpo.mini_batches_per_rollout", n)
+
+
+class PPOConfig(ConfigModel):
+    """Proximal Policy Optimization with a learned value model (GAE advantages, per-token KL penalty).
+
+    ``train.max_steps`` counts optimizer steps of the shared training loop: each rollout gives
+    ``ppo.updates_per_rollout x ppo.mini_batches_per_rollout`` of them (critic warm-up rollouts included).
+    """
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: RLDataSettings = Field(default_factory=RLDataSettings)
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/ppo", learning_rate=1e-5, max_steps=100)
+    )
+    rollout: RolloutSettings = Field(default_factory=lambda: RolloutSettings(num_generations=1))
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    ppo: PPOSettings = Field(default_factory=PPOSettings)
+
+    def _check(self) -> None:
+        n = self.ppo.mini_batches_per_rollout
+        _check_rl_run(self.data, self.train, self.rollout, self.reward, "ppo.mini_batches_per_rollout", n)

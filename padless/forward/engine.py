@@ -1,0 +1,659 @@
+"""The one model engine: every forward of every trainer — training loss, evaluation, old / reference
+log-probs, values, reward scores, reference precompute and generation — is a call of
+:class:`ModelEngine`, with every head applied inside its ``forward``.
+
+That is what makes sharded training work and keeps compared passes comparable: the engine is the module
+accelerate prepares, so DDP / FSDP2 / DeepSpeed hooks fire on every pass (FSDP2's backward hooks are
+registered on the outputs of the root module's forward: a head applied outside it never gets its
+gradients), and the precision policy that wraps the prepared forward covers every pass alike.
+
+The forward math is here too: the inputs of a packed row (explicit bounds, no mask) or of a padded batch,
+the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`LogitsHead`,
+:func:`logps_from_hidden`) and the scalar head. :mod:`padless.proof.load` only loads models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from padless.config.choices import VARLEN_KERNELS
+from padless.config.schema import TrainSettings
+from padless.errors import AttentionError
+from padless.forward import hybrid, sequence_parallel
+from padless.forward.attention import (
+    assert_attention,
+    attention_in_use,
+    hf_name,
+    runtime_context,
+    set_varlen_kernel,
+    varlen_kernel_choice,
+)
+from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
+from padless.forward.sequence_parallel import SequenceParallel
+from padless.forward.varlen import sequence_bounds
+
+# The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
+# (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
+DEFAULT_LOGITS_MEMORY_MB = 1024
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every pass of one engine runs with; it travels with the engine, never in process state.
+
+    ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
+    and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
+    (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
+    runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
+    packed row over (:mod:`padless.forward.sequence_parallel`)."""
+
+    varlen_kernel: str | None = None
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
+    sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+
+    @property
+    def degree(self) -> int:
+        """The sequence-parallel degree (1: rows run whole); data is dealt by data-parallel rank for it."""
+        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
+
+    def __post_init__(self) -> None:
+        if self.logits_memory_mb <= 0:
+            raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
+        if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
+            raise AttentionError(
+                f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
+            )
+
+    def pinned(self) -> contextlib.AbstractContextManager:
+        """The kernel pin in force inside the block, the previous choice back after it."""
+        return pinned_kernel(self.varlen_kernel)
+
+
+@contextlib.contextmanager
+def pinned_kernel(kernel: str | None) -> Iterator[None]:
+    """``kernel`` behind ``varlen`` inside the block (``None``: as it is), the previous choice after it."""
+    if kernel is None:
+        yield
+        return
+    before = varlen_kernel_choice()
+    set_varlen_kernel(kernel)
+    try:
+        yield
+    finally:
+        set_varlen_kernel(before)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the engine lays a packed batch out for the model: packed (one row, explicit bounds), or padded
+    on ``side`` with ``pad_id`` (the comparison mode: pad compute and a mask). Results come back per token
+    in packed order ``[T]`` either way, so recipes never branch on the layout."""
+
+    side: Side | None = None  # None: packed
+    pad_id: int = 0
+
+    @classmethod
+    def of(cls, train: TrainSettings, pad_id: int) -> BatchLayout:
+        """The layout ``train.batching`` / ``train.padding_side`` ask for."""
+        return cls(train.padding_side if train.batching == "padded" else None, pad_id)
+
+
+PACKED = BatchLayout()
+
+
+@dataclass
+class TokenOutputs:
+    """Per-token results of a packed forward, each ``[T]`` in fp32; zero where the label is ignored."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
+
+
+def loaded_backend(model: torch.nn.Module) -> str:
+    """The backend the model was loaded with (or switched to by :func:`use_backend`), else the one its
+    config dispatches to."""
+    inner = unwrap(model)
+    return getattr(inner, "padless_attention", None) or attention_in_use(inner)
+
+
+def use_backend(model: PreTrainedModel, backend: str) -> None:
+    """Switch a loaded model to ``backend`` and record it: every forward checks the model against it."""
+    model.set_attn_implementation(hf_name(backend))
+    model.padless_attention = backend
+
+
+def checked_backend(model: torch.nn.Module) -> str:
+    """The backend the model was loaded with, after checking its config still dispatches to it."""
+    backend = loaded_backend(model)
+    assert_attention(unwrap(model), backend)
+    return backend
+
+
+def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
+    """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask.
+
+    Image inputs of a vision-language batch (``pixel_values``, ``image_grid_thw``, ...) go along as they are.
+    """
+    vision = batch.vision or {}
+    if isinstance(batch, PackedBatch):
+        sequence_bounds(batch.cu_seqlens)  # read to the host here, once: no attention layer waits for it
+        return {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids,
+            **batch.attention_kwargs(),
+            **vision,
+        }
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        **vision,
+    }
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The part of an HF model (or a PEFT wrapper's) that returns hidden states: embeddings, layers, norm."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    base = inner.base_model
+    if base is inner and isinstance(getattr(inner, "model", None), torch.nn.Module):
+        # Llama4ForCausalLM names its prefix "language_model" (its place inside the vision-language
+        # model) but keeps its layers in .model, so base_model is the causal LM itself
+        return inner.model
+    return base
+
+
+def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
+    """A packed row's ``[4, 1, T]`` ids for an M-RoPE model: the restarting text row the mask is built from,
+    then the three rope rows. Given one row, such a model computes its own rope rows and masks the whole
+    row causally on sdpa / eager (a leak: 23.8 nats on Qwen2.5-VL); text takes its restarting positions on
+    all three, images need theirs from the model's rope index."""
+    ids = batch.position_ids
+    if ids.dim() == 3 and len(ids) == 4:
+        return ids
+    if ids.dim() == 2 and not batch.vision:
+        return ids.expand(4, 1, -1)
+    raise ValueError(
+        f"a packed row of an M-RoPE model needs position ids [4, 1, T] (text row, then 3 rope rows), got "
+        f"{list(ids.shape)}{' with images' if batch.vision else ''}: tokenize the examples with the model's "
+        "rope index (padless.forward.vision.RopeIndex)"
+    )
+
+
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+
+    Never a KV cache: with one, transformers drops its per-sequence mask.
+    """
+    backend = checked_backend(model)
+    base = backbone(model)
+    inputs = model_inputs(batch)
+    if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
+        inputs["position_ids"] = _mrope_rows(batch)
+    with runtime_context(backend, batch.input_ids.device):
+        return base(**inputs, use_cache=False).last_hidden_state
+
+
+@dataclass(frozen=True)
+class LogitsHead:
+    """How a causal LM turns hidden states into the logits its log-probs are taken from:
+    ``cap(head(h) / scaling) / temperature``, as transformers' models compute them (Granite divides by
+    ``logits_scaling``, Gemma 2 soft-caps with ``final_logit_softcapping``), in fp32."""
+
+    module: torch.nn.Module
+    scaling: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, temperature: float = 1.0) -> LogitsHead:
+        text = model.config.get_text_config()
+        return cls(
+            model.get_output_embeddings(),
+            getattr(text, "logits_scaling", None) or 1.0,
+            getattr(text, "final_logit_softcapping", None) or None,
+            temperature,
+        )
+
+    @property
+    def vocab(self) -> int:
+        return self.module.weight.shape[0]
+
+    def fusable(self) -> bool:
+        """Whether the fused weighted path can read the head's weight directly: a plain bias-free
+        ``nn.Linear`` (not a LoRA-wrapped head) whose weight is whole here (not ZeRO-3-partitioned, which
+        DeepSpeed gathers only inside the module's own forward)."""
+        plain = type(self.module) is torch.nn.Linear and self.module.bias is None
+        return plain and not hasattr(self.module.weight, "ds_id")
+
+    def finish(self, raw: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the head's raw output."""
+        logits = raw.float()
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
+
+    def logits_grad(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The gradient wrt the raw head output from the one wrt :meth:`finish`'s logits (in place)."""
+        if self.temperature != 1.0:
+            grad /= self.temperature
+        if self.softcap:
+            capped = logits * (self.temperature / self.softcap)  # tanh(raw / scaling / softcap)
+            grad *= 1 - capped.square()
+        if self.scaling != 1.0:
+            grad /= self.scaling
+        return grad
+
+
+def _chunk_starts(total: int, step: int) -> range:
+    """Where the chunks of ``total`` rows start; one empty chunk when there are none, so that every path
+    still returns (empty) tensors connected to the graph."""
+    return range(0, max(total, 1), step)
+
+
+def _chunk_logps(
+    head: LogitsHead, hidden: torch.Tensor, labels: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp = head.finish(head.module(hidden)).log_softmax(-1)
+    picked = logp.gather(-1, labels[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+class _WeightedLogps(torch.autograd.Function):
+    """``sum_t w_t log p(y_t | h_t)`` for weights known before the forward pass (SFT's NLL: the target mask
+    over the step's normaliser), with its gradients wrt the hidden states and the head's weight computed in
+    the forward chunk loop, as fused linear-cross-entropy kernels do: each chunk's logits are computed
+    once, used and freed, and the backward only scales the saved gradients by the upstream scalar.
+
+    The per-token log-probs (and entropy) it also returns are values only. The saved gradients are fp32:
+    ``[n, hidden]`` and ``[vocab, hidden]``, the size of the head's weight in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, labels, weights, head: LogitsHead, rows: int, with_entropy: bool, grads: bool
+    ):
+        # ``grads``: whether autograd is on outside (needs_input_grad ignores torch.no_grad)
+        need_hidden, need_weight = (grads and need for need in ctx.needs_input_grad[:2])
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_weight else None
+        logps, entropies = [], []
+        for start in _chunk_starts(hidden.shape[0], rows):
+            h, y, w = (t[start : start + rows] for t in (hidden, labels, weights))
+            raw = F.linear(h, weight)
+            logits = head.finish(raw)
+            # As log_softmax does: shifted by the row's max, so log-probs and probabilities are
+            # differences of small numbers, not of the |logit|-sized log-sum-exp.
+            shifted = logits - logits.amax(-1, keepdim=True)
+            probs = shifted.exp()
+            total = probs.sum(-1, keepdim=True)
+            log_total = total.log()[:, 0]
+            logps.append(shifted.gather(-1, y[:, None])[:, 0] - log_total)
+            probs /= total
+            if with_entropy:
+                entropies.append(log_total - (probs * shifted).sum(-1))
+            del shifted
+            if not (need_hidden or need_weight):
+                continue
+            # d/dlogits of sum_t w_t log softmax(logits_t)[y_t] = w_t (onehot(y_t) - softmax_t)
+            grad = probs.mul_(-w[:, None]).scatter_add_(1, y[:, None], w[:, None])
+            grad = head.logits_grad(grad, logits).to(raw.dtype)
+            if need_hidden:
+                grad_hidden[start : start + rows] = grad @ weight
+            if need_weight:
+                grad_weight += grad.T @ h
+        logps = torch.cat(logps)
+        entropy = torch.cat(entropies) if with_entropy else None
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(logps, *([entropy] if with_entropy else []))
+        return (logps * weights).sum(), logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (
+            None if grad_hidden is None else (grad_hidden * grad_total).to(hidden_dtype),
+            None if grad_weight is None else (grad_weight * grad_total).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
+) -> TokenOutputs:
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
+    hidden = hidden_states(model, batch)[0]
+    return logps_from_hidden(
+        unwrap(model),
+        hidden,
+        batch.labels[0],
+        entropy=entropy,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        logp_weights=logp_weights,
+        logits_memory_mb=logits_memory_mb,
+    )
+
+
+def logps_from_hidden(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    logp_weights: torch.Tensor | None = None,
+    logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
+) -> TokenOutputs:
+    """The LM head and log-softmax over hidden states ``[T, H]``, on the positions that have a label only.
+
+    The fp32 logits of those positions are computed whole when they fit ``logits_memory_mb`` (see
+    :class:`EngineSettings`), else in chunks of rows that do (``chunk_tokens`` forces a chunk size).
+    With ``logp_weights`` ``[T]`` (known before the forward: SFT's NLL), the result's ``weighted`` is
+    ``sum_t w_t logp_t`` and carries the gradient, computed in the forward chunk loop at no extra head
+    pass (:class:`_WeightedLogps`); ``logps`` and ``entropy`` are then values only. Without weights,
+    ``logps`` and ``entropy`` carry the gradient; chunks are then recomputed in backward (the price of
+    never holding all logits at once when the loss is not known in advance).
+    """
+    head = LogitsHead.of(model, temperature)
+    keep = labels != IGNORE_INDEX
+    rows = torch.nonzero(keep)[:, 0]  # one host sync per batch: how many positions carry a label
+    if rows.numel() == labels.numel():
+        rows = None  # every position has a label: no gather
+    h = hidden if rows is None else hidden[rows]
+    h = h.to(head.module.weight.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
+    y = labels if rows is None else labels[rows]
+    step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
+    weighted = None
+    if logp_weights is not None and head.fusable():
+        w = logp_weights if rows is None else logp_weights[rows]
+        grads = torch.is_grad_enabled()
+        weighted, logps, ents = _WeightedLogps.apply(
+            h, head.module.weight, y, w.float(), head, step, entropy, grads
+        )
+    else:
+        grad = torch.is_grad_enabled() and h.requires_grad
+        pieces = [
+            checkpoint(_chunk_logps, head, h[s : s + step], y[s : s + step], entropy, use_reentrant=False)
+            if grad and step < h.shape[0]
+            else _chunk_logps(head, h[s : s + step], y[s : s + step], entropy)
+            for s in _chunk_starts(h.shape[0], step)
+        ]
+        logps = torch.cat([p for p, _ in pieces])
+        ents = torch.cat([e for _, e in pieces]) if entropy else None
+        if logp_weights is not None:  # a head the fused path cannot read: the same sum through autograd
+            weighted = (logps * (logp_weights if rows is None else logp_weights[rows])).sum()
+
+    def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None or rows is None:
+            return values
+        return values.new_zeros(labels.shape).index_copy(0, rows, values)
+
+    return TokenOutputs(logps=scatter(logps), entropy=scatter(ents), weighted=weighted)
+
+
+def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+    backend = checked_backend(model)
+    with runtime_context(backend, batch.input_ids.device):
+        logits = model(**model_inputs(batch), use_cache=False).logits
+    logps = (
+        (logits.float() / temperature)
+        .log_softmax(-1)
+        .gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    )
+    return logps * (batch.labels != IGNORE_INDEX)
+
+
+def score_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The scalar head of a reward / value model (``AutoModelForSequenceClassification`` with 1 label)."""
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no scalar head (score / classifier / v_head); load it with task='score'"
+    )
+
+
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+    scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
+    return scores[0] if isinstance(batch, PackedBatch) else scores
+
+
+class EngineOutput(NamedTuple):
+    """Per-token results (a NamedTuple so FSDP2 sees its tensors): ``[T]`` on a packed batch, ``[N, L]``
+    on a padded one, fp32; ``None`` where not asked for."""
+
+    logps: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    weighted: torch.Tensor | None = None  # sum_t w_t logps_t for ``logp_weights`` w (packed batches)
+
+
+class ModelEngine(torch.nn.Module):
+    """A causal LM (policy / reference) or a scalar-head model (reward / value), optionally with a value
+    model beside a policy (PPO's actor-critic: one optimizer, one wrapper, one checkpoint for both), and
+    the :class:`EngineSettings` its passes run with."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        value: torch.nn.Module | None = None,
+        settings: EngineSettings | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.value = value
+        self.settings = settings or EngineSettings()
+        # FSDP2's transformer auto-wrap reads the layer classes here (the models' own lists, merged)
+        self._no_split_modules = sorted(
+            {name for m in (model, value) if m is not None for name in _no_split(m)}
+        )
+        self.config = unwrap(model).config  # DeepSpeed sizes its buckets from config.hidden_size
+        for m in (model, value):  # the models' structure, checked once here, not before each forward
+            if m is not None:
+                hybrid.require_packing(unwrap(m))
+        # the group every packed forward is split over (None: rows run whole)
+        self.sequence_parallel = self.settings.sequence_parallel
+        if self.sequence_parallel is not None:
+            for m in (model, value):
+                if m is not None:
+                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
+                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
+
+    def forward(
+        self,
+        batch: PackedBatch | None = None,
+        *,
+        layout: BatchLayout = PACKED,
+        logps: bool = False,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        logp_weights: torch.Tensor | None = None,
+        values: bool = False,
+        generate: dict[str, Any] | None = None,
+    ) -> EngineOutput | torch.Tensor:
+        """Log-probs of ``batch.labels`` (and entropy) from the LM head, per-token values from the value
+        model (or from this model's own scalar head), or — with ``generate`` — token ids from
+        ``generate(**generate)`` (inside this forward, so sharded parameters are gathered for it).
+
+        The model sees ``batch`` in ``layout``; results are per token in packed order ``[T]`` either way.
+        ``logp_weights`` ``[T]`` (the loss weights, known before the forward: SFT) gives
+        ``weighted = sum_t w_t logps_t``: packed, its gradient is computed in the head's forward pass and
+        the log-probs are values only (see :func:`logps_from_hidden`).
+
+        Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
+        :mod:`padless.forward.sequence_parallel`) and every rank returns the whole row's results."""
+        with self.settings.pinned():
+            if generate is not None:
+                return self.model.generate(**generate)
+            if not isinstance(batch, PackedBatch):
+                raise ValueError(
+                    f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
+                    "passes the packed batch with layout=BatchLayout(side, pad_id)"
+                )
+            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+            if layout.side is not None:
+                if self.sequence_parallel is not None:
+                    raise sequence_parallel.SequenceParallelError(
+                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                        "or packing"
+                    )
+                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+            if self.sequence_parallel is None:
+                return self._forward(batch, logp_weights=logp_weights, **kw)
+            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+
+    @property
+    def scorer(self) -> torch.nn.Module:
+        """The model whose scalar head gives values and scores: the value model, else this model."""
+        return self.value if self.value is not None else self.model
+
+    def _forward(
+        self,
+        batch: PackedBatch,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
+        """The packed pass (one chunk of the row under sequence parallelism)."""
+        out = EngineOutput()
+        if logps:
+            tokens = forward_packed(
+                self.model,
+                batch,
+                entropy=entropy,
+                temperature=temperature,
+                logp_weights=logp_weights,
+                logits_memory_mb=self.settings.logits_memory_mb,
+            )
+            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+        if values:
+            out = out._replace(values=forward_scores(self.scorer, batch))
+        return out
+
+    def _padded(
+        self,
+        batch: PackedBatch,
+        layout: BatchLayout,
+        *,
+        logps: bool,
+        entropy: bool,
+        temperature: float,
+        logp_weights: torch.Tensor | None,
+        values: bool,
+    ) -> EngineOutput:
+        """The comparison mode: ``batch`` padded on ``layout.side`` (full logits, pad compute), results
+        gathered back to packed order."""
+        if entropy:
+            raise ValueError("entropy is computed on packed batches only; use train.batching: tokens")
+        padded = to_padded(batch, layout.side, layout.pad_id)
+        out = EngineOutput()
+        if logps:
+            tokens = unpad(forward_padded(self.model, padded, temperature=temperature), padded.attention_mask)
+            weighted = None if logp_weights is None else (tokens * logp_weights).sum()
+            out = out._replace(logps=tokens, weighted=weighted)
+        if values:
+            out = out._replace(values=unpad(forward_scores(self.scorer, padded), padded.attention_mask))
+        return out
+
+
+def _no_split(model: torch.nn.Module) -> list[str]:
+    """The model's own layer classes for auto-wrapping, less those it does not hold: accelerate's
+    transformer auto-wrap stops on a class it cannot find, and Qwen3.5's text-only model lists its
+    vision block."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    present = {type(m).__name__ for m in inner.modules()}
+    return [name for name in getattr(inner, "_no_split_modules", None) or [] if name in present]
+
+
+def as_engine(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` itself when it is (a prepared) :class:`ModelEngine`, else a new engine around it."""
+    return model if isinstance(getattr(model, "module", model), ModelEngine) else ModelEngine(model)
+
+
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The model inside a DDP / FSDP wrapper (PEFT wrappers forward attribute access themselves)."""
+    return getattr(model, "module", model)
+
+
+def inner_engine(prepared: torch.nn.Module) -> ModelEngine:
+    """The :class:`ModelEngine` inside a DDP / DeepSpeed wrapper (FSDP2 shards it in place)."""
+    engine = getattr(prepared, "module", prepared)
+    assert isinstance(engine, ModelEngine), f"expected a ModelEngine, got {type(engine).__name__}"
+    return engine
+
+
+@contextlib.contextmanager
+def reference_engine(policy: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The engine reference passes (DPO, RL) run through inside the block: the frozen copy ``ref_model``,
+    or, without one, the (prepared) LoRA ``policy`` with its adapters off: the starting policy, without a
+    second copy of the weights."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with inner_engine(policy).model.disable_adapter():
+        yield policy
+
+
+def score_positions(batch: PackedBatch, pad_token_id: int | None) -> torch.Tensor:
+    """``[N]`` where each sequence's score is read: its last token that is not ``pad_token_id``.
+
+    This is where transformers' sequence classifiers (and reward models trained with them) read a score.
+    With ``pad == eos`` a trailing EOS is skipped exactly as they skip it; a sequence made only of pad
+    tokens is read at its last token.
+    """
+    last = batch.last_token_index
+    if pad_token_id is None:
+        return last
+    positions = torch.arange(batch.num_tokens, device=last.device)
+    marked = torch.where(batch.input_ids[0] != pad_token_id, positions, -1)
+    best = torch.full_like(last, -1).scatter_reduce(0, batch.sequence_index, marked, "amax")
+    return torch.where(best >= 0, best, last)
+
+
+def score_pad_id(prepared: torch.nn.Module) -> int | None:
+    """The pad id the scorer's config names (where its scores are read), as transformers reads it."""
+    return unwrap(inner_engine(prepared).scorer).config.pad_token_id
+
+
+def sequence_scores(
+    prepared: torch.nn.Module, batch: PackedBatch, layout: BatchLayout = PACKED
+) -> torch.Tensor:
+    """One score per sequence ``[N]`` through the engine, read at :func:`score_positions`."""
+    values = prepared(batch, layout=layout, values=True).values
+    return values[score_positions(batch, score_pad_id(prepared))]

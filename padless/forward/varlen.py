@@ -1,0 +1,622 @@
+"""The ``varlen`` attention backend: attention within each sequence of a packed row.
+
+Registered with transformers' ``AttentionInterface`` under :data:`padless.forward.attention.VARLEN_NAME`: it
+reads the sequence boundaries (``cu_seq_lens_q/k``) that the packed forward passes through the model's forward
+and runs attention within each sequence, honouring every argument transformers passes (causal or not,
+sliding windows, soft-caps, sinks, scale, MLA head sizes) or refusing. Which kernel runs
+(:func:`padless.forward.attention.varlen_kernel`) is chosen by name in :mod:`padless.forward.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from padless.errors import AttentionError
+from padless.forward import attention
+from padless.forward.attention import VARLEN_NAME
+
+FUSED_MAX_HEAD_DIM = 256  # both fused kernels' documented limit
+
+log = logging.getLogger(__name__)
+
+# kernel name -> number of attention-layer calls; read by the load-time probe and by `padless check`.
+KERNEL_CALLS: Counter[str] = Counter()
+
+Span = tuple[int, int, int]  # (row, start, end) of one sequence inside a [B, T] layout
+
+
+# cu_seqlens tensor -> its boundaries as Python ints. Read once per batch (model_inputs reads it before the
+# forward) and then by every layer from here: no layer converts a tensor to host values, which on CUDA
+# would wait for the GPU once per layer.
+_HOST_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as Python ints, converted once per tensor object and remembered while it lives."""
+    bounds = _HOST_BOUNDS.get(cu_seqlens)
+    if bounds is None:
+        bounds = _HOST_BOUNDS[cu_seqlens] = tuple(cu_seqlens.tolist())
+    return bounds
+
+
+def _spans(
+    batch: int, length: int, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> list[Span]:
+    """Where each sequence lies: from cu_seq_lens (packed), a 2D padding mask, or restarts of position_ids.
+
+    Packed rows (every training and scoring pass) read their bounds through :func:`sequence_bounds`;
+    padded rows and bare position ids (comparison runs) are read from the tensors in every layer.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        if batch != 1:
+            raise AttentionError(f"cu_seq_lens describe one packed row, got a batch of {batch} rows")
+        bounds = sequence_bounds(cu)
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and cu_k is not cu and sequence_bounds(cu_k) != bounds:
+            raise AttentionError(
+                "cu_seq_lens_k differs from cu_seq_lens_q: varlen runs self-attention over whole sequences "
+                "only (no cross-attention, no KV cache)"
+            )
+        return [(0, s, e) for s, e in pairwise(bounds)]
+    spans = []
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise AttentionError(
+                f"varlen takes a 2D padding mask, got a {attention_mask.dim()}D mask: this model builds its "
+                "own attention mask, which varlen would not follow; use attn_implementation=sdpa or eager"
+            )
+        for row in range(batch):
+            real = torch.nonzero(attention_mask[row]).flatten().tolist()
+            if real and real[-1] - real[0] + 1 != len(real):
+                raise AttentionError(
+                    f"row {row} of the attention mask has holes; varlen takes left- or right-padded rows only"
+                )
+            if real:
+                spans.append((row, real[0], real[-1] + 1))
+        return spans
+    position_ids = kwargs.get("position_ids")
+    for row in range(batch):
+        if position_ids is None:
+            spans.append((row, 0, length))
+            continue
+        pos = position_ids[min(row, position_ids.shape[0] - 1)]
+        starts = [0, *(torch.nonzero(pos.diff() != 1).flatten() + 1).tolist(), length]
+        spans += [(row, s, e) for s, e in pairwise(starts)]
+    return spans
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """What one attention call asks for besides q, k, v and where the sequences lie."""
+
+    scale: float
+    causal: bool
+    window: int | None  # transformers' sliding_window: query i sees key j when 0 <= i - j < window
+    softcap: float | None  # scores -> softcap * tanh(scores / softcap), before the mask
+    sinks: torch.Tensor | None  # [H]: one learned logit per head in the softmax's denominator, value zero
+    dropout: float
+
+
+# Read by varlen to find the sequences.
+_BOUNDARY_KWARGS = frozenset(
+    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"}
+)
+# Flags of the model's forward that transformers hands on to every attention call; none of them changes
+# what attention computes.
+_INERT_KWARGS = frozenset(
+    {
+        "use_cache",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "image_sizes",  # InternVL's forward hands its language model the image sizes, unused there
+        "logits_to_keep",  # which positions the head scores; LLaVA-OneVision / GOT-OCR2 hand it down here
+    }
+)
+
+
+def architecture(module: torch.nn.Module) -> str:
+    """``Gemma2Attention (gemma2)``: how errors name the layer that asked."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return type(module).__name__ + (f" ({model_type})" if model_type else "")
+
+
+def _attention_args(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> AttentionArgs:
+    """Every argument transformers passed, honoured or refused: an argument varlen does not know stops."""
+    unknown = sorted(set(kwargs) - _BOUNDARY_KWARGS - _INERT_KWARGS - {"output_attentions"})
+    if unknown:
+        raise AttentionError(
+            f"{architecture(module)} passes {', '.join(unknown)} to its attention function, which padless's "
+            "varlen backend does not implement; it stops rather than ignore it. Use attn_implementation="
+            "eager for this model, or report it with `padless doctor` output."
+        )
+    if kwargs.get("output_attentions"):
+        raise AttentionError(
+            "varlen computes no attention weights (output_attentions=True); use attn_implementation=eager"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if sliding_window is not None and not causal:
+        raise AttentionError(
+            f"{architecture(module)} asks for bidirectional sliding-window attention; transformers' own "
+            "kernels disagree on its width (masks: |i - j| <= window, flash: < window), so varlen refuses "
+            "rather than pick one. Use attn_implementation=eager."
+        )
+    if s_aux is not None and s_aux.shape != (query.shape[1],):
+        raise AttentionError(
+            f"{architecture(module)} passes attention sinks of shape {tuple(s_aux.shape)}; varlen takes one "
+            f"sink per query head ({query.shape[1]},)"
+        )
+    return AttentionArgs(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        causal=causal,
+        window=sliding_window,
+        softcap=softcap or None,
+        sinks=s_aux,
+        dropout=dropout,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _takes(kernel: Any, parameter: str) -> bool:
+    """Whether ``kernel`` (a function of some installed version) has ``parameter``."""
+    return parameter in inspect.signature(kernel).parameters
+
+
+def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Tensor | None:
+    """``[L, L]`` bool: which keys each query of one sequence sees (``None``: all of them)."""
+    if not args.causal:
+        return None
+    i = torch.arange(length, device=device)
+    allowed = i[:, None] >= i[None]
+    if args.window is not None:
+        allowed &= i[:, None] - i[None] < args.window
+    return allowed
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+    """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``.
+
+    For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
+    eager kernels do; memory ``N * H * L^2`` for these sequences only.
+    """
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * args.scale
+    if args.softcap is not None:
+        scores = torch.tanh(scores / args.softcap) * args.softcap
+    allowed = _allowed(q.shape[2], args, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    if args.sinks is not None:
+        sink = args.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    if args.dropout:
+        probs = F.dropout(probs, p=args.dropout)
+    return probs.to(v.dtype) @ v
+
+
+def _sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs
+) -> torch.Tensor:
+    """Exact attention over whole sequences of one (padded) length, ``[N, H, L, D]`` in and out (4D: SDPA's
+    fused CPU and CUDA kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
+    if args.softcap is not None or args.sinks is not None:
+        return _math_attention(q, k, v, args)
+    allowed = _allowed(q.shape[2], args, q.device) if args.window is not None else None
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=allowed,
+        is_causal=args.causal and allowed is None,
+        dropout_p=args.dropout,
+        scale=args.scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def _exact_per_sequence(q, k, v, spans: list[Span], args: AttentionArgs) -> torch.Tensor:
+    """Exact attention, one call per sequence: cost sum of L_i^2, never a [T, T] mask. For bidirectional
+    layers, which would see the padding :class:`SequenceGroups` adds.
+
+    Each row is split into its sequences and padding (views whose backward is one concatenation, where
+    indexing would build a zero gradient of the whole tensor per sequence), and the outputs are
+    concatenated back, zeros where a row is padding.
+    """
+    _, heads, length, _ = q.shape
+    dim = v.shape[-1]
+    rows = []
+    for row, (qr, kr, vr) in enumerate(zip(q.split(1), k.split(1), v.split(1), strict=True)):
+        sizes, is_sequence, end = [], [], 0
+        for _, s, e in (span for span in spans if span[0] == row):
+            if s > end:
+                sizes.append(s - end)
+                is_sequence.append(False)
+            sizes.append(e - s)
+            is_sequence.append(True)
+            end = e
+        if end < length:
+            sizes.append(length - end)
+            is_sequence.append(False)
+        pieces = zip(qr.split(sizes, 2), kr.split(sizes, 2), vr.split(sizes, 2), is_sequence, strict=True)
+        rows.append(
+            torch.cat(
+                [
+                    _sequence_attention(qs, ks, vs, args) if real else q.new_zeros(1, heads, qs.shape[2], dim)
+                    for qs, ks, vs, real in pieces
+                ],
+                dim=2,
+            )
+        )
+    return torch.cat(rows).transpose(1, 2)
+
+
+def padded_length(length: int) -> int:
+    """The length a sequence is padded to for the grouped SDPA calls: a multiple of 8 up to 128 tokens,
+    then of 1/16 of the next power of two (16 up to 256, 32 up to 512, ...): at most 7 tokens longer
+    up to 64 tokens, at most 1/8 longer past them."""
+    step = max(8, 1 << max(0, (length - 1).bit_length() - 4))
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """The sequences of a batch in few SDPA calls, one per :func:`padded_length`: each sequence padded on
+    the right to a length that depends on its own length only. Under a causal mask no query sees the
+    padding after it, so every real output is its own sequence's, and SDPA computes every batch entry
+    alike: a sequence's numbers do not depend on the other sequences of its batch, bit for bit (what
+    RL's first-update ratios of exactly 1 rest on). The padding's outputs are dropped and pass back no
+    gradient.
+
+    ``slots`` ``[S]``: the position in the ``[B * T]`` layout each slot reads, group after group (a
+    padding slot repeats its sequence's last token); ``back`` ``[B * T]``: the slot holding each
+    position's output, ``S`` (a zero slot past the end) where a padded row has no sequence; ``owner``
+    (``[S]``, plus the zero slot): the position whose token a slot holds, ``B * T`` for none.
+    """
+
+    slots: torch.Tensor
+    owner: torch.Tensor
+    back: torch.Tensor
+    shapes: tuple[tuple[int, int], ...]  # (sequences, padded length) of each group, in slot order
+    covered: bool  # every position holds a sequence's token
+    padded: bool  # some slot is padding
+
+    @classmethod
+    def plan(cls, spans: list[Span], batch: int, length: int, device: torch.device) -> SequenceGroups:
+        groups: dict[int, list[Span]] = {}
+        for span in spans:
+            groups.setdefault(padded_length(span[2] - span[1]), []).append(span)
+        slots: list[int] = []
+        owner: list[int] = []
+        back = [-1] * (batch * length)
+        shapes = []
+        for size, members in sorted(groups.items(), reverse=True):
+            for row, s, e in members:
+                at = row * length
+                back[at + s : at + e] = range(len(slots), len(slots) + e - s)
+                slots += [*range(at + s, at + e), *[at + e - 1] * (size - (e - s))]
+                owner += [*range(at + s, at + e), *[batch * length] * (size - (e - s))]
+            shapes.append((len(members), size))
+        covered = min(back) >= 0
+        if not covered:  # the zero slot: no position's token
+            back = [b if b >= 0 else len(slots) for b in back]
+            owner.append(batch * length)
+        padded = len(slots) > sum(e - s for _, s, e in spans)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(slots), as_tensor(owner), as_tensor(back), tuple(shapes), covered, padded)
+
+
+# cu_seqlens tensor -> the groups of its packed row, planned once per batch like its bounds.
+_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# cu_seqlens tensor -> chunk size -> the groups of the chunks of its sequences (chunked attention).
+_CHUNK_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# cu_seqlens tensor -> chunk size -> the cu_seqlens of the chunks of its sequences, for the fused kernels.
+_CHUNK_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward is a gather too: input row ``r`` gets the gradient of
+    output row ``inverse[r]`` (none where ``inverse[r] == len(output)``). Exact when no other output row
+    that reads ``r`` has a gradient, which holds for :class:`SequenceGroups`' padding; the scatter-add
+    that ``index_select``'s own backward runs (with a zero fill per call) took most of the grouped
+    attention's time on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, none_row: bool):
+        ctx.save_for_backward(inverse)
+        ctx.none_row = none_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        if ctx.none_row:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, inverse), None, None, None
+
+
+def _grouped_causal(q, k, v, groups: SequenceGroups, args: AttentionArgs) -> torch.Tensor:
+    """Exact causal attention of every sequence in ``len(groups.shapes)`` SDPA calls (see
+    :class:`SequenceGroups`): tokens gathered into the groups' padded rows and their outputs back."""
+    batch, heads, length, _ = q.shape
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [S, H, D]
+        flat = t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3])
+        return _Gather.apply(flat, groups.slots, groups.back, not groups.covered)
+
+    qs, ks, vs = gathered(q), gathered(k), gathered(v)
+    outs, offset = [], 0
+    for n, padded in groups.shapes:
+        part = slice(offset, offset + n * padded)
+        out = _sequence_attention(
+            *(t[part].view(n, padded, *t.shape[1:]).transpose(1, 2) for t in (qs, ks, vs)), args
+        )
+        outs.append(out.transpose(1, 2).reshape(n * padded, heads, -1))
+        offset += n * padded
+    if not groups.covered:
+        outs.append(q.new_zeros(1, heads, v.shape[-1]))
+    out = _Gather.apply(torch.cat(outs), groups.back, groups.owner, groups.padded)
+    return out.view(batch, length, heads, -1)
+
+
+def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str | None:
+    """What of ``args`` the fused ``kernel`` cannot compute (``None``: it computes all of it).
+
+    flash-attn's ``flash_attn_varlen_func`` takes causal masks, windows, soft-capping, dropout and GQA;
+    PyTorch's ``varlen_attn`` takes causal masks, windows and GQA. Neither takes sinks; both take head
+    sizes up to 256 (padless pads q, k and v to one size, a multiple of 8, and crops the output).
+    """
+    if args.sinks is not None:
+        return "attention sinks (s_aux)"
+    if kernel == "torch" and args.softcap is not None:
+        return "attention soft-capping (softcap)"
+    if kernel == "torch" and args.dropout:
+        return "attention dropout"
+    if head_dim > FUSED_MAX_HEAD_DIM:
+        return f"head size {head_dim} (at most {FUSED_MAX_HEAD_DIM})"
+    return None
+
+
+def _fused_varlen(
+    kernel: str, q, k, v, spans: list[Span], args: AttentionArgs, packed_cu: torch.Tensor | None
+) -> torch.Tensor:
+    """One fused varlen call over all sequences; padded rows are gathered into a packed row and back.
+
+    A packed row's own ``cu_seqlens`` (``packed_cu``) goes to the kernel as it is: no per-layer copy.
+    """
+    batch, heads, length, _ = q.shape
+    out_dim = v.shape[-1]
+    dim = -(-max(q.shape[-1], out_dim) // 8) * 8  # one head size for q, k and v, a multiple of 8
+    lens = [e - s for _, s, e in spans]
+    if packed_cu is not None and packed_cu.dtype == torch.int32 and packed_cu.device == q.device:
+        cu = packed_cu
+    else:
+        cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
+    max_len = max(lens)
+    flat = [
+        (F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t)
+        .transpose(1, 2)
+        .reshape(batch * length, t.shape[1], dim)
+        for t in (q, k, v)
+    ]  # [B*T, H, D], last dim contiguous
+    index = None
+    if not (batch == 1 and spans[0][1] == 0 and spans[-1][2] == length):
+        index = torch.cat(
+            [torch.arange(r * length + s, r * length + e, device=q.device) for r, s, e in spans]
+        )
+        flat = [t[index] for t in flat]
+    window = (-1, 0) if args.window is None else (args.window - 1, 0)  # (left, right), -1: unbounded
+    if not args.causal:
+        window = (-1, -1)
+    if kernel == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            *flat,
+            cu,
+            cu,
+            max_len,
+            max_len,
+            dropout_p=args.dropout,
+            softmax_scale=args.scale,
+            causal=args.causal,
+            window_size=window,
+            softcap=args.softcap or 0.0,
+        )
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa = {}
+        if heads != k.shape[1]:
+            if _takes(varlen_attn, "enable_gqa"):
+                gqa = {"enable_gqa": True}
+            else:  # PyTorch < 2.13: each kv head repeated for the query heads that read it, as GQA does
+                flat[1:] = [t.repeat_interleave(heads // k.shape[1], dim=1) for t in flat[1:]]
+        out = varlen_attn(*flat, cu, cu, max_len, max_len, scale=args.scale, window_size=window, **gqa)
+    out = out[..., :out_dim]
+    if index is not None:
+        full = out.new_zeros(batch * length, heads, out_dim)
+        full[index] = out
+        out = full
+    return out.reshape(batch, length, heads, out_dim)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention within each sequence. q ``[B, H, T, Dqk]``, v ``[B, Hkv, T, Dv]`` -> out ``[B, T, H, Dv]``.
+
+    Sequences come from ``cu_seq_lens_q`` (packed row), else from a 2D padding mask (left or right padded
+    rows, as ``generate`` prefill sends), else from restarts of ``position_ids``. Honours causal or
+    bidirectional attention (``is_causal``, else ``module.is_causal``), sliding windows, soft-capping,
+    sinks, the scale and value head sizes that differ from the query's (MLA); refuses anything else.
+    """
+    if key.shape[2] != query.shape[2]:
+        raise AttentionError(
+            "the varlen backend runs whole sequences and takes no KV cache; generate with "
+            "padless.rl.generate (which decodes with sdpa) or pass use_cache=False"
+        )
+    args = _attention_args(module, query, dropout, scaling, sliding_window, softcap, s_aux, is_causal, kwargs)
+    batch, _, length, _ = query.shape
+    spans = _spans(batch, length, attention_mask, kwargs)
+    query = _query_temperature_per_sequence(module, query, spans)
+    cu = kwargs.get("cu_seq_lens_q")
+    chunk = attention_chunk(module)
+    if chunk is not None:  # attention within chunks of each sequence: the chunks are the sequences
+        spans = [(row, c, min(c + chunk, e)) for row, s, e in spans for c in range(s, e, chunk)]
+    kernel = attention.varlen_kernel(query.device, query.dtype)
+    if kernel != "sdpa":
+        lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
+        if lacking:
+            if attention.varlen_kernel_choice() != "auto":
+                raise AttentionError(
+                    f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
+                    "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
+                )
+            _log_once(
+                f"varlen: {kernel} has no {lacking} ({architecture(module)}): those layers run exact "
+                "per-sequence attention instead"
+            )
+            kernel = "sdpa"
+    KERNEL_CALLS[f"varlen:{kernel}"] += 1
+    if not spans:  # every row is padding
+        return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
+    if kernel == "sdpa" and args.causal:
+        planned = (_GROUPS if chunk is None else _CHUNK_GROUPS.setdefault(cu, {})) if cu is not None else {}
+        slot = cu if chunk is None else chunk
+        groups = planned.get(slot)
+        if groups is None:
+            groups = SequenceGroups.plan(spans, batch, length, query.device)
+            if cu is not None:
+                planned[slot] = groups
+        return _grouped_causal(query, key, value, groups, args), None
+    if kernel == "sdpa":
+        return _exact_per_sequence(query, key, value, spans, args), None
+    packed_cu = cu
+    if chunk is not None and cu is not None:  # the kernel's cu_seqlens are the chunks', made once a batch
+        chunked = _CHUNK_BOUNDS.setdefault(cu, {})
+        if chunk not in chunked:
+            starts = [0, *accumulate(e - s for _, s, e in spans)]
+            chunked[chunk] = torch.tensor(starts, dtype=torch.int32, device=query.device)
+        packed_cu = chunked[chunk]
+    return _fused_varlen(kernel, query, key, value, spans, args, packed_cu), None
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's ``chunked_attention`` layers: a query sees
+    the keys of its own chunk of ``attention_chunk_size`` positions only), ``None`` for any other layer.
+
+    transformers expresses chunks only in the masks it builds, which ``varlen`` builds none of, so the
+    layer's kind is read from its config's ``layer_types`` at its ``layer_idx``. Chunks count from each
+    sequence's first token (position 0 in a packed row; the first real token of a padded row, where
+    transformers counts them from too), so varlen attends within each chunk of each sequence.
+    """
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" not in types:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int):
+        raise AttentionError(
+            f"{architecture(module)} belongs to a model with chunked-attention layers but has no layer_idx, "
+            "so varlen cannot tell whether it attends in chunks; use attn_implementation=sdpa or eager"
+        )
+    if types[index] != "chunked_attention":
+        return None
+    size = getattr(config, "attention_chunk_size", None)
+    if not isinstance(size, int) or size <= 0:
+        raise AttentionError(
+            f"{architecture(module)} is a chunked_attention layer but its config's attention_chunk_size is "
+            f"{size!r}; set a positive attention_chunk_size"
+        )
+    return size
+
+
+def _query_temperature_per_sequence(
+    module: torch.nn.Module, query: torch.Tensor, spans: list[Span]
+) -> torch.Tensor:
+    """Llama 4's NoPE layers with ``attn_temperature_tuning`` scale each query by
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` of its position ``p``, which the layer takes
+    from ``arange`` over the whole row, not from ``position_ids``: in a packed row the later sequences
+    would be scaled by their place in the row. Here each query's scale is moved to its position in its
+    own sequence. Up to ``floor_scale - 1`` tokens every scale is exactly 1 and the query passes as it is.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    length = query.shape[2]
+    floor_scale, attn_scale = module.floor_scale, module.attn_scale
+    if length < floor_scale:
+        return query
+    within = torch.arange(length, device=query.device).expand(query.shape[0], -1).clone()
+    for row, s, e in spans:
+        within[row, s:e] -= s
+
+    def scales(positions: torch.Tensor) -> torch.Tensor:  # as Llama4TextAttention computes them
+        return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+    ratio = scales(within) / scales(torch.arange(length, device=query.device))
+    return (query * ratio[:, None, :, None]).to(query.dtype)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """Mask builder for ``varlen``: no 4D mask is ever built; a padding mask is handed on as it is (2D)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask.bool()
+
+
+def register() -> None:
+    """Make ``varlen`` known to transformers (idempotent)."""
+    AttentionInterface.register(VARLEN_NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_NAME, varlen_mask)
+
+
+register()

@@ -1,0 +1,460 @@
+"""Proof, at load time, that a model trains on the numbers its own forward computes.
+
+On a packed row of random sequences, padless's per-token log-probs (the requested attention backend,
+padless's LM head on its whole, chunked and fused paths, a temperature applied as training applies it)
+are compared with ``log_softmax`` of the model's *own* ``forward().logits`` on each sequence alone, on
+transformers' eager attention. Whatever the model does that padless does not reproduce, whether
+attention leaking between sequences, a dropped attention argument, or a logits transform padless has no
+name for, shows as a difference over the round-off bound, and loading stops with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from padless.errors import AttentionError
+from padless.forward.attention import (
+    VARLEN_NAME,
+    assert_attention,
+    attention_layers,
+    runtime_context,
+    text_config,
+)
+from padless.forward.engine import backbone, logps_from_hidden, pinned_kernel, score_head
+from padless.forward.hybrid import installed_layers, require_packing
+from padless.forward.packing import IGNORE_INDEX
+from padless.forward.varlen import KERNEL_CALLS
+from padless.forward.vision import uses_mrope
+from padless.proof.tolerance import bound
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def count_attention_calls() -> Iterator[Counter[str]]:
+    """Count calls of every function registered in transformers' AttentionInterface, by name."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    counts: Counter[str] = Counter()
+    originals = dict(mapping)
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        mapping[name] = counted(name, fn)
+    try:
+        yield counts
+    finally:
+        mapping.clear()
+        mapping.update(originals)
+
+
+# The sequences the probe packs: the lengths `padless check` compares (padless.proof.check.DEFAULT_LENGTHS),
+# the longest grown past the model's sliding window or attention chunk when that is short enough to afford.
+PROBE_LENGTHS = (4, 19, 77, 160)
+PROBE_MAX_LENGTH = 1024
+PROBE_TEMPERATURE = 0.7  # a temperature other than 1 on one path: RL divides the logits by its own
+# Config keys whose value is a span of tokens that attention (or a layer's state) treats differently.
+SPAN_KEYS = ("sliding_window", "attention_chunk_size", "chunk_size", "conv_kernel", "local_window_size")
+
+
+# While the probe runs, spans that restart per sequence but are longer than the probe's sequences (Llama 4's
+# 8192-token attention chunks and temperature floor) are cut to these, so that the probe crosses them:
+# where a chunk or a scale restarts does not depend on its size. The probe's result says what it cut.
+PROBE_CHUNK = 16
+PROBE_FLOOR_SCALE = 64
+# weights whose round-off can hide a leak under the probe's bound: proven again in float32 (prove_packing)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def spans_within_probe(model: torch.nn.Module) -> Iterator[dict[str, tuple[int, int]]]:
+    """Cut ``attention_chunk_size`` to :data:`PROBE_CHUNK` and the ``floor_scale`` of temperature-tuned
+    NoPE layers to :data:`PROBE_FLOOR_SCALE` inside the block (transformers reads the first from the
+    config at each forward, the layers copied the second at init), then restore them exactly. Yields
+    what was cut: ``{key: (model's value, probe's value)}``."""
+    config = text_config(model)
+    cut: dict[str, tuple[int, int]] = {}
+    saved: list[tuple[Any, str, Any]] = []
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    if chunked and isinstance(chunk, int) and chunk > PROBE_CHUNK:
+        saved.append((config, "attention_chunk_size", chunk))
+        cut["attention_chunk_size"] = (chunk, PROBE_CHUNK)
+    tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)]
+    floor = getattr(config, "floor_scale", None)
+    if tuned and isinstance(floor, int) and floor > PROBE_FLOOR_SCALE:
+        saved += [(m, "floor_scale", m.floor_scale) for m in tuned] + [(config, "floor_scale", floor)]
+        cut["floor_scale"] = (floor, PROBE_FLOOR_SCALE)
+    try:
+        for owner, key, _ in saved:
+            setattr(owner, key, cut[key][1])
+        yield cut
+    finally:
+        for owner, key, value in saved:
+            setattr(owner, key, value)
+
+
+class ReferenceForwardError(AttentionError):
+    """transformers' own forward of the model failed, so there is nothing to prove padless against."""
+
+
+def probe_lengths(config: Any) -> tuple[int, ...]:
+    """:data:`PROBE_LENGTHS`, the longest past every window or chunk of ``config`` up to
+    :data:`PROBE_MAX_LENGTH`, and never past the model's positions."""
+    spans = [v for k in SPAN_KEYS if isinstance(v := getattr(config, k, None), int) and v > 0]
+    longest = min(max([PROBE_LENGTHS[-1], *(s + 3 for s in spans)]), PROBE_MAX_LENGTH)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        longest = min(longest, positions)
+    return (*(min(n, longest) for n in PROBE_LENGTHS[:-1]), longest)
+
+
+def _packed_kwargs(seqs: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The forward kwargs of ``seqs`` packed in one row, with their boundaries."""
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return {
+        "input_ids": torch.cat(seqs)[None],
+        "position_ids": torch.cat([torch.arange(n, device=device) for n in lens])[None],
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max(lens),
+        "max_length_k": max(lens),
+    }
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every config object the model and its modules read their attention kernel from."""
+    found: dict[int, Any] = {}
+    stack = [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    while stack:
+        config = stack.pop()
+        if config is None or not hasattr(config, "_attn_implementation_internal") or id(config) in found:
+            continue
+        found[id(config)] = config
+        stack += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _eager(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` on transformers' eager attention inside the block; afterwards every config (and
+    sub-config) dispatches exactly where it did before."""
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    try:
+        for config, _ in saved:
+            config._attn_implementation_internal = "eager"
+        yield
+    finally:
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
+
+
+def model_name(model: torch.nn.Module) -> str:
+    """``Qwen2ForCausalLM (qwen2)``: how errors name the architecture."""
+    model_type = getattr(model.config, "model_type", None)
+    return type(model).__name__ + (f" ({model_type})" if model_type else "")
+
+
+@dataclass
+class ProbeReference:
+    """The probe's random sequences (:func:`probe_lengths`) and each run alone through the model's own
+    forward on eager attention: its logits ``[L, V]`` (fp32) and the hidden states its LM head received
+    ``[L, H]``. Independent of the backend proved: `padless check` computes it once per model."""
+
+    seqs: list[torch.Tensor]
+    logits: list[torch.Tensor]  # a scalar-head model's: its head's own per-token outputs ``[L, 1]``
+    head_inputs: list[torch.Tensor]
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The scalar head of a reward / value model, ``None`` for a causal LM (whose head is its output
+    embeddings): what the probe compares per token."""
+    return score_head(model) if model.get_output_embeddings() is None else None
+
+
+def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
+    """``model(input_ids)`` on each probe sequence alone, eager attention, no cache: transformers' own
+    computation. A failure in it is transformers', and is said to be (``purpose``: what it is the
+    reference of, for the message)."""
+    with spans_within_probe(model):
+        return _probe_reference(model, purpose)
+
+
+def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
+    config = text_config(model)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
+    ]
+    inputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
+    scalar = output_head(model)
+    head = scalar if scalar is not None else model.get_output_embeddings()
+
+    def record(_: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        inputs.append(args[0][0].float())
+        outputs.append(out[0].float())
+
+    hook = head.register_forward_hook(record)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _eager(model):
+            logits = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+        if scalar is not None:  # its forward pools one score per sequence: compare the head's per token
+            logits = outputs
+    except Exception as e:
+        raise ReferenceForwardError(
+            f"{model_name(model)}: transformers' own forward failed on eager attention, the reference of "
+            f"{purpose}: {type(e).__name__}: {' '.join(str(e).split())[:300]}. Nothing can be proved "
+            "for this model, so padless does not train it; if it runs elsewhere, report it with "
+            "`padless doctor` output."
+        ) from e
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return ProbeReference(seqs, logits, inputs)
+
+
+def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits[:-1] / temperature).log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def head_paths(total: int, device: torch.device) -> dict[str, dict[str, Any]]:
+    """The ways training turns hidden states into log-probs, as keyword arguments of
+    :func:`padless.forward.engine.logps_from_hidden`: logits whole, in chunks, with the loss's weights (fused
+    for a plain linear head, through autograd for others, as training runs them), and at a temperature."""
+    third = max(1, -(-total // 3))
+    return {
+        "whole": {"chunk_tokens": total},
+        "chunked": {"chunk_tokens": third},
+        "fused": {"logp_weights": torch.ones(total, device=device), "chunk_tokens": third},
+        f"temperature {PROBE_TEMPERATURE}": {"temperature": PROBE_TEMPERATURE, "chunk_tokens": total},
+    }
+
+
+def probe_attention(
+    model: torch.nn.Module,
+    backend: str,
+    tolerance: float | None = None,
+    reference: ProbeReference | None = None,
+) -> dict[str, Any]:
+    """Prove that ``model`` on ``backend`` trains on the log-probs its own forward computes; raise if not.
+
+    Runs the probe's sequences packed on ``backend`` (counting calls of the registered attention
+    functions: the kernel asked for must be the one running), through padless's LM head on every path
+    of :func:`head_paths`, and compares per-token log-probs with ``log_softmax`` of the model's own
+    ``forward().logits`` on each sequence alone (:func:`probe_reference`, computed here unless given),
+    after refusing an architecture whose layers cannot be kept apart per sequence at all
+    (:func:`padless.forward.hybrid.require_packing`: the model's structure, checked here and not at each
+    forward). The hidden states the model's own head received are compared too, to say whether attention or
+    the head differs. Bounds scale with the size of what is compared (:mod:`padless.proof.tolerance`);
+    ``tolerance`` overrides them.
+    """
+    require_packing(model)
+    assert_attention(model, backend)
+    reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    layers = attention_layers(model)
+    seqs = reference.seqs
+    packed_kwargs = _packed_kwargs(seqs, device)
+    if uses_mrope(model.config):  # packed M-RoPE ids: the text row on 3 rope rows (all equal for text)
+        packed_kwargs["position_ids"] = packed_kwargs["position_ids"].expand(4, 1, -1)
+    labels = torch.cat([torch.cat([s[1:], s.new_full((1,), IGNORE_INDEX)]) for s in seqs])
+    predicted = labels != IGNORE_INDEX
+    decoder = model.get_decoder()
+    decoder = backbone(model) if decoder is model else decoder  # Llama4ForCausalLM's decoder is .model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model) as cut:
+            kernels_before = Counter(KERNEL_CALLS)
+            with count_attention_calls() as counts:
+                hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
+            kernels = sorted((KERNEL_CALLS - kernels_before).keys())
+            scalar = output_head(model)
+            paths = head_paths(len(labels), device) if scalar is None else {"score": {}}
+            ours = {
+                name: logps_from_hidden(model, hidden, labels, **kw).logps[predicted]
+                if scalar is None
+                else scalar(hidden)[:, 0].float()
+                for name, kw in paths.items()
+            }
+    finally:
+        model.train(was_training)
+    expected = (
+        {VARLEN_NAME if backend == "varlen" else backend: layers} if backend != "eager" and layers else {}
+    )
+    if dict(counts) != expected:
+        got = ", ".join(f"{k}: {v}" for k, v in counts.items()) or "no registered function"
+        raise AttentionError(
+            f"requested attention {backend!r} but a packed forward called {got} "
+            f"(expected {expected or 'the eager default'} over {layers} attention layers). transformers "
+            "chose another kernel; check attn_implementation and that the kernel's package is installed."
+        )
+    alone_hidden = torch.cat(reference.head_inputs)
+    delta_hidden = (hidden.float() - alone_hidden).abs().max().item()
+    limit_hidden = tolerance if tolerance is not None else bound(dtype, alone_hidden.abs().max().item())
+    deltas, magnitude = {}, 0.0
+    for name, kw in paths.items():
+        t = kw.get("temperature", 1.0)
+        if scalar is None:
+            own = torch.cat([_next_token_logps(x, s, t) for x, s in zip(reference.logits, seqs, strict=True)])
+        else:
+            own = torch.cat(reference.logits)[:, 0]
+        largest_logit = max(x[:-1].abs().max().item() for x in reference.logits) / t
+        magnitude = max(magnitude, own.abs().max().item(), largest_logit)
+        deltas[name] = (ours[name] - own).abs().max().item()
+    limit = tolerance if tolerance is not None else bound(dtype, magnitude)
+    worst = max(deltas, key=lambda name: deltas[name])
+    if not deltas[worst] <= limit:
+        raise AttentionError(
+            _mismatch(model, backend, worst, deltas[worst], limit, delta_hidden, limit_hidden)
+        )
+    kernel = ",".join(k.removeprefix("varlen:") for k in kernels) if backend == "varlen" else backend
+    return {
+        "backend": backend,
+        "kernel": kernel,
+        "calls": sum(counts.values()),
+        "lengths": [len(s) for s in seqs],
+        "max_delta_logps": deltas[worst],
+        "bound": limit,
+        "max_delta_hidden": delta_hidden,
+        **({"spans_cut": cut} if cut else {}),
+    }
+
+
+def _packed_hidden(
+    model: torch.nn.Module, decoder: torch.nn.Module, packed_kwargs: dict[str, Any], backend: str
+) -> torch.Tensor:
+    """The decoder's last hidden states ``[T, H]`` on the packed row; a failure is a refusal, said so."""
+    try:
+        return decoder(**packed_kwargs, use_cache=False).last_hidden_state[0]
+    except AttentionError:
+        raise
+    except Exception as e:
+        raise AttentionError(
+            f"{model_name(model)}: padless's packed forward on {backend!r} failed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); padless runs every forward packed through the model's "
+            "decoder, so it does not support this architecture"
+        ) from e
+
+
+def _what_leaks(model: torch.nn.Module, backend: str) -> str:
+    """What can mix packed sequences in ``model``: attention (leaking, or dropping an argument such as a
+    window or a sink) where it has attention layers, and the layers that carry a state across tokens
+    (:mod:`padless.forward.hybrid`) where it has them."""
+    stateful = installed_layers(model)
+    named = ", ".join(stateful[:2]) + (", ..." if len(stateful) > 2 else "")
+    state = f"a layer that carries a state across tokens ({named})"
+    attention = f"attention {backend!r} leaks between packed sequences or drops an attention argument"
+    if stateful and not attention_layers(model):
+        return f"{state} leaks between packed sequences (the model has no attention layer)"
+    return f"{attention}, or {state} leaks" if stateful else attention
+
+
+def _mismatch(
+    model: torch.nn.Module,
+    backend: str,
+    path: str,
+    delta: float,
+    limit: float,
+    hidden: float,
+    hidden_limit: float,
+) -> str:
+    """Why the probe failed: attention (the hidden states the head reads differ too) or the head."""
+    measured = (
+        f"per-token log-probs ({path} head path) differ from the model's own forward on each sequence "
+        f"alone (eager) by {delta:.3g} > bound {limit:.3g}"
+    )
+    if not hidden <= hidden_limit:
+        return (
+            f"{model_name(model)}: {_what_leaks(model, backend)}: packed, "
+            f"{measured}, and the hidden states its LM head reads by {hidden:.3g} > {hidden_limit:.3g}; "
+            "report this with `padless doctor` output."
+        )
+    return (
+        f"{model_name(model)} computes logits that padless's LM head does not reproduce: {measured}, while "
+        f"the hidden states its LM head reads agree ({hidden:.2g}): its forward transforms the logits in a "
+        "way padless has no name for, and padless refuses to train on numbers other than the model's. "
+        "Report it with `padless doctor` output."
+    )
+
+
+@contextlib.contextmanager
+def _float32(model: torch.nn.Module) -> Iterator[None]:
+    """The model's 16-bit parameters and buffers in float32 for a while, then exactly back: a 16-bit
+    value round-trips through float32 bit for bit, so the weights trained are the weights proven."""
+    cast = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in SIXTEEN_BIT]
+    dtypes = [t.dtype for t in cast]
+    done = 0
+    try:
+        for t in cast:  # out of memory half-way: what was cast goes back all the same
+            t.data = t.data.float()
+            done += 1
+        yield
+    finally:
+        for t, dtype in zip(cast[:done], dtypes, strict=False):
+            t.data = t.data.to(dtype)
+
+
+def prove_packing(
+    model: torch.nn.Module, backend: str, reference: ProbeReference | None = None
+) -> dict[str, Any]:
+    """:func:`probe_attention`; for a 16-bit model, also the same probe on the same weights in float32.
+
+    A 16-bit probe's bound is the round-off of logits of that size (about a nat at |logit| 30), so it is
+    blind both ways: a leak under the bound passes (a gated delta-net whose kernel was told no boundaries
+    leaked 0.03 nats and passed in bf16), and round-off over it fails although nothing leaks (a mixture
+    of experts whose routing flips). The layout the probe proves is the same in both dtypes, and float32
+    tells it from round-off, with the kernel float32 takes (``auto``: a pinned 16-bit-only kernel is
+    proven by the 16-bit probe). Float32 decides: it passing lets the run go on, the log carrying both
+    measurements; it failing refuses the model, whatever 16 bits said. Where float32 cannot run (memory),
+    a 16-bit pass stands and the log says the proof had 16-bit sensitivity. ``reference`` (16-bit)
+    serves the 16-bit probe.
+    """
+    if next(model.parameters()).dtype not in SIXTEEN_BIT:
+        return probe_attention(model, backend, reference=reference)
+    low: dict[str, Any] | None = None
+    low_error: AttentionError | None = None
+    try:
+        low = probe_attention(model, backend, reference=reference)
+    except ReferenceForwardError:
+        raise
+    except AttentionError as e:
+        low_error = e
+    try:
+        with _float32(model), pinned_kernel("auto"):
+            fine = probe_attention(model, backend)
+    except AttentionError as e:
+        if low_error is not None:
+            raise AttentionError(f"{low_error} (the same probe in float32 fails too: {e})") from low_error
+        raise AttentionError(
+            f"{e} (in float32 on the same weights; the 16-bit probe passed only because its bound, "
+            f"{low['bound']:.3g}, is above the leak)"
+        ) from e
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+        if low_error is not None:
+            raise AttentionError(f"{low_error} (the same probe in float32 could not run: {e})") from low_error
+        log.warning(f"the float32 probe could not run ({e}); packing is proven at 16-bit sensitivity only")
+        return {**low, "float32_probe": f"not run: {e}"}
+    if low_error is not None:
+        return {**fine, "float32_reprobe": str(low_error)}
+    return {**low, "float32_probe": f"{fine['max_delta_logps']:.1e} <= {fine['bound']:.1e}"}

@@ -1,0 +1,292 @@
+"""Multi-turn RL: the environments and tools users write, and how a model turn becomes tool calls.
+
+An environment is built once per episode from its prompt row and talks to the policy in messages::
+
+    class Calculator(Environment):
+        def reset(self) -> list[dict]:            # the first messages (default: the row's prompt)
+            return [{"role": "user", "content": self.row["prompt"]}]
+
+        def step(self, turn: Turn) -> Step:       # after every model turn
+            return Step(messages=turn.tool_messages, reward=0.0, done=not turn.tool_messages)
+
+``turn`` holds the model's turn as text and as the exact token ids sampled, the tool calls parsed from it
+and the tool messages their results became. :class:`Environment` itself is the plain tool loop: the tool
+results go back to the model until it answers without calling a tool.
+
+Tools are plain functions with type hints and a Google-style docstring; transformers' ``get_json_schema``
+turns each into the JSON schema handed to the chat template's ``tools``. Tool calls are read from a model
+turn with the tokenizer's ``response_template`` (transformers' response parsing, the template's own call
+syntax) or ``rollout.response_template``; a call that cannot be parsed, names no tool, has bad arguments or
+raises becomes a tool message saying so: the model sees its mistake, the run goes on.
+
+With a vision-language policy, message contents may also be lists of ``{"type": "text", "text": ...}`` and
+``{"type": "image", ...}`` parts: ``reset()``'s images are the prompt row's, and an environment turn's image
+parts hold their image (``image``, ``path`` or ``url``); see :mod:`padless.rl.episodes`.
+
+Environments and tools are named like reward functions: ``package.module:Name``, ``path/file.py:Name`` or a
+bundled name (:data:`BUNDLED_ENVIRONMENTS`). An environment that raises or returns the wrong type stops the
+run with one line (:class:`padless.errors.UserCodeError`); one that never ends is cut at
+``rollout.max_turns``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from padless.errors import InputError, UserCodeError
+from padless.rl.rewards import first_number, load_callable
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Turn:
+    """One model turn, as the environment receives it."""
+
+    index: int  # 0 for the model's first turn
+    text: str  # decoded, without the end-of-turn token
+    token_ids: list[int]  # exactly as sampled, end-of-turn token included
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"} each
+    tool_messages: list[dict[str, Any]] = field(default_factory=list)  # one "tool" message per call
+
+
+@dataclass
+class Step:
+    """What an environment answers a turn with: the next messages, a reward contribution (summed over the
+    episode's steps, added to the reward functions' total) and whether the episode is over."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment:
+    """The plain tool loop, and the base class of user environments (one instance per episode).
+
+    ``row`` is the prompt row as read from the data (``prompt`` and every other column); ``tools``: tool
+    functions the environment brings (added to ``rollout.tools``).
+    """
+
+    tools: Sequence[Callable[..., Any]] = ()
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.row = row
+
+    def reset(self) -> list[dict[str, Any]]:
+        """The episode's first messages: the row's prompt (a string becomes one user message)."""
+        prompt = self.row.get("prompt")
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+
+    def step(self, turn: Turn) -> Step:
+        """Tool results (and failed calls' errors) go back to the model; a turn that calls no tool is its
+        answer and ends the episode."""
+        return Step(messages=turn.tool_messages, done=not turn.tool_messages)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tools
+
+
+def tool_schema(spec: str, fn: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema of a tool function, from its type hints and docstring (transformers' own reader)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # TypeHintParsingException, DocstringParsingException, ...
+        raise InputError(
+            f"rollout.tools: {spec!r}: its JSON schema cannot be read ({type(e).__name__}: {e}); fix: give "
+            "every argument a type hint and a line in a Google-style docstring's Args: section"
+        ) from None
+
+
+class Tools:
+    """Tool functions by name, their schemas, and how calls parsed from a model turn run."""
+
+    def __init__(self, specs: Sequence[str | Callable[..., Any]], response_template: dict[str, Any] | None):
+        self.functions: dict[str, Callable[..., Any]] = {}
+        self.schemas: list[dict[str, Any]] = []
+        for spec in specs:
+            fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
+            schema = tool_schema(str(spec), fn)
+            name = schema["function"]["name"]
+            if name in self.functions:
+                raise InputError(
+                    f"rollout.tools: two tools are named {name!r}; fix: give each tool function its own name"
+                )
+            self.functions[name] = fn
+            self.schemas.append(schema)
+        self.response_template = response_template
+
+    def __bool__(self) -> bool:
+        return bool(self.functions)
+
+    def parse(self, text: str, prefix: str) -> tuple[list[dict[str, Any]], str | None]:
+        """The calls in a model turn (``{"name", "arguments"}`` each) and, when the turn's call syntax is
+        broken, why (the calls then are none and the reason goes back to the model as a tool message)."""
+        from transformers.utils.chat_parsing import parse_response
+
+        try:
+            message = parse_response(text, self.response_template, prefix=prefix, tools=self.schemas)
+        except Exception as e:
+            return [], f"error: the tool call could not be parsed ({type(e).__name__}: {first_line(e)})"
+        calls = []
+        for call in message.get("tool_calls") or []:
+            inner = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(inner, dict) or not isinstance(inner.get("name"), str):
+                return [], f"error: a tool call has no name: {str(call)[:80]}"
+            calls.append({"name": inner["name"], "arguments": inner.get("arguments", {})})
+        return calls, None
+
+    def run(self, call: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """A call's tool message and whether the call succeeded (exceptions become the message's text)."""
+        name, arguments = call["name"], call["arguments"]
+        fn = self.functions.get(name)
+        if fn is None:
+            result, ok = f"error: no tool named {name!r}; the tools are {', '.join(self.functions)}", False
+        elif not isinstance(arguments, dict):
+            result, ok = f"error: the arguments of {name} must be an object, got {str(arguments)[:80]}", False
+        else:
+            try:
+                value = fn(**arguments)
+                result = value if isinstance(value, str) else json.dumps(value, default=str)
+                ok = True
+            except Exception as e:  # the model's mistake (or the tool's): the model reads what happened
+                result, ok = f"error: {name} raised {type(e).__name__}: {first_line(e)}", False
+        return {"role": "tool", "name": name, "content": result}, ok
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
+# --------------------------------------------------------------------------------------------------
+# Environments: loading, and checking what user code returns
+
+
+def load_environment(spec: str | None) -> type:
+    """The environment class a spec names (None: the plain tool loop, :class:`Environment`)."""
+    if spec is None:
+        return Environment
+    cls = load_callable(spec, "environment", BUNDLED_ENVIRONMENTS)
+    if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
+        raise InputError(
+            f"rollout.environment: {spec!r} is not a class with a step(turn) method; fix: subclass "
+            "padless.rl.environments.Environment and override step (and reset for the first messages)"
+        )
+    return cls
+
+
+def user_call(spec: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call environment code; what it raises stops the run in one line naming the method."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise UserCodeError(
+            f"environment {spec!r}: {what} raised {type(e).__name__}: {first_line(e)}; fix the environment "
+            "(a tool's errors are handed to the model, an environment's stop the run)"
+        ) from e
+
+
+def is_part(part: Any) -> bool:
+    """A content part of a vision-language conversation: ``{"type": "text", "text": str}`` or an image."""
+    if not isinstance(part, dict):
+        return False
+    return part.get("type") == "image" or (part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
+def checked_messages(spec: str, what: str, value: Any, parts: bool = False) -> list[dict[str, Any]]:
+    """Messages returned by user code: a list of {"role", "content"} dicts with a known role; with
+    ``parts`` (a vision-language policy) a content may also be a list of text and image parts."""
+    fix = 'return a list of {"role": ..., "content": str} dicts'
+    if parts:
+        fix += " (or contents as lists of {'type': 'text' | 'image', ...} parts)"
+    if not isinstance(value, list):
+        raise UserCodeError(f"environment {spec!r}: {what} returned {type(value).__name__}; fix: {fix}")
+    for j, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        listed = parts and isinstance(content, list) and all(is_part(p) for p in content)
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (isinstance(content, str) or listed):
+            raise UserCodeError(
+                f"environment {spec!r}: {what} returned message {j} = {str(m)[:80]}; fix: {fix} with role "
+                f"one of {', '.join(ROLES)}"
+            )
+    return value
+
+
+def checked_step(spec: str, value: Any, parts: bool = False) -> Step:
+    """A step's answer, checked: a :class:`Step` with messages (contents may be lists of parts with
+    ``parts``, see :func:`checked_messages`), a finite reward and a bool ``done``."""
+    if not isinstance(value, Step):
+        raise UserCodeError(
+            f"environment {spec!r}: step() returned {type(value).__name__}; fix: return "
+            "padless.rl.environments.Step(messages=[...], reward=0.0, done=False)"
+        )
+    reward = value.reward
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise UserCodeError(
+            f"environment {spec!r}: step() returned reward {reward!r}; fix: return a finite number"
+        )
+    if not isinstance(value.done, bool):
+        raise UserCodeError(f"environment {spec!r}: step() returned done={value.done!r}; fix: return a bool")
+    checked_messages(spec, "step()", value.messages, parts)
+    if value.messages and value.messages[-1]["role"] == "assistant":
+        raise UserCodeError(
+            f"environment {spec!r}: step() returned messages ending with an assistant message; fix: end "
+            "with the message the model answers (the model writes its own turns)"
+        )
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Bundled: a calculator for the embedded arithmetic prompts
+
+_EXPRESSION = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*(\+|-|\*|x|/|plus|minus|times)\s*(-?\d+(?:\.\d+)?)\s*")
+
+
+def calculate(expression: str) -> str:
+    """Compute two numbers joined by an operator.
+
+    Args:
+        expression: for example "26 + 19", "47 minus 35" or "6 x 6" (+ - * x / plus minus times)
+    """
+    m = _EXPRESSION.fullmatch(expression)
+    if m is None:
+        raise ValueError(f"cannot read {expression!r}: write two numbers and an operator, e.g. 26 + 19")
+    a, op, b = Decimal(m.group(1)), m.group(2), Decimal(m.group(3))
+    if op in ("/",) and b == 0:
+        raise ValueError("division by zero")
+    ops = {"+": a + b, "plus": a + b, "-": a - b, "minus": a - b, "*": a * b, "x": a * b, "times": a * b}
+    value = ops[op] if op in ops else a / b
+    return str(value.normalize()) if value != value.to_integral() else str(int(value))
+
+
+class Calculator(Environment):
+    """The tiny:rl arithmetic prompts with a calculator tool and a teacher: tool results go back to the
+    model; an answer whose first number is not the row's ``answer`` gets "not right, try again", up to
+    ``answers`` answers; a right one ends the episode. The reward comes from ``reward.functions`` (e.g.
+    ``arithmetic``) on the last turn."""
+
+    tools = (calculate,)
+    answers = 2
+
+    def step(self, turn: Turn) -> Step:
+        if turn.tool_messages:
+            return Step(messages=turn.tool_messages)
+        self.given = getattr(self, "given", 0) + 1
+        answer = self.row.get("answer")
+        right = answer is None or first_number(turn.text) == first_number(str(answer))
+        if right or self.given == self.answers:
+            return Step(done=True)
+        return Step(messages=[{"role": "user", "content": "That is not right. Try again: just the number."}])
+
+
+BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment, "calculator": Calculator}
+BUNDLED_TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate}

@@ -1,0 +1,371 @@
+"""Multi-turn episodes as one packed sequence: prompt, then each model turn as the exact token ids sampled,
+each environment turn as the chat template renders it, tokenized once and appended.
+
+Nothing is re-tokenized: the ids the model sampled are the ids it is trained on, and the next turn is
+sampled from the very sequence that is later trained (so the sampler's log-probs and the training forward's
+compare per token). Only model tokens are targets; environment tokens are context.
+
+Appending an environment turn asks the template to render the conversation twice: up to the model's turn,
+and with the new messages after it (plus the generation prompt). Everything the second rendering writes
+after the model turn's end-of-turn token is the environment turn. A template whose second rendering changes
+what comes before that point (it rewrites earlier turns once later ones exist) cannot be appended to without
+changing tokens already sampled, and is refused with the place where the renderings differ.
+
+Episodes run batched across those still going, turn by turn, through the rollout's :class:`Engine` (token
+ids in, token ids out): every turn is one ``complete`` call for the running episodes, each seeded by its
+episode and turn alone. Under sharded engines every rank makes the same calls with as many prompts
+(fillers where its episodes ended sooner).
+
+With a vision-language policy an episode keeps its prompt's images: ``reset()``'s messages are read with the
+prompt row's image column (:meth:`ImageInputs.prepare`), rendered, and their image tokens expanded
+(:meth:`ImageInputs.expand`); every turn's ``complete`` gets those image inputs with the whole sequence so
+far, from which the model computes the M-RoPE positions of prompt, earlier turns and environment turns, and
+the training example gets the same images and per-sample positions. An environment turn may show images too
+(image parts holding their image, as in data rows): they are appended to the episode's image inputs in
+order, and saved with a rollout checkpointed mid-way (as PNG). ``reset()``'s images must be the prompt row's
+(a resumed run finds them there again): others are refused in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from padless.data.chat import ChatTemplateError
+from padless.data.records import IMAGE_COLUMNS, DataError, Row
+from padless.errors import InputError, UserCodeError
+from padless.forward.packing import concat_vision
+from padless.forward.ranks import common_count
+from padless.rl.environments import (
+    Environment,
+    Step,
+    Tools,
+    Turn,
+    checked_messages,
+    checked_step,
+    user_call,
+)
+from padless.rl.generate import Completion, Engine, row_seed
+
+if TYPE_CHECKING:
+    from padless.data import PromptExample
+    from padless.data.images import ImageInputs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode:
+    """One episode being built: the sequence so far, which tokens the model wrote, and its bookkeeping."""
+
+    env: Any
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    seed: int
+    ids: list[int] = field(default_factory=list)  # everything after the prompt
+    model: list[bool] = field(default_factory=list)  # per id after the prompt: written by the model
+    logprobs: list[float] = field(default_factory=list)  # per model token, at sampling
+    text: str = ""  # the rendered prompt and everything after it, as text (the parser's prefix)
+    turns: int = 0
+    reward: float = 0.0
+    calls: int = 0
+    failed_calls: int = 0
+    last_turn: str = ""
+    done: bool = False
+    truncated: str | None = None  # why the episode was cut: "turn_length", "max_turns", "token_budget"
+    # vision-language policies: the image inputs of the episode's images, the prompt's then those the
+    # environment showed (kept, too, to be saved with the rollout), and the prompt row's (source, index)
+    vision: dict[str, torch.Tensor] | None = None
+    env_images: list[Any] = field(default_factory=list)
+    origin: tuple[str, int] = ("", 0)
+
+    def completion(self, greedy: bool) -> Completion:
+        stats = {
+            "turns": self.turns,
+            "tool_calls": self.calls,
+            "failed_tool_calls": self.failed_calls,
+            "env_tokens": self.model.count(False),
+            "env_reward": self.reward,
+            "truncated_by": self.truncated,
+        }
+        return Completion(
+            self.prompt_ids,
+            self.ids,
+            self.truncated is None,
+            None if greedy else self.logprobs,
+            model_mask=self.model,
+            text=self.last_turn,
+            episode=stats,
+            vision=self.vision,
+            env_images=self.env_images,
+        )
+
+
+class EpisodeRunner:
+    """Runs the episodes of a rollout: environments built per prompt row, tools, limits from ``rollout``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        rollout: Any,
+        env_cls: type,
+        env_spec: str,
+        tools: Tools,
+        eos_ids: set[int],
+        images: ImageInputs | None = None,
+    ):
+        """``images``: the policy's image side (a vision-language policy), whose episodes keep their prompt's
+        images in every turn."""
+        self.tok, self.rollout, self.env_cls, self.spec = tokenizer, rollout, env_cls, env_spec
+        self.tools, self.eos_ids, self.images = tools, eos_ids, images
+        if tools:
+            template = tokenizer.get_chat_template() if tokenizer.chat_template else ""
+            if "tools" not in template:
+                raise InputError(
+                    "rollout.tools: the tokenizer's chat template never reads `tools`, so the model would "
+                    "not see the tools' schemas; fix: use a tokenizer whose template renders tools"
+                )
+            if tools.response_template is None:
+                raise InputError(
+                    "rollout.tools: the tokenizer has no response_template, so padless cannot read tool "
+                    "calls from a model turn; fix: set rollout.response_template (transformers' "
+                    "response-parsing schema for the template's tool-call syntax) or use a tokenizer that "
+                    "ships one"
+                )
+
+    # -- rendering --------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        kwargs = {"tools": self.tools.schemas} if self.tools else {}
+        try:
+            return str(
+                self.tok.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+                )
+            )
+        except Exception as e:  # the template is user-supplied Jinja
+            raise ChatTemplateError(
+                f"rollout.environment {self.spec!r}: the chat template cannot render the episode's messages "
+                f"({type(e).__name__}: {e}); fix: return messages the template accepts"
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def appended(self, messages: list[dict[str, Any]], new: list[dict[str, Any]], eos: str) -> str:
+        """The text the template writes after the model's last turn (ending in ``eos``) for ``new``
+        messages and the next generation prompt; refused when it would change what came before."""
+        before = self.render(messages, False)
+        after = self.render(messages + new, True)
+        end = before.rfind(eos)
+        if end < 0:
+            raise ChatTemplateError(
+                f"the chat template does not close an assistant turn with {eos!r}, the token the model "
+                "stopped at, so padless cannot tell where the sampled turn ends in its rendering; fix: use a "
+                "template that ends assistant turns with the end-of-turn token generation stops at"
+            )
+        end += len(eos)
+        if not after.startswith(before[:end]):
+            k = next(
+                (i for i, (a, b) in enumerate(zip(after, before[:end], strict=False)) if a != b),
+                min(len(after), end),
+            )
+            raise ChatTemplateError(
+                "the chat template cannot append an environment turn to a sampled episode without changing "
+                f"earlier tokens: with the next messages it renders character {k} as {after[k : k + 40]!r} "
+                f"instead of {before[k : k + 40]!r} (it rewrites earlier turns once later ones exist, e.g. "
+                "drops their reasoning); fix: use a template that renders history as it was generated"
+            )
+        return after[end:]
+
+    # -- running ------------------------------------------------------------------------------------------
+
+    def start(self, row: dict[str, Any], seed: int, prompt: PromptExample | None = None) -> Episode:
+        """The episode of ``row``: its environment and first messages; ``prompt``: the row as tokenized for
+        the policy, whose image inputs (vision-language policies) the episode's images must equal."""
+        env = user_call(self.spec, "the constructor", self.env_cls, row)
+        parts = self.images is not None
+        messages = checked_messages(self.spec, "reset()", user_call(self.spec, "reset()", env.reset), parts)
+        if not messages or messages[-1]["role"] == "assistant":
+            got = "messages ending with an assistant message" if messages else "no messages"
+            raise UserCodeError(
+                f"environment {self.spec!r}: reset() returned {got}; fix: end with the message the model "
+                "answers"
+            )
+        if self.images is None:
+            text = self.render(messages, True)
+            return Episode(env, messages, self.encode(text), seed, text=text)
+        if prompt is None:
+            raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
+        messages, ids, vision = self.with_images(row, messages, prompt)
+        text = self.render(messages, True)
+        origin = (prompt.meta["source"], prompt.meta["row"])
+        return Episode(env, messages, ids, seed, text=text, vision=vision, origin=origin)
+
+    def with_images(
+        self, row: dict[str, Any], messages: list[dict[str, Any]], prompt: PromptExample
+    ) -> tuple[list[dict[str, Any]], list[int], dict[str, torch.Tensor] | None]:
+        """``reset()``'s messages read with the row's image column (image parts without an image of their
+        own, or ``<image>`` placeholders, take the next one): the messages as parts, the rendered ids with
+        each image's tokens expanded, and the image inputs, checked equal to the prompt's."""
+        assert self.images is not None
+        columns = {k: row[k] for k in IMAGE_COLUMNS if row.get(k) is not None}
+        where = Row(
+            {"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"], skippable=False
+        )
+        try:
+            prepared = self.images.prepare(where)
+            messages = prepared.row.data["prompt"]
+            ids = self.encode(self.render(messages, True))
+            ids, _, vision = self.images.expand(prepared.row, ids, None, prepared.images)
+        except DataError as e:
+            raise UserCodeError(f"environment {self.spec!r}: the images of reset()'s messages: {e}") from None
+        if not same_vision(vision, prompt.vision):
+            raise UserCodeError(
+                f"environment {self.spec!r}: reset() of row {prompt.meta['row']} of {prompt.meta['source']} "
+                "returns images other than the prompt row's; an episode's images are its prompt row's (a "
+                "run resumed mid-rollout finds them there again); fix: return the row's prompt images, or "
+                "put the images the episode needs in the row's prompt and images column"
+            )
+        return messages, ids, vision
+
+    def run(
+        self,
+        engine: Engine,
+        rows: Sequence[dict[str, Any]],
+        seeds: Sequence[int],
+        greedy: bool,
+        prompts: Sequence[PromptExample] | None = None,
+    ) -> list[Episode]:
+        """One episode per row (``seeds[i]`` seeds every turn of episode ``i``), run to the end;
+        ``prompts[i]``: row ``i`` as tokenized (needed by a vision-language policy, for its images)."""
+        r = self.rollout
+        starts = prompts if prompts is not None else [None] * len(rows)
+        episodes = [self.start(*a) for a in zip(rows, seeds, starts, strict=True)]
+        budget = r.max_episode_tokens
+        for turn in range(r.max_turns):
+            running = [e for e in episodes if not e.done]
+            for e in running:
+                if budget is not None and len(e.prompt_ids) + len(e.ids) >= budget:
+                    e.done, e.truncated = True, "token_budget"
+            running = [e for e in running if not e.done]
+            count = common_count(len(running))  # every rank samples as often, with as many prompts
+            if count == 0:
+                break
+            filler = running[0] if running else episodes[0]
+            batch = running + [filler] * (count - len(running))
+            completions = engine.complete(
+                [e.prompt_ids + e.ids for e in batch],
+                1,
+                [row_seed(e.seed, turn) for e in batch],
+                greedy,
+                None if self.images is None else [e.vision for e in batch],
+            )
+            for e, c in zip(running, completions, strict=False):
+                self.take_turn(e, c, turn)
+        for e in episodes:
+            if not e.done:
+                e.done, e.truncated = True, "max_turns"
+        return episodes
+
+    def take_turn(self, e: Episode, c: Completion, turn: int) -> None:
+        """Append the sampled turn; unless the episode ends, ask the environment and append its answer."""
+        ids, logprobs, finished = c.completion_ids, c.logprobs, c.finished
+        budget = self.rollout.max_episode_tokens
+        room = None if budget is None else budget - len(e.prompt_ids) - len(e.ids)
+        if room is not None and len(ids) > room:  # the same tokens a shorter generation would have given
+            ids, finished = ids[:room], False
+        e.ids += ids
+        e.model += [True] * len(ids)
+        e.logprobs += (logprobs or [])[: len(ids)]
+        e.turns += 1
+        body = ids[:-1] if finished else ids
+        text = self.tok.decode(body, skip_special_tokens=False)
+        e.last_turn = self.tok.decode(body, skip_special_tokens=True)
+        prefix = e.text  # what came before the turn, for the parser
+        e.text += self.tok.decode(ids, skip_special_tokens=False)
+        if not finished:  # cut mid-turn: no environment answer to a half-written turn
+            e.done, e.truncated = (
+                True,
+                "token_budget" if room is not None and len(ids) == room else "turn_length",
+            )
+            return
+        calls, problem = self.tools.parse(text, prefix) if self.tools else ([], None)
+        tool_messages = []
+        if problem is not None:
+            tool_messages.append({"role": "tool", "name": "parse", "content": problem})
+            e.failed_calls += 1
+            e.calls += 1
+        for call in calls:
+            message, ok = self.tools.run(call)
+            tool_messages.append(message)
+            e.calls += 1
+            e.failed_calls += not ok
+        step: Step = checked_step(
+            self.spec,
+            user_call(self.spec, "step()", e.env.step, Turn(turn, text, list(ids), calls, tool_messages)),
+            self.images is not None,
+        )
+        e.reward += float(step.reward)
+        if step.done or turn + 1 == self.rollout.max_turns:
+            e.done = True
+            e.truncated = None if step.done else "max_turns"
+            return
+        if not step.messages:
+            raise UserCodeError(
+                f"environment {self.spec!r}: step() returned no messages and done=False at turn {turn}; fix: "
+                "return the messages the model answers next, or done=True"
+            )
+        e.messages.append({"role": "assistant", "content": text})
+        eos = self.tok.decode(ids[-1:], skip_special_tokens=False)
+        messages, shown, vision = step.messages, [], None
+        where = Row({"prompt": messages}, *e.origin, skippable=False)
+        try:  # a vision-language policy: image parts hold their images, read as a data row's are
+            if self.images is not None:
+                prepared = self.images.prepare(where)
+                messages, shown = prepared.row.data["prompt"], prepared.images
+            appended = self.appended(e.messages, messages, eos)
+            new = self.encode(appended)
+            if self.images is not None:  # each image's tokens expanded, its inputs after the episode's
+                new, _, vision = self.images.expand(where, new, None, shown)
+        except DataError as error:
+            raise UserCodeError(
+                f"environment {self.spec!r}: the images of step()'s messages at turn {turn}: {error} (an "
+                "image part of an environment turn holds its image: 'image', 'path' or 'url' key)"
+            ) from None
+        e.messages += messages
+        if budget is not None and len(e.prompt_ids) + len(e.ids) + len(new) >= budget:
+            e.done, e.truncated = True, "token_budget"  # no room left for the model to answer it
+            return
+        if vision is not None:
+            e.vision = concat_vision([e.vision, vision])
+            e.env_images += shown
+        e.ids += new
+        e.model += [False] * len(new)
+        e.text += appended
+
+
+def same_vision(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
+    """Whether two image inputs are the same images (same keys, equal tensors)."""
+    if not a or not b:
+        return not a and not b
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def make_runner(
+    tokenizer: Any, rollout: Any, eos_ids: set[int], images: ImageInputs | None = None
+) -> EpisodeRunner:
+    from padless.rl.environments import load_environment
+
+    response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
+    env_cls = load_environment(rollout.environment)
+    tools = Tools([*rollout.tools, *getattr(env_cls, "tools", ())], response_template)
+    spec = rollout.environment or "tools"
+    return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
+
+
+__all__ = ["Environment", "Episode", "EpisodeRunner", "make_runner"]

@@ -1,0 +1,128 @@
+"""What every trainer does before its first step: accelerator, seeds, tokenizer, model, LoRA, saved config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from padless.config.schema import ModelSettings
+from padless.errors import InputError
+from padless.forward import hybrid, sequence_parallel
+from padless.forward.engine import EngineSettings, ModelEngine
+from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
+from padless.run import rundir
+from padless.run.logs import describe_run, log_to_file, setup_logging
+from padless.run.strategy import expected_strategy, prepare_frozen, start_accelerator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    accelerator: Accelerator
+    tokenizer: Any
+    model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
+    model_cfg: ModelSettings
+    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, SP group)
+
+    def companion(
+        self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
+    ) -> torch.nn.Module:
+        """A reference or value model on the policy's backend, dtype and device; frozen unless trainable."""
+        model = load_model(
+            name or self.model_cfg.name,
+            task=task,
+            attn_implementation=self.model_cfg.attn_implementation,
+            dtype=next(self.model.parameters()).dtype,
+            device=self.accelerator.device,
+            seed=self.model_cfg.seed,
+            training=trainable,
+            trust_remote_code=self.model_cfg.trust_remote_code,
+            pad_id=pad_token_id(self.tokenizer),
+            varlen_kernel=self.settings.varlen_kernel,
+        )
+        return model if trainable else model.requires_grad_(False)
+
+    def engine(self, value: torch.nn.Module | None = None) -> ModelEngine:
+        """The trained model (with ``value`` beside it: PPO) as the engine the loop trains."""
+        return ModelEngine(self.model, value, self.settings)
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as a prepared frozen engine (reference, reward model): sharded like the trained one."""
+        return prepare_frozen(self.accelerator, ModelEngine(model, settings=self.settings))
+
+
+def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA (where kernels are fast in it) and fp32 on CPU (exact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_dtype(name)
+
+
+def start_session(
+    model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
+) -> Session:
+    """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
+    accelerator = start_accelerator(config.train.max_grad_norm)
+    setup_logging(config.train.log_level, accelerator.is_main_process)
+    rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
+    log_to_file(output_dir, accelerator.is_main_process)
+    set_seed(seed)
+    group = sequence_parallel.start(config.train.sequence_parallel)  # this run's engines split rows over it
+    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb, group)
+    dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
+    tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
+    model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
+    problem = hybrid.sharded_problem(model, expected_strategy(accelerator), accelerator.num_processes)
+    if problem:
+        raise InputError(problem)
+    log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
+    if accelerator.is_main_process:
+        rundir.save_run_config(config, Path(output_dir))
+    return Session(accelerator, tokenizer, model, model_cfg, settings)
+
+
+def load_trainable(
+    model_cfg: ModelSettings,
+    device: torch.device,
+    dtype: torch.dtype,
+    task: Task,
+    pad_id: int | None,
+    settings: EngineSettings,
+) -> torch.nn.Module:
+    model = load_model(
+        model_cfg.name,
+        task=task,
+        attn_implementation=model_cfg.attn_implementation,
+        dtype=dtype,
+        device=device,
+        seed=model_cfg.seed,
+        training=True,
+        trust_remote_code=model_cfg.trust_remote_code,
+        pad_id=pad_id,
+        varlen_kernel=settings.varlen_kernel,
+    )
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if model_cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model_cfg.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
+            ),
+        )
+    return model

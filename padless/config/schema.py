@@ -56,6 +56,9 @@ class ModelSettings(ConfigModel):
     """init seed for embedded tiny models"""
     trust_remote_code: bool = False
     """run Python code shipped in a model folder (auto_map); never a prompt"""
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    """mixture of experts: weight of the router load-balancing loss its own objective adds (null: its
+    config's router_aux_loss_coef; 0: off); refused for a model without one"""
 
     def _check(self) -> None:
         if not self.name:

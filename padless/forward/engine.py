@@ -37,6 +37,7 @@ from padless.forward.attention import (
     varlen_kernel_choice,
 )
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
+from padless.forward.routers import SPLIT_ROWS, RouterLoss, RouterRecord, defines_router_loss
 from padless.forward.sequence_parallel import SequenceParallel
 from padless.forward.varlen import sequence_bounds
 
@@ -53,11 +54,13 @@ class EngineSettings:
     and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
     runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
-    packed row over (:mod:`padless.forward.sequence_parallel`)."""
+    packed row over (:mod:`padless.forward.sequence_parallel`). ``router_aux_loss_coef`` weights the
+    load-balancing loss of a mixture of experts in training forwards (:mod:`padless.forward.routers`)."""
 
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
     sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+    router_aux_loss_coef: float | None = None  # model.router_aux_loss_coef; None: each model's config's
 
     @property
     def degree(self) -> int:
@@ -116,6 +119,7 @@ class TokenOutputs:
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
+    aux: torch.Tensor | None = None  # the router load-balancing loss of the forward (without coefficient)
 
 
 def loaded_backend(model: torch.nn.Module) -> str:
@@ -189,8 +193,11 @@ def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
     )
 
 
-def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+def hidden_states(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied, and with
+    ``router`` the load-balancing loss of the routers' logits on the real tokens (else ``None``).
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
@@ -199,34 +206,79 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> t
     inputs = model_inputs(batch)
     if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
         inputs["position_ids"] = _mrope_rows(batch)
+    if router is not None:
+        inputs["output_router_logits"] = True
     with runtime_context(backend, batch.input_ids.device):
-        return base(**inputs, use_cache=False).last_hidden_state
+        out = base(**inputs, use_cache=False)
+    return out.last_hidden_state, None if router is None else router_aux(router, out, batch)
+
+
+def router_aux(router: RouterLoss, out: Any, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """``router``'s loss over the router logits of a forward's output, real tokens only: all of a packed
+    row's, the unmasked rows of a padded batch."""
+    logits = tuple(out.router_logits)
+    if isinstance(batch, PaddedBatch):
+        real = batch.attention_mask.reshape(-1).bool()
+        logits = tuple(layer[real] for layer in logits)
+    return router(logits)
+
+
+def lm_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The module that turns ``model``'s last hidden states into logits: its output embeddings, unless a
+    child of the model holds them inside a transform (BERT's ``cls.predictions``: dense, activation, norm,
+    then the output embeddings as ``decoder``); then that child. The load-time probe proves the choice
+    against the model's own logits."""
+    out = model.get_output_embeddings()
+    body = backbone(model)
+    for child in model.children():
+        inside = {id(m) for m in child.modules()}
+        if child is not out and id(out) in inside and id(body) not in inside:
+            return child
+    return out
+
+
+# Text-config keys of factors a model multiplies its head's output by (Cohere's logit_scale, MuseGlimmer's
+# output_multiplier); the load-time probe refuses a model whose own logits differ from the head's.
+MULTIPLIER_KEYS = ("logit_scale", "output_multiplier")
 
 
 @dataclass(frozen=True)
 class LogitsHead:
     """How a causal LM turns hidden states into the logits its log-probs are taken from:
-    ``cap(head(h) / scaling) / temperature``, as transformers' models compute them (Granite divides by
+    ``cap(head(h) * multiplier / scaling) / temperature``, as transformers' models compute them (Cohere
+    multiplies by ``logit_scale``, MuseGlimmer by ``output_multiplier``, Granite divides by
     ``logits_scaling``, Gemma 2 soft-caps with ``final_logit_softcapping``), in fp32."""
 
     module: torch.nn.Module
     scaling: float = 1.0
     softcap: float | None = None
     temperature: float = 1.0
+    multiplier: float = 1.0
+    output: torch.nn.Module | None = (
+        None  # the output embeddings, where ``module`` is a transform around them
+    )
 
     @classmethod
     def of(cls, model: PreTrainedModel, temperature: float = 1.0) -> LogitsHead:
+        """The head of ``model``: its output embeddings, or the part of the model that holds them and
+        turns hidden states into logits around them (BERT's and RoBERTa's prediction transform)."""
         text = model.config.get_text_config()
+        multiplier = 1.0
+        for key in MULTIPLIER_KEYS:
+            multiplier *= getattr(text, key, None) or 1.0
+        head, out = lm_head(model), model.get_output_embeddings()
         return cls(
-            model.get_output_embeddings(),
+            head,
             getattr(text, "logits_scaling", None) or 1.0,
             getattr(text, "final_logit_softcapping", None) or None,
             temperature,
+            multiplier,
+            None if head is out else out,
         )
 
     @property
     def vocab(self) -> int:
-        return self.module.weight.shape[0]
+        return (self.output or self.module).weight.shape[0]
 
     def fusable(self) -> bool:
         """Whether the fused weighted path can read the head's weight directly: a plain bias-free
@@ -238,6 +290,8 @@ class LogitsHead:
     def finish(self, raw: torch.Tensor) -> torch.Tensor:
         """fp32 logits from the head's raw output."""
         logits = raw.float()
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
         if self.scaling != 1.0:
             logits = logits / self.scaling
         if self.softcap:
@@ -255,6 +309,8 @@ class LogitsHead:
             grad *= 1 - capped.square()
         if self.scaling != 1.0:
             grad /= self.scaling
+        if self.multiplier != 1.0:
+            grad *= self.multiplier
         return grad
 
 
@@ -347,12 +403,14 @@ def forward_packed(
     chunk_tokens: int | None = None,
     logp_weights: torch.Tensor | None = None,
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
+    router: RouterLoss | None = None,
 ) -> TokenOutputs:
-    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
-    hidden = hidden_states(model, batch)[0]
-    return logps_from_hidden(
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`.
+    With ``router``, also the router load-balancing loss of the forward (``aux``)."""
+    hidden, aux = hidden_states(model, batch, router)
+    out = logps_from_hidden(
         unwrap(model),
-        hidden,
+        hidden[0],
         batch.labels[0],
         entropy=entropy,
         temperature=temperature,
@@ -360,6 +418,8 @@ def forward_packed(
         logp_weights=logp_weights,
         logits_memory_mb=logits_memory_mb,
     )
+    out.aux = aux
+    return out
 
 
 def logps_from_hidden(
@@ -389,7 +449,9 @@ def logps_from_hidden(
     if rows.numel() == labels.numel():
         rows = None  # every position has a label: no gather
     h = hidden if rows is None else hidden[rows]
-    h = h.to(head.module.weight.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
+    h = h.to(
+        (head.output or head.module).weight.dtype
+    )  # as models whose last norm returns fp32 (Mamba) cast before the head
     y = labels if rows is None else labels[rows]
     step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
     weighted = None
@@ -420,17 +482,22 @@ def logps_from_hidden(
     return TokenOutputs(logps=scatter(logps), entropy=scatter(ents), weighted=weighted)
 
 
-def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+def forward_padded(
+    model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute),
+    and with ``router`` the router load-balancing loss over its real tokens (else ``None``)."""
     backend = checked_backend(model)
+    extra = {"output_router_logits": True} if router is not None else {}
     with runtime_context(backend, batch.input_ids.device):
-        logits = model(**model_inputs(batch), use_cache=False).logits
+        out = model(**model_inputs(batch), use_cache=False, **extra)
     logps = (
-        (logits.float() / temperature)
+        (out.logits.float() / temperature)
         .log_softmax(-1)
         .gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
     )
-    return logps * (batch.labels != IGNORE_INDEX)
+    aux = None if router is None else router_aux(router, out, batch)
+    return logps * (batch.labels != IGNORE_INDEX), aux
 
 
 def score_head(model: PreTrainedModel) -> torch.nn.Module:
@@ -444,10 +511,14 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
-    scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
-    return scores[0] if isinstance(batch, PackedBatch) else scores
+def forward_scores(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded; and with ``router``
+    the router load-balancing loss of the forward (else ``None``)."""
+    hidden, aux = hidden_states(model, batch, router)
+    scores = score_head(unwrap(model))(hidden)[..., 0].float()
+    return (scores[0] if isinstance(batch, PackedBatch) else scores), aux
 
 
 class EngineOutput(NamedTuple):
@@ -458,6 +529,7 @@ class EngineOutput(NamedTuple):
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for ``logp_weights`` w (packed batches)
+    aux: torch.Tensor | None = None  # coef * router load-balancing loss, training forwards of a MoE only
 
 
 class ModelEngine(torch.nn.Module):
@@ -483,6 +555,9 @@ class ModelEngine(torch.nn.Module):
         for m in (model, value):  # the models' structure, checked once here, not before each forward
             if m is not None:
                 hybrid.require_packing(unwrap(m))
+        # each model's router load-balancing term (None: its objective has none, or its coefficient is 0)
+        self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
+        self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
@@ -539,6 +614,38 @@ class ModelEngine(torch.nn.Module):
         """The model whose scalar head gives values and scores: the value model, else this model."""
         return self.value if self.value is not None else self.model
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[RouterRecord | None]:
+        """Inside the block, every forward with gradients adds the router load-balancing term of each model
+        that has one to the yielded record (``None``: no model of the engine has one); the loop weights
+        it by the step's tokens and adds it to the micro-batch's loss."""
+        if not any(self.routers):
+            yield None
+            return
+        if self.sequence_parallel is not None:
+            raise sequence_parallel.SequenceParallelError(SPLIT_ROWS)
+        self._record = RouterRecord()
+        try:
+            yield self._record
+        finally:
+            self._record = None
+
+    def _routers(self) -> tuple[RouterLoss | None, RouterLoss | None]:
+        """The router terms of this forward: the model's and the scorer's, while recording with gradients."""
+        if self._record is None or not torch.is_grad_enabled():
+            return None, None
+        model, value = self.routers
+        return model, (value if self.value is not None else model)
+
+    def _recorded(self, terms: list[tuple[torch.Tensor | None, RouterLoss | None]], tokens: int):
+        """Each ``(aux, router)`` of this forward added to the record; their ``coef * aux`` summed."""
+        total = None
+        for aux, router in terms:
+            if aux is not None:
+                term = self._record.add(aux, router.coef, tokens)
+                total = term if total is None else total + term
+        return total
+
     def _forward(
         self,
         batch: PackedBatch,
@@ -551,6 +658,7 @@ class ModelEngine(torch.nn.Module):
     ) -> EngineOutput:
         """The packed pass (one chunk of the row under sequence parallelism)."""
         out = EngineOutput()
+        routers, terms = self._routers(), []
         if logps:
             tokens = forward_packed(
                 self.model,
@@ -559,11 +667,15 @@ class ModelEngine(torch.nn.Module):
                 temperature=temperature,
                 logp_weights=logp_weights,
                 logits_memory_mb=self.settings.logits_memory_mb,
+                router=routers[0],
             )
             out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+            terms.append((tokens.aux, routers[0]))
         if values:
-            out = out._replace(values=forward_scores(self.scorer, batch))
-        return out
+            scores, aux = forward_scores(self.scorer, batch, routers[1])
+            out = out._replace(values=scores)
+            terms.append((aux, routers[1]))
+        return out._replace(aux=self._recorded(terms, batch.num_tokens))
 
     def _padded(
         self,
@@ -582,13 +694,26 @@ class ModelEngine(torch.nn.Module):
             raise ValueError("entropy is computed on packed batches only; use train.batching: tokens")
         padded = to_padded(batch, layout.side, layout.pad_id)
         out = EngineOutput()
+        routers, terms = self._routers(), []
         if logps:
-            tokens = unpad(forward_padded(self.model, padded, temperature=temperature), padded.attention_mask)
+            logits, aux = forward_padded(self.model, padded, temperature=temperature, router=routers[0])
+            tokens = unpad(logits, padded.attention_mask)
             weighted = None if logp_weights is None else (tokens * logp_weights).sum()
             out = out._replace(logps=tokens, weighted=weighted)
+            terms.append((aux, routers[0]))
         if values:
-            out = out._replace(values=unpad(forward_scores(self.scorer, padded), padded.attention_mask))
-        return out
+            scores, aux = forward_scores(self.scorer, padded, routers[1])
+            out = out._replace(values=unpad(scores, padded.attention_mask))
+            terms.append((aux, routers[1]))
+        return out._replace(aux=self._recorded(terms, batch.num_tokens))
+
+
+def _active_router(model: torch.nn.Module | None, override: float | None) -> RouterLoss | None:
+    """``model``'s router load-balancing term where its objective has one with a coefficient other than 0."""
+    if model is None or not defines_router_loss(model):
+        return None
+    router = RouterLoss.of(model, override)
+    return router if router is not None and router.coef != 0 else None
 
 
 def _no_split(model: torch.nn.Module) -> list[str]:

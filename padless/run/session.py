@@ -15,6 +15,7 @@ from padless.config.schema import ModelSettings
 from padless.errors import InputError
 from padless.forward import hybrid, sequence_parallel
 from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward.routers import SPLIT_ROWS, RouterLoss
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
 from padless.run.logs import describe_run, log_to_file, setup_logging
@@ -75,13 +76,20 @@ def start_session(
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     group = sequence_parallel.start(config.train.sequence_parallel)  # this run's engines split rows over it
-    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb, group)
+    settings = EngineSettings(
+        model_cfg.varlen_kernel, config.train.logits_memory_mb, group, model_cfg.router_aux_loss_coef
+    )
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
     problem = hybrid.sharded_problem(model, expected_strategy(accelerator), accelerator.num_processes)
     if problem:
         raise InputError(problem)
+    router = RouterLoss.of(model, model_cfg.router_aux_loss_coef)  # an override on a dense model: refused
+    if router is not None:
+        if router.coef and config.train.sequence_parallel > 1:
+            raise InputError(SPLIT_ROWS)
+        log.info(router.describe(model_cfg.name, model_cfg.router_aux_loss_coef))
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))

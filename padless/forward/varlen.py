@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from padless.errors import AttentionError
 from padless.forward import attention
@@ -692,8 +692,6 @@ def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     indexer chooses within each sequence."""
     config = kwargs.get("config")
     if set(getattr(config, "layer_types", None) or ()) & attention.INDEXED_LAYER_TYPES:
-        from transformers.masking_utils import sdpa_mask
-
         return sdpa_mask(*args, attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False})
     if attention_mask is None or bool(attention_mask.all()):
         return None

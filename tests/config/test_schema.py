@@ -74,9 +74,32 @@ def test_exponent_floats_from_file_and_quoted_strings(tmp_path: Path) -> None:
     assert all(type(v) is float for v in (train.learning_rate, train.adam_epsilon, train.weight_decay))
 
 
-def test_later_override_wins() -> None:
-    cfg = load_config(SFTConfig, None, ["train.max_steps=5", "train.max_steps=7"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.max_steps=5", "train.max_steps=7"],
+        ["model.lora.r=4", "model.lora=null"],
+        ["model.lora={r: 4}", "model.lora.r=8"],
+    ],
+)
+def test_an_override_that_replaces_another_on_the_command_line_is_refused(overrides, capsys) -> None:
+    assert main(["sft", *overrides]) == 2
+    msg = capsys.readouterr().err
+    assert f"sets again what {overrides[0]!r} set" in msg and repr(overrides[1]) in msg
+    assert "fix: give each key once" in msg
+    cfg = load_config(SFTConfig, None, ["model.lora={}", "model.lora.r=8"], once=True)  # a section, a key in it
+    assert cfg.model.lora is not None and cfg.model.lora.r == 8
+    cfg = load_config(SFTConfig, None, ["train.max_steps=5", "train.max_steps=7"])  # the API composes lists
     assert cfg.train.max_steps == 7
+
+
+def test_a_section_of_another_type_is_not_replaced_by_an_override(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  name: tiny-llama\ntrain: 5\n")
+    msg = error(SFTConfig, path, "train.max_steps=3")
+    assert msg.startswith(f"train in {path} (line 3) is int 5, not a section")
+    assert "'train.max_steps=3'" in msg and "fix: write train as a mapping" in msg
+    path = write(tmp_path, "model:\n  lora: null\n")  # null is an empty section: the override fills it
+    assert load_config(SFTConfig, path, ["model.lora.r=8"]).model.lora.r == 8
 
 
 def test_nested_override_creates_missing_lora_section(tmp_path: Path) -> None:
@@ -321,7 +344,6 @@ def test_allowed_combinations() -> None:
         SFTConfig,
         None,
         [
-            "model.attn_implementation=flex_attention",
             "model.gradient_checkpointing=true",
             "train.max_tokens_per_batch=16",  # smaller than max_length: checked at batching time
             "train.report_to=[]",
@@ -553,7 +575,7 @@ def test_rm_overrides(tmp_path: Path) -> None:
         (
             ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"],
             "dpo.label_smoothing, dpo.loss_type",
-            "only applies",
+            "has no effect",
         ),
         (["dpo.label_smoothing=0.5"], "dpo.label_smoothing", "[0, 0.5)"),
         (["dpo.beta=0"], "dpo.beta", "must be > 0"),
@@ -563,7 +585,7 @@ def test_rm_overrides(tmp_path: Path) -> None:
         (
             ["model.lora.r=8", "dpo.reference=adapters", "dpo.ref_model=x"],
             "dpo.ref_model, dpo.reference",
-            "ignored",
+            "has no effect",
         ),
         (["dpo.loss_type=orpo"], "dpo.loss_type", "one of 'sigmoid', 'ipo', 'hinge', 'simpo'"),
         (["dpo.betta=0.2"], "unknown key 'dpo.betta'", "did you mean 'beta'"),
@@ -700,7 +722,7 @@ def test_rl_allowed_combinations(tmp_path: Path) -> None:
         (["reward.functions=[arithmetic, arithmetic]"], "reward.functions", "listed more than once"),
         (["reward.functions=[arithmetic, '']"], "reward.functions", "item 1 is an empty string"),
         (["reward.model=''"], "reward.model", "empty string"),
-        (["reward.model_weight=2"], "reward.model_weight, reward.model", "would be ignored"),
+        (["reward.model_weight=2"], "reward.model_weight, reward.model", "has no effect"),
         (["rollout.temperature=0"], "rollout.temperature", "greedy decoding"),
         (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
         (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
@@ -760,7 +782,7 @@ def test_the_old_grpo_normalisation_key_points_to_loss_type() -> None:
         (["ppo.kl_coef=-1"], "ppo.kl_coef", "must be >= 0"),
         (["ppo.vf_coef=0"], "ppo.vf_coef", "must be > 0"),
         (["ppo.critic_warmup_steps=-1"], "ppo.critic_warmup_steps", "must be >= 0"),
-        (["ppo.value_learning_rate=0"], "ppo.value_learning_rate", "null to use train.learning_rate"),
+        (["ppo.value_learning_rate=0"], "ppo.value_learning_rate", "e.g. 1, or null"),
         (["rollout.num_generations=0"], "rollout.num_generations", "must be > 0"),
     ],
 )

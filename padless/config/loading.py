@@ -742,8 +742,8 @@ def load_config(
     Overrides are applied in order (later wins); with ``once`` (the command line, where a repeated key is a
     slip, not a composition) an override that would replace another's value is refused. ``model.lora.r=8``
     on a config with no LoRA section creates one with defaults for the other keys, and ``model.lora=null``
-    removes it; a section of another type in the file (``train: 5``) is refused, not replaced. An override of a
-    text key keeps its text as written: ``train.output_dir=007`` is the string ``"007"``.
+    removes it; a section of another type in the file (``train: 5``) is refused, not replaced. An override
+    of a text key keeps its text as written: ``train.output_dir=007`` is the string ``"007"``.
     """
     if isinstance(overrides, str):  # a lone "a=b" would otherwise be read one character at a time
         overrides = [overrides]

@@ -99,3 +99,21 @@ def test_the_reward_function_example_scores_as_the_rl_guide_says(tmp_path):
     example = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
     config = load_config(GRPOConfig, example, [f"reward.functions=[arithmetic, {spec}]"])
     assert config.reward.functions == ["arithmetic", spec]
+
+
+def test_the_environment_example_plays_as_the_episodes_guide_says():
+    """examples/environments.py (shown in docs/guides/episodes.md), loaded as rollout.environment loads
+    it: its tool's schema is readable, tool results go back, a wrong answer gets one retry."""
+    from padless.rl.environments import Step, Turn, load_environment, tool_schema
+
+    cls = load_environment(str(Path(__file__).parent.parent / "examples/environments.py:Quiz"))
+    assert tool_schema("multiply", cls.tools[0])["function"]["parameters"]["required"] == ["a", "b"]
+    row = {"prompt": "What is 6 x 7?", "answer": "42"}
+    env = cls(row)
+    assert env.reset() == [{"role": "user", "content": "What is 6 x 7?"}]
+    called = [{"role": "tool", "content": "42"}]
+    assert env.step(Turn(0, "<call>...</call>", [1], [{"name": "multiply"}], called)) == Step(called)
+    assert not env.step(Turn(1, "41", [2])).done
+    assert env.step(Turn(2, "42.", [3])) == Step(reward=0.5, done=True)
+    retried = cls(row)
+    assert retried.step(Turn(0, "1", [2])).messages and retried.step(Turn(1, "2", [2])) == Step(done=True)

@@ -412,11 +412,15 @@ class ORPOConfig(ConfigModel):
     pairs, with no reference model."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
     data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """preference pairs"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/orpo", learning_rate=8e-6)
     )
+    """the training loop"""
     orpo: ORPOSettings = Field(default_factory=ORPOSettings)
+    """the ORPO loss"""
 
     def _check(self) -> None:
         _check_preference_run(self.data, self.train)
@@ -458,11 +462,15 @@ class KTOConfig(ConfigModel):
     ``prompt``, ``completion``, ``label``; preference pairs are read as one of each)."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
     data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """completions labelled desirable or undesirable (unpaired rows, or preference pairs)"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/kto", learning_rate=5e-6)
     )
+    """the training loop"""
     kto: KTOSettings = Field(default_factory=KTOSettings)
+    """the KTO loss and its reference"""
 
     def _check(self) -> None:
         _check_preference_run(self.data, self.train)

@@ -33,7 +33,6 @@ from padless.config.schema import (
     KTOConfig,
     KTOSettings,
     ModelSettings,
-    ORPOConfig,
     ORPOSettings,
     PreferenceDataSettings,
     TrainSettings,
@@ -49,7 +48,7 @@ from padless.proof.zoo import scale_head
 from padless.run.loop import MicroBatch
 from padless.tiny import build_tiny_model
 from padless.trainers.kto import KTORecipe, partners, run_kto
-from padless.trainers.orpo import ORPORecipe, run_orpo
+from padless.trainers.orpo import ORPORecipe
 
 CPU = torch.device("cpu")
 LOGIT = 30.0  # the policy's largest |logit|
@@ -215,7 +214,7 @@ def test_kto_baseline_is_the_steps_and_planted_mistakes_move_it(completions, tok
     assert sorted(i for m in micros for i in m.data) == list(range(len(completions)))
     first, second = ([m for m in micros if m.step == s] for s in (0, 1))
     count = sum(m.units for m in first)
-    loss, metrics = step(recipe, policy, first, count)
+    metrics = step(recipe, policy, first, count)[1]
     assert metrics["kl"] > 0.05
     assert abs(step(recipe, policy, second, sum(m.units for m in second))[1]["kl"] - metrics["kl"]) > 1e-2
 
@@ -375,14 +374,12 @@ def preference_run(tmp_path, name: str, **train):
 
 
 @pytest.mark.slow
-def test_kto_and_orpo_learn_the_embedded_preferences(tmp_path):
-    """One epoch of each on the embedded pairs: KTO's chosen rewards end above its rejected ones on the eval
-    pairs, ORPO's eval reward accuracy ends at 0.7 or more."""
-    kto = run_kto(
-        KTOConfig(**preference_run(tmp_path, "kto", num_epochs=1, learning_rate=2e-3), kto=KTOSettings())
-    )
-    assert kto["eval/rewards/margins"] > 0, kto
-    orpo = run_orpo(ORPOConfig(**preference_run(tmp_path, "orpo", num_epochs=1, learning_rate=2e-3)))
-    assert orpo["eval/rewards/accuracies"] >= 0.7, orpo
+def test_kto_learns_the_embedded_preferences(tmp_path):
+    """One epoch of KTO on 160 embedded pairs read as 320 labelled completions: on the held-out pairs the
+    desirable completions' implied rewards end above the undesirable ones', and the KL baseline is logged."""
+    cfg = preference_run(tmp_path, "kto", num_epochs=1, learning_rate=2e-3)
+    cfg["data"] = PreferenceDataSettings(train="tiny:preference[:160]", eval="tiny:preference_eval")
+    metrics = run_kto(KTOConfig(**cfg))
+    assert metrics["eval/rewards/margins"] > 0, metrics
     lines = (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()
     assert any("train/kl" in json.loads(line) for line in lines)

@@ -138,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
             f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
             "or give the path of a YAML config"
         )
-    metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
+    metrics = _load(run_target)(load_config(_load(config_target), config, overrides, once=True))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0
 

@@ -469,6 +469,8 @@ class RMConfig(ConfigModel):
 
 
 class ORPOSettings(ConfigModel):
+    """The ORPO loss."""
+
     beta: PositiveFloat = 0.1
     """weight of the odds-ratio term beside the chosen completion's NLL (the paper's lambda, TRL's beta)"""
 
@@ -488,11 +490,12 @@ class ORPOConfig(ConfigModel):
     orpo: ORPOSettings = Field(default_factory=ORPOSettings)
     """the ORPO loss"""
 
-    def _check(self) -> None:
-        _check_preference_run(self.data, self.train)
+    applies = PREFERENCE_RUN
 
 
 class KTOSettings(ConfigModel):
+    """The KTO loss and its reference."""
+
     beta: PositiveFloat = 0.1
     """scale of the implicit reward beta (log pi - log pi_ref) inside the sigmoid"""
     loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
@@ -511,16 +514,19 @@ class KTOSettings(ConfigModel):
     """reference log-probs (of completions and of the KL pairs) computed once before training, the
     reference then freed"""
 
+    applies = (
+        Applies(
+            ("ref_model",),
+            ("reference",),
+            lambda s: s.reference == "model",
+            "reference 'adapters' uses the policy itself with adapters disabled",
+            "set ref_model to null, or reference to model",
+        ),
+    )
+
     def _check(self) -> None:
         if self.ref_model == "":
             raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
-        if self.ref_model is not None and self.reference == "adapters":
-            raise invalid(
-                ("ref_model", "reference"),
-                f"reference 'adapters' uses the policy itself with adapters disabled, so ref_model="
-                f"{self.ref_model!r} would be ignored",
-                "set ref_model to null, or reference to model",
-            )
 
 
 class KTOConfig(ConfigModel):
@@ -538,8 +544,9 @@ class KTOConfig(ConfigModel):
     kto: KTOSettings = Field(default_factory=KTOSettings)
     """the KTO loss and its reference"""
 
+    applies = PREFERENCE_RUN
+
     def _check(self) -> None:
-        _check_preference_run(self.data, self.train)
         if self.kto.reference == "adapters" and self.model.lora is None:
             raise invalid(
                 ("kto.reference", "model.lora"),

@@ -57,7 +57,7 @@ def test_example_runs(path, tmp_path):
     if kind == "sft":
         overrides += ["train.eval_steps=2", "train.eval_max_new_tokens=4"]
         overrides += [] if images else ["data.train=tiny:sft_eval"]
-    elif kind in ("dpo", "rm"):
+    elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
     else:  # online RL: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]

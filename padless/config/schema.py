@@ -468,6 +468,94 @@ class RMConfig(ConfigModel):
     )
 
 
+class ORPOSettings(ConfigModel):
+    """The ORPO loss."""
+
+    beta: PositiveFloat = 0.1
+    """weight of the odds-ratio term beside the chosen completion's NLL (the paper's lambda, TRL's beta)"""
+
+
+class ORPOConfig(ConfigModel):
+    """Odds-ratio preference optimisation: the chosen completion's NLL plus an odds-ratio term on preference
+    pairs, with no reference model."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """preference pairs"""
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/orpo", learning_rate=8e-6)
+    )
+    """the training loop"""
+    orpo: ORPOSettings = Field(default_factory=ORPOSettings)
+    """the ORPO loss"""
+
+    applies = PREFERENCE_RUN
+
+
+class KTOSettings(ConfigModel):
+    """The KTO loss and its reference."""
+
+    beta: PositiveFloat = 0.1
+    """scale of the implicit reward beta (log pi - log pi_ref) inside the sigmoid"""
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto: against the KL baseline estimated on mismatched prompt / completion pairs; apo_zero_unpaired:
+    without the baseline (no KL pass)"""
+    desirable_weight: PositiveFloat = 1.0
+    """weight of a desirable completion's loss"""
+    undesirable_weight: PositiveFloat = 1.0
+    """weight of an undesirable completion's loss (KTO's Eq. 8: keep desirable_weight x desirable count
+    about 1 to 1.33 x undesirable_weight x undesirable count)"""
+    reference: Literal["model", "adapters"] = "model"
+    """adapters: the policy with its LoRA adapters disabled"""
+    ref_model: str | None = None
+    """null: a frozen copy of model.name"""
+    precompute_ref_logps: bool = False
+    """reference log-probs (of completions and of the KL pairs) computed once before training, the
+    reference then freed"""
+
+    applies = (
+        Applies(
+            ("ref_model",),
+            ("reference",),
+            lambda s: s.reference == "model",
+            "reference 'adapters' uses the policy itself with adapters disabled",
+            "set ref_model to null, or reference to model",
+        ),
+    )
+
+    def _check(self) -> None:
+        if self.ref_model == "":
+            raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
+
+
+class KTOConfig(ConfigModel):
+    """Kahneman-Tversky optimisation on unpaired completions labelled desirable or undesirable (rows with
+    ``prompt``, ``completion``, ``label``; preference pairs are read as one of each)."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """completions labelled desirable or undesirable (unpaired rows, or preference pairs)"""
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/kto", learning_rate=5e-6)
+    )
+    """the training loop"""
+    kto: KTOSettings = Field(default_factory=KTOSettings)
+    """the KTO loss and its reference"""
+
+    applies = PREFERENCE_RUN
+
+    def _check(self) -> None:
+        if self.kto.reference == "adapters" and self.model.lora is None:
+            raise invalid(
+                ("kto.reference", "model.lora"),
+                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+                "not set, so there are no adapters",
+                "add a model.lora section (e.g. model.lora.r=16), or set kto.reference to model",
+            )
+
+
 # --------------------------------------------------------------------------------------------------
 # Online RL: GRPO and PPO
 

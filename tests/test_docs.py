@@ -32,3 +32,10 @@ def test_every_fault_category_is_in_the_error_reference():
         row = next((r for r in rows if happened in r), None)
         assert row is not None and f"| {code} |" in row, happened
     assert any("corrupt or truncated file" in r and f"| {faults.USAGE} |" in r for r in rows)
+
+
+def test_the_architecture_page_names_every_wing():
+    page = (ROOT / "docs" / "development" / "architecture.md").read_text()
+    wings = sorted(p.name for p in (ROOT / "padless").iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert len(wings) > 5
+    assert [w for w in wings if f"`padless/{w}/`" not in page] == []

@@ -193,14 +193,19 @@ def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
     )
 
 
-def hidden_states(
-    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied, and with
-    ``router`` the load-balancing loss of the routers' logits on the real tokens (else ``None``).
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
+    return routed_hidden_states(model, batch)[0]
+
+
+def routed_hidden_states(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`hidden_states`, and with ``router`` the load-balancing loss of the routers' logits on the
+    real tokens (else ``None``)."""
     backend = checked_backend(model)
     base = backbone(model)
     inputs = model_inputs(batch)
@@ -407,7 +412,7 @@ def forward_packed(
 ) -> TokenOutputs:
     """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`.
     With ``router``, also the router load-balancing loss of the forward (``aux``)."""
-    hidden, aux = hidden_states(model, batch, router)
+    hidden, aux = routed_hidden_states(model, batch, router)
     out = logps_from_hidden(
         unwrap(model),
         hidden[0],
@@ -482,11 +487,16 @@ def logps_from_hidden(
     return TokenOutputs(logps=scatter(logps), entropy=scatter(ents), weighted=weighted)
 
 
-def forward_padded(
+def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+    return routed_padded(model, batch, temperature)[0]
+
+
+def routed_padded(
     model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0, router: RouterLoss | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute),
-    and with ``router`` the router load-balancing loss over its real tokens (else ``None``)."""
+    """:func:`forward_padded`, and with ``router`` the router load-balancing loss over the batch's real
+    tokens (else ``None``)."""
     backend = checked_backend(model)
     extra = {"output_router_logits": True} if router is not None else {}
     with runtime_context(backend, batch.input_ids.device):
@@ -511,12 +521,17 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+    return routed_scores(model, batch)[0]
+
+
+def routed_scores(
     model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded; and with ``router``
-    the router load-balancing loss of the forward (else ``None``)."""
-    hidden, aux = hidden_states(model, batch, router)
+    """:func:`forward_scores`, and with ``router`` the router load-balancing loss of the forward (else
+    ``None``)."""
+    hidden, aux = routed_hidden_states(model, batch, router)
     scores = score_head(unwrap(model))(hidden)[..., 0].float()
     return (scores[0] if isinstance(batch, PackedBatch) else scores), aux
 
@@ -672,7 +687,7 @@ class ModelEngine(torch.nn.Module):
             out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
             terms.append((tokens.aux, routers[0]))
         if values:
-            scores, aux = forward_scores(self.scorer, batch, routers[1])
+            scores, aux = routed_scores(self.scorer, batch, routers[1])
             out = out._replace(values=scores)
             terms.append((aux, routers[1]))
         return out._replace(aux=self._recorded(terms, batch.num_tokens))
@@ -696,13 +711,13 @@ class ModelEngine(torch.nn.Module):
         out = EngineOutput()
         routers, terms = self._routers(), []
         if logps:
-            logits, aux = forward_padded(self.model, padded, temperature=temperature, router=routers[0])
+            logits, aux = routed_padded(self.model, padded, temperature, routers[0])
             tokens = unpad(logits, padded.attention_mask)
             weighted = None if logp_weights is None else (tokens * logp_weights).sum()
             out = out._replace(logps=tokens, weighted=weighted)
             terms.append((aux, routers[0]))
         if values:
-            scores, aux = forward_scores(self.scorer, padded, routers[1])
+            scores, aux = routed_scores(self.scorer, padded, routers[1])
             out = out._replace(values=unpad(scores, padded.attention_mask))
             terms.append((aux, routers[1]))
         return out._replace(aux=self._recorded(terms, batch.num_tokens))

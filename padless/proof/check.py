@@ -104,7 +104,7 @@ def layout_logps(
 def padded_logps(model: PreTrainedModel, batch: PackedBatch, side: str, pad_id: int) -> list[torch.Tensor]:
     """Per-sequence next-token log-probs ``[L_i - 1]`` of ``batch`` run as one batch padded on ``side``."""
     padded = to_padded(batch, side, pad_id)
-    logps, _ = forward_padded(model, padded)
+    logps = forward_padded(model, padded)
     return [row[labels != IGNORE_INDEX] for row, labels in zip(logps, padded.labels, strict=True)]
 
 

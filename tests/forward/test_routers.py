@@ -2,8 +2,8 @@
 ``forward(labels=...).loss`` (load-balancing term included), and on a packed row the router loss is the
 model's own over the real tokens of the batch, never over padding.
 
-Model: a tiny Qwen3-MoE (4 experts top-2) with ``output_router_logits`` on and a coefficient
-large enough that the term is far above round-off (0.02 x ~2: hundreds of times the bound), head scaled to |logit| 30.
+Model: a tiny Qwen3-MoE (4 experts top-2) with ``output_router_logits`` on and a coefficient large enough
+that the term is far above round-off (0.02 x ~2: hundreds of times the bound), head scaled to |logit| 30.
 """
 
 from __future__ import annotations

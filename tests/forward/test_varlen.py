@@ -377,7 +377,7 @@ def test_varlen_function_refuses_what_it_does_not_implement():
     q, k, v = _qkv(1, sum(LENS))
     layer = _Attention(model_type="t5")
     with pytest.raises(AttentionError, match=r"_Attention \(t5\) passes alibi_slopes, position_bias to its"):
-        varlen_attention_forward(layer, q, k, v, None, position_bias=1, alibi_slopes=None, cu_seq_lens_q=CU)
+        varlen_attention_forward(layer, q, k, v, None, position_bias=1, alibi_slopes=2, cu_seq_lens_q=CU)
     with pytest.raises(AttentionError, match="output_attentions=True"):
         varlen_attention_forward(layer, q, k, v, None, output_attentions=True, cu_seq_lens_q=CU)
     with pytest.raises(AttentionError, match="bidirectional sliding-window"):
@@ -399,13 +399,14 @@ def test_varlen_function_refuses_what_it_does_not_implement():
         output_attentions=False,
         output_router_logits=False,
         logits_to_keep=0,  # the head's argument, handed down by LLaVA-OneVision-style wrappers
+        encoder_hidden_states=None,  # an argument given as None asks for nothing (BERT-style decoders)
         cu_seq_lens_q=CU,
     )
     torch.testing.assert_close(out[0], _expected_packed(q, k, v, 8**-0.5), rtol=0, atol=1e-5)
 
 
 def _with_extra_kwarg(module, query, key, value, attention_mask, **kwargs):
-    return varlen_attention_forward(module, query, key, value, attention_mask, alibi_slopes=None, **kwargs)
+    return varlen_attention_forward(module, query, key, value, attention_mask, alibi_slopes=2.0, **kwargs)
 
 
 def test_unknown_attention_argument_stops_at_load_time(monkeypatch):
@@ -823,9 +824,8 @@ def test_indexed_attention_chooses_keys_within_each_sequence(probe_seqs):
     model = load_model_from_zoo("deepseek_v32")
     assert model.config.index_topk == 8 < max(len(s) for s in probe_seqs)
     packed = _indexer_choices(model, probe_seqs)
-    alone = [
-        sum((_indexer_choices(model, [s])[layer] for s in probe_seqs), []) for layer in range(len(packed))
-    ]
+    each = [_indexer_choices(model, [s]) for s in probe_seqs]  # per sequence, per layer, per query
+    alone = [[query for seq in each for query in seq[layer]] for layer in range(len(packed))]
     assert packed == alone and any(len(c) == 8 for c in packed[0])  # the top-k binds: choices were made
 
     def whole_row(*args, **kwargs):

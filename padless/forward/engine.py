@@ -221,7 +221,12 @@ def routed_hidden_states(
 def router_aux(router: RouterLoss, out: Any, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
     """``router``'s loss over the router logits of a forward's output, real tokens only: all of a packed
     row's, the unmasked rows of a padded batch."""
-    logits = tuple(out.router_logits)
+    logits = tuple(getattr(out, "router_logits", None) or ())
+    if not logits:
+        raise ValueError(
+            "the model's modeling code defines a router load-balancing loss, but its forward returns no "
+            "router logits to compute it from; set model.router_aux_loss_coef: 0 to train without it"
+        )
     if isinstance(batch, PaddedBatch):
         real = batch.attention_mask.reshape(-1).bool()
         logits = tuple(layer[real] for layer in logits)

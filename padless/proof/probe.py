@@ -188,8 +188,9 @@ class ProbeReference:
     logits: list[torch.Tensor]  # a scalar-head model's: its head's own per-token outputs ``[L, 1]``
     head_inputs: list[torch.Tensor]
     # a causal LM's own ``forward(labels=...)``: (loss, router aux_loss or None) per sequence; empty where
-    # its forward returns no loss
+    # its forward returns no loss, or fails given labels (then ``unasked`` says how)
     losses: list[tuple[float, float | None]] = field(default_factory=list)
+    unasked: str | None = None
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -218,9 +219,13 @@ def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
     scalar = output_head(model)
     head = scalar if scalar is not None else lm_head(model)
     # a causal LM's own objective, router load-balancing term included where it has one
-    router = None if scalar is not None else RouterLoss.of(model)
-    extra = {"output_router_logits": True} if router is not None else {}
+    objective: dict[str, Any] = {}
+    if scalar is None:
+        objective["labels"] = True
+        if RouterLoss.of(model) is not None:
+            objective["output_router_logits"] = True
     losses: list[tuple[float, float | None]] = []
+    unasked = None  # why the model's own loss could not be asked for
 
     def record(_: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         inputs.append(args[0][0].float())
@@ -231,14 +236,14 @@ def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
     model.eval()
     try:
         with torch.no_grad(), _eager(model):
-            logits = []
-            for s in seqs:
-                labels = {"labels": s[None]} if scalar is None else {}
-                out = model(input_ids=s[None], use_cache=False, **labels, **extra)
-                logits.append(out.logits[0].float())
-                if getattr(out, "loss", None) is not None:
-                    aux = getattr(out, "aux_loss", None)
-                    losses.append((out.loss.item(), None if aux is None else float(aux)))
+            try:
+                logits = [_own(model, s, objective, losses) for s in seqs]
+            except Exception as e:  # its forward fails given labels / for its router loss: ask without
+                if not objective:
+                    raise
+                unasked = f"forward({', '.join(f'{k}=...' for k in objective)}) failed: {_one_line(e)}"
+                inputs.clear(), outputs.clear(), losses.clear()
+                logits = [_own(model, s, {}, losses) for s in seqs]
         if scalar is not None:  # its forward pools one score per sequence: compare the head's per token
             logits, losses = outputs, []
     except Exception as e:
@@ -251,7 +256,30 @@ def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
     finally:
         hook.remove()
         model.train(was_training)
-    return ProbeReference(seqs, logits, inputs, losses)
+    return ProbeReference(seqs, logits, inputs, losses, unasked)
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+
+
+def _own(
+    model: torch.nn.Module,
+    seq: torch.Tensor,
+    objective: dict[str, Any],
+    losses: list[tuple[float, float | None]],
+) -> torch.Tensor:
+    """The model's own logits ``[L, V]`` on ``seq`` alone; with ``objective``, its loss for labels (and its
+    router loss) appended to ``losses``."""
+    kwargs = {
+        **({"labels": seq[None]} if "labels" in objective else {}),
+        **{k: True for k in objective if k != "labels"},
+    }
+    out = model(input_ids=seq[None], use_cache=False, **kwargs)
+    if getattr(out, "loss", None) is not None:
+        aux = getattr(out, "aux_loss", None)
+        losses.append((out.loss.item(), None if aux is None else float(aux)))
+    return out.logits[0].float()
 
 
 def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -366,7 +394,7 @@ def probe_attention(
 def _compare_losses(
     model: torch.nn.Module,
     reference: ProbeReference,
-    logps: torch.Tensor,
+    logps: torch.Tensor | None,
     router: RouterLoss | None,
     router_logits: tuple[torch.Tensor, ...] | None,
     limit: float,
@@ -376,7 +404,7 @@ def _compare_losses(
     ``forward(labels=...).loss`` alone; refuses a difference over ``limit``, the log-probs' bound (a mean
     of per-token values within it). Nothing to compare where the model's forward returns no loss."""
     if not reference.losses:
-        return {}
+        return {"own_loss": f"not compared: {reference.unasked}"} if reference.unasked else {}
     lengths = [len(s) for s in reference.seqs]
     ours, aux_ours = [], []
     for i, nll in enumerate(logps.split([n - 1 for n in lengths])):

@@ -17,6 +17,7 @@ holds fillers where a rank's prompts run out), so sharded engines stay in lockst
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,7 @@ class Sampler:
         data; None: nothing."""
         return None
 
-    def restore(self, state: list[dict[str, Any]], revive: Any) -> None:
+    def restore(self, state: list[dict[str, Any]], revive: Callable[[dict[str, Any]], Sample]) -> None:
         """Take back what :meth:`state` saved; ``revive`` turns a saved sample back into a :class:`Sample`."""
         raise NotImplementedError(f"{type(self).__name__} keeps no state to restore")
 

@@ -223,9 +223,10 @@ def load_teacher(
 
 def run_distill(cfg: DistillConfig) -> dict[str, float]:
     if cfg.distill.mode == "on_policy":
-        from padless.trainers.distill_on_policy import run_on_policy
-
-        return run_on_policy(cfg)
+        raise InputError(
+            "distill.mode on_policy is not in this build yet (it lands on the RL sampler); fix: set "
+            "distill.mode: gkd (distill.lmbda 1 trains on the student's samples only) or offline"
+        )
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
     if ImageInputs.for_model(cfg.model.name, session.model) is not None:

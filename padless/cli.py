@@ -118,6 +118,7 @@ TRAINERS = {
     "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
     "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
     "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
+    "distill": (SCHEMA + "DistillConfig", "padless.trainers.distill:run_distill", "distil a frozen teacher"),
 }
 
 

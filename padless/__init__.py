@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-API = ("SFT", "DPO", "RM", "KTO", "ORPO", "GRPO", "PPO", "Trainer", "trainer", "PadlessError")
+API = ("SFT", "DPO", "RM", "KTO", "ORPO", "GRPO", "PPO", "DISTILL", "Trainer", "trainer", "PadlessError")
 
 
 def __getattr__(name: str) -> Any:

@@ -55,6 +55,7 @@ TRAINERS = {
     "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
     "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
     "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
+    "distill": (SCHEMA + "DistillConfig", "padless.trainers.distill:run_distill", "distil a frozen teacher"),
 }
 
 # keyword arguments that stand for a config key (the names TRL users know)
@@ -311,7 +312,7 @@ def _trainer(command: str) -> type[Trainer]:
 CLASSES = {command: _trainer(command) for command in TRAINERS}
 SFT, DPO, RM = CLASSES["sft"], CLASSES["dpo"], CLASSES["rm"]
 KTO, ORPO = CLASSES["kto"], CLASSES["orpo"]
-GRPO, PPO = CLASSES["grpo"], CLASSES["ppo"]
+GRPO, PPO, DISTILL = CLASSES["grpo"], CLASSES["ppo"], CLASSES["distill"]
 
 
 def trainer(command: str, config: Any = None, **arguments: Any) -> Trainer:

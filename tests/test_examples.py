@@ -54,16 +54,19 @@ def test_example_runs(path, tmp_path):
     ]
     # the smaller embedded sets, except for vision-language examples: their data are what they show
     images = path.stem.startswith("vlm_")
+    samples = kind in ("grpo", "ppo") or (kind == "distill" and "mode: on_policy" in path.read_text())
     if kind == "sft":
         overrides += ["train.eval_steps=2", "train.eval_max_new_tokens=4"]
         overrides += [] if images else ["data.train=tiny:sft_eval"]
     elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
-    else:  # online RL: no eval split, small rollouts
+    elif not samples:  # distillation on data completions
+        overrides += ["train.eval_steps=2", "data.train=tiny:sft_eval"]
+    else:  # online RL and on-policy distillation: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
     metrics = run(load_config(config_cls, path, overrides))
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
-    if kind in ("grpo", "ppo"):
+    if samples:
         assert "train/loss" in metrics and "rollout/reward" in (tmp_path / "metrics.jsonl").read_text()
     else:
         assert metrics["eval/loss"] > 0

@@ -18,7 +18,8 @@ path, a dict or a config object, keyword sections are merged over it), and ``tra
 
 - a model (``PreTrainedModel``, PEFT model) at any model key (``model.name``, ``dpo.ref_model``,
   ``reward.model``, ...) is written once to a folder in padless's cache named by a hash of its files (with
-  ``tokenizer=``, or the tokenizer its ``name_or_path`` names) and loaded from there like any folder: the
+  ``tokenizer=`` for ``model.name``; else the tokenizer its ``name_or_path`` names, else the trained
+  model's) and loaded from there like any folder: the
   same checks, the same load-time proof, the same refusals, and the saved config names a folder that
   loads again;
 - data (``datasets.Dataset`` / ``DatasetDict`` / ``IterableDataset``, a list of dicts) and callables
@@ -37,7 +38,7 @@ import importlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -149,9 +150,10 @@ def _config_data(config: Any, cls: type[ConfigModel]) -> dict[str, Any]:
     )
 
 
-def model_folder(model: Any, tokenizer: Any, key: str) -> Path:
-    """``model`` (a loaded model, or a folder name when only ``tokenizer`` is an object) with its tokenizer
-    as a folder in padless's cache named by a hash of its files: written once, loaded like any folder."""
+def model_folder(model: Any, tokenizer: Any, key: str, fallback: Callable[[], Any] | None = None) -> Path:
+    """``model`` (a loaded model, or a folder name when only ``tokenizer`` is an object) with ``tokenizer``
+    (else the one its ``name_or_path`` names, else ``fallback()``) as a folder in padless's cache named by a
+    hash of its files: written once, loaded like any folder."""
     import xxhash
 
     from padless.data import sources
@@ -172,7 +174,13 @@ def model_folder(model: Any, tokenizer: Any, key: str) -> Path:
         else:
             model.save_pretrained(tmp)
         if tokenizer is None and not isinstance(model, str):
-            tokenizer = _own_tokenizer(model, key)
+            tokenizer = _own_tokenizer(model, key) or (fallback() if fallback else None)
+            if tokenizer is None:
+                raise InputError(
+                    f"{key}: the {type(model).__name__} given names no folder its tokenizer could come from "
+                    "(name_or_path is empty); fix: pass tokenizer= (the tokenizer or processor it was "
+                    "trained with)"
+                )
         if tokenizer is not None:
             for file in tmp.iterdir():  # the tokenizer given replaces any the folder had
                 if file.is_symlink() and (file.name.startswith("tokenizer") or file.suffix == ".jinja"):
@@ -279,13 +287,21 @@ class Trainer:
         run folder) names those folders."""
         with raised_as_padless(), offline_run(), given.serving(self.objects):
             config = self.config.model_copy(deep=True)
-            for key, (model, tokenizer) in self.models.items():
+            for key in sorted(self.models, key=lambda k: k != "model.name"):  # the trained model first
+                model, tokenizer = self.models[key]
                 *sections, name = key.split(".")
                 section = config
                 for part in sections:
                     section = getattr(section, part)
-                setattr(section, name, str(model_folder(model, tokenizer, key)))
+                setattr(section, name, str(model_folder(model, tokenizer, key, lambda: trained(config))))
             return run(self.command, config)
+
+
+def trained(config: ConfigModel) -> Any:
+    """The trained model's tokenizer: other model objects handed in without one of their own share it."""
+    from padless.data.sources import load_tokenizer
+
+    return load_tokenizer(config.model.name, config.model.trust_remote_code)
 
 
 def _rows(value: Any) -> Any:

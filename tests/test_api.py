@@ -40,6 +40,7 @@ RUNS = {
     "orpo": ("preference", {}),
     "grpo": ("rl", {"rollout": RL}),
     "ppo": ("rl", {"rollout": RL}),
+    "distill": ("sft", {"distill": {"mode": "offline"}}),  # the teacher: a model object, below
 }
 
 
@@ -81,6 +82,8 @@ def test_api_with_in_memory_data_and_callables_equals_the_cli_on_files(command, 
     file = tmp_path / f"{name}.jsonl"
     file.write_text("".join(json.dumps(r) + "\n" for r in data))
     rl = command in ("grpo", "ppo")
+    if command == "distill":  # a model object at another model key: it takes the student's tokenizer
+        sections = {"distill": {**sections["distill"], "teacher": build_tiny_model("tiny-llama", seed=1)}}
     train = {**QUICK, "output_dir": str(tmp_path / "api")}
     in_memory = datasets.Dataset.from_list(data) if command == "sft" else data
     trainer = api.trainer(

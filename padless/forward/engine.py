@@ -291,6 +291,11 @@ class LogitsHead:
     def vocab(self) -> int:
         return (self.output or self.module).weight.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the output embeddings' weight: what hidden states are cast to before the head."""
+        return (self.output or self.module).weight.dtype
+
     def fusable(self) -> bool:
         """Whether the fused weighted path can read the head's weight directly: a plain bias-free
         ``nn.Linear`` (not a LoRA-wrapped head) whose weight is whole here (not ZeRO-3-partitioned, which
@@ -460,9 +465,7 @@ def logps_from_hidden(
     if rows.numel() == labels.numel():
         rows = None  # every position has a label: no gather
     h = hidden if rows is None else hidden[rows]
-    h = h.to(
-        (head.output or head.module).weight.dtype
-    )  # as models whose last norm returns fp32 (Mamba) cast before the head
+    h = h.to(head.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
     y = labels if rows is None else labels[rows]
     step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
     weighted = None
@@ -624,7 +627,7 @@ class ModelEngine(torch.nn.Module):
                 return self.model.generate(**generate)
             if head_of is not None:
                 head = LogitsHead.of(unwrap(self.model), temperature)
-                return head.finish(head.module(head_of.to(head.module.weight.dtype)))
+                return head.finish(head.module(head_of.to(head.dtype)))
             if not isinstance(batch, PackedBatch):
                 raise ValueError(
                     f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "

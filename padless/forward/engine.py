@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from padless.config.choices import VARLEN_KERNELS
 from padless.config.schema import TrainSettings
 from padless.errors import AttentionError
-from padless.forward import hybrid, sequence_parallel
+from padless.forward import hybrid, routing, sequence_parallel
 from padless.forward.attention import (
     assert_attention,
     attention_in_use,
@@ -641,6 +641,11 @@ class ModelEngine(torch.nn.Module):
                         "packing, and train.sequence_parallel: 1"
                     )
                 return self._distill(batch, hidden, distill)
+            if batch.routes is not None and (layout.side is not None or self.sequence_parallel is not None):
+                raise ValueError(
+                    "routing replay runs packed rows whole: set train.batching: tokens and "
+                    "train.sequence_parallel: 1, or rollout.routing_replay: false"
+                )
             if layout.side is not None:
                 if self.sequence_parallel is not None:
                     raise sequence_parallel.SequenceParallelError(
@@ -703,15 +708,18 @@ class ModelEngine(torch.nn.Module):
         out = EngineOutput()
         routers, terms = self._routers(), []
         if logps:
-            tokens = forward_packed(
-                self.model,
-                batch,
-                entropy=entropy,
-                temperature=temperature,
-                logp_weights=logp_weights,
-                logits_memory_mb=self.settings.logits_memory_mb,
-                router=routers[0],
-            )
+            # routing replay: the policy's routers choose the experts the sampler's chose
+            replay = routing.replaying(unwrap(self.model), batch.routes) if batch.routes is not None else None
+            with replay or contextlib.nullcontext():
+                tokens = forward_packed(
+                    self.model,
+                    batch,
+                    entropy=entropy,
+                    temperature=temperature,
+                    logp_weights=logp_weights,
+                    logits_memory_mb=self.settings.logits_memory_mb,
+                    router=routers[0],
+                )
             out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
             terms.append((tokens.aux, routers[0]))
         if values:

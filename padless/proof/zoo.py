@@ -326,6 +326,10 @@ def exercises(name: str, config: PretrainedConfig) -> str:
         found.append("layers " + " / ".join(kinds))
     if getattr(text, "kv_lora_rank", None):
         found.append("MLA")
+    if isinstance(top := getattr(text, "index_topk", None), int):
+        found.append(f"indexer top-{top} keys")
+    if isinstance(block := getattr(text, "block_size", None), int):
+        found.append(f"blocks of {block}")
     if any(
         isinstance(getattr(text, k, None), int)
         for k in ("num_experts", "num_local_experts", "n_routed_experts")

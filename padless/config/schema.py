@@ -647,6 +647,9 @@ class RolloutSettings(ConfigModel):
     """lower bound C_min of the ratio (null: none)"""
     max_staleness: NonNegativeInt = 0
     """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+    routing_replay: bool = False
+    """mixture of experts: record the experts each sampled token was routed to and route the same ones in
+    the old-log-prob and update passes (hf engine, single completions on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
     tools: the plain tool loop); max_new_tokens is then per model turn"""

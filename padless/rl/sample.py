@@ -73,6 +73,7 @@ class Passes:
     old_logps: list[float] | None = None
     ref_logps: list[float] | None = None
     old_values: list[float] | None = None
+    unreplayed_logps: list[float] | None = None  # routing replay: the old log-probs routed anew
 
 
 @dataclass(slots=True)

@@ -110,18 +110,33 @@ def tool_schema(spec: str, fn: Callable[..., Any]) -> dict[str, Any]:
 class Tools:
     """Tool functions by name, their schemas, and how calls parsed from a model turn run."""
 
-    def __init__(self, specs: Sequence[str | Callable[..., Any]], response_template: dict[str, Any] | None):
+    def __init__(
+        self,
+        specs: Sequence[str | Callable[..., Any]],
+        response_template: dict[str, Any] | None,
+        environment: tuple[str, Sequence[Callable[..., Any]]] = ("", ()),
+    ):
+        """``specs``: ``rollout.tools``; ``environment``: an environment's name and the tools it brings."""
         self.functions: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []
-        for spec in specs:
+        origins: dict[str, str] = {}
+        env_name, env_tools = environment
+        given = [(f"rollout.tools[{i}] ({spec!r})", spec) for i, spec in enumerate(specs)]
+        for origin, spec in given + [(f"environment {env_name!r}", fn) for fn in env_tools]:
             fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
             schema = tool_schema(str(spec), fn)
             name = schema["function"]["name"]
             if name in self.functions:
-                raise InputError(
-                    f"rollout.tools: two tools are named {name!r}; fix: give each tool function its own name"
+                fix = (
+                    "the environment brings it already: remove it from rollout.tools"
+                    if origin.startswith("environment")
+                    else "give each tool function its own name"
                 )
-            self.functions[name] = fn
+                raise InputError(
+                    f"rollout.tools: {origins[name]} and {origin} both bring a tool named {name!r}, and a "
+                    f"call can run only one of them; fix: {fix}"
+                )
+            self.functions[name], origins[name] = fn, origin
             self.schemas.append(schema)
         self.response_template = response_template
 

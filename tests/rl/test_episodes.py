@@ -20,7 +20,7 @@ from padless.config.loading import load_config
 from padless.config.schema import GRPOConfig
 from padless.data import PromptExample
 from padless.data.chat import ChatTemplateError
-from padless.errors import UserCodeError
+from padless.errors import InputError, UserCodeError
 from padless.forward.engine import ModelEngine, forward_packed
 from padless.forward.packing import Example, pack
 from padless.proof.check import alone_logps, layout_logps
@@ -591,3 +591,16 @@ def test_unreadable_environment_images_and_other_reset_images_are_refused_in_one
         run.run(Scripted(processor.tokenizer, ["a"]), [data], [0], False, prompts[:1])
     assert "\n" not in str(info.value) and "'pictures'" in str(info.value)
     assert "skip_bad_rows" not in str(info.value)  # no data setting skips an environment's turn
+
+
+def test_first_messages_that_fill_max_episode_tokens_are_refused_naming_the_key(tok):
+    """A prompt as long as the episode's budget leaves the model no turn: refused before sampling, naming
+    rollout.max_episode_tokens (not max_new_tokens, which every empty episode would otherwise blame)."""
+    engine, probe = Scripted(tok, ["4"]), runner(tok)
+    first = len(probe.encode(probe.render([{"role": "user", "content": "q"}], True)))
+    with pytest.raises(InputError) as info:
+        runner(tok, max_episode_tokens=first).run(engine, [{"prompt": "q"}], [0], False)
+    assert str(info.value).startswith(f"rollout.max_episode_tokens={first}: the first messages")
+    assert f"take {first} tokens" in str(info.value) and engine.calls == 0
+    [e] = runner(tok, max_episode_tokens=first + 2).run(engine, [{"prompt": "q"}], [0], False)
+    assert e.turns == 1

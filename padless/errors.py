@@ -45,6 +45,18 @@ DIVERGENCE_FIX = (
 )
 
 
+def divergence_fix(float16: bool) -> str:
+    """The fix of a divergence: float16 weights overflow first (their range, not the step size), so that
+    advice comes first for them."""
+    if not float16:
+        return DIVERGENCE_FIX
+    return (
+        "the model trains in float16, whose range ends at 65504 and overflows long before the learning rate "
+        "matters: set model.dtype to bfloat16, or float32 (exact; the default on CPU); otherwise "
+        + DIVERGENCE_FIX
+    )
+
+
 def is_input_error(error: BaseException) -> bool:
     """Config, data, path and backend problems: ``ValueError`` (ConfigError, DataError, InputError, ...),
     the attention backend asked for not running here, and files that are missing or not readable."""

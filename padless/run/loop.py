@@ -221,7 +221,8 @@ class Trainer:
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
+        float16 = any(p.dtype == torch.float16 for p in model.parameters())
+        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator, float16)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
         recipe.bind(self.model)

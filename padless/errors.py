@@ -13,6 +13,7 @@ FAULT = 1  # exit code: the run failed while running
 INTERRUPTED = 130  # exit code: Ctrl-C, as shells report SIGINT
 TERMINATED = 143  # exit code: SIGTERM (128 + 15)
 DEBUG_HINT = "rerun with --debug (or PADLESS_DEBUG=1) for the traceback"
+OUTSIDE_A_RUN = object()  # an interruption's checkpoint when no run folder was taken: no resume advice
 
 
 class InputError(ValueError):
@@ -86,7 +87,12 @@ def describe(error: BaseException) -> str:
 
     if isinstance(error, KeyboardInterrupt):
         how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
-        return f"{how}; continue from the last checkpoint with train.resume_from_checkpoint=latest"
+        latest = getattr(error, "checkpoint", OUTSIDE_A_RUN)  # set by the command line from the run folder
+        if latest is OUTSIDE_A_RUN:
+            return how
+        if latest is None:
+            return f"{how} before any checkpoint was written: nothing to resume; run the command again"
+        return f"{how}; continue from {latest} with train.resume_from_checkpoint=latest"
     text = str(error).strip() or type(error).__name__
     own = is_input_error(error) or isinstance(error, (DivergenceError, UserCodeError))
     if own and not (isinstance(error, OSError) and error.errno):

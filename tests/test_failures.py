@@ -59,14 +59,19 @@ def chat(user: str, answer: str) -> dict:
 GOOD = [chat("What is 2 + 3?", "5"), chat("Name a colour.", "Blue.")]
 
 
-def model_folder(*, drop: tuple[str, ...] = (), config: dict | None = None, tokenizer: bool = True):
-    """A tiny model saved with save_pretrained, then damaged: files dropped, config.json edited."""
+def model_folder(
+    *, drop: tuple[str, ...] = (), config: dict | None = None, tokenizer: bool = True, template: str = ""
+):
+    """A tiny model saved with save_pretrained, then damaged: files dropped, config.json edited, the chat
+    template replaced."""
 
     def make(tmp: Path) -> Path:
         path = tmp / "model"
         build_tiny_model("tiny-llama").save_pretrained(path)
         if tokenizer:
-            tiny_tokenizer().save_pretrained(path)
+            tok = tiny_tokenizer()
+            tok.chat_template = template or tok.chat_template
+            tok.save_pretrained(path)
         for name in drop:
             (path / name).unlink()
         if config is not None:
@@ -133,6 +138,26 @@ def locked_folder(tmp: Path) -> Path:
     path.mkdir()
     holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": "earlier"}
     (path / "run.lock").write_text(json.dumps(holder))
+    return path
+
+
+def symlink_loop(tmp: Path) -> Path:
+    path = tmp / "loop"
+    path.symlink_to(path)
+    return path
+
+
+def small_vocabulary(tmp: Path) -> Path:
+    """A tiny Llama whose embeddings hold 512 token ids (the embedded tokenizer writes 4,096)."""
+    from transformers import AutoModelForCausalLM
+
+    from padless.tiny import tiny_config
+
+    config = tiny_config("tiny-llama")
+    config.vocab_size = 512
+    path = tmp / "small"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
@@ -255,6 +280,24 @@ CONFIG_CASES = {
 }
 
 DATA_CASES = {
+    # a template that fails on every conversation is the template's fault, named with its file
+    "template raises": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("chat_template.jinja", "cannot render even a plain question and answer", "roles must alternate"),
+        {"m": model_folder(template="{{ raise_exception('roles must alternate') }}")},
+    ),
+    "template syntax": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("chat_template.jinja", "TemplateSyntaxError", "fix: correct the template"),
+        {"m": model_folder(template="{% for m in messages %}{{ m.content }")},
+    ),
+    "slice past the end": Case(
+        ["sft", "data.train=tiny:sft_eval[5000:]"],
+        2,
+        ("tiny:sft_eval has", "selects none", "fix: slice within"),
+    ),
     "missing file": Case(
         ["sft", "data.train={tmp}/nope.jsonl"], 2, ("nope.jsonl", "no such file", "Accepted")
     ),
@@ -355,6 +398,26 @@ DATA_CASES = {
 }
 
 MODEL_CASES = {
+    "lora targets not in the model": Case(
+        ["sft", "model.lora.target_modules=[qproj]"],
+        2,
+        ("model.lora.target_modules=['qproj']", "named down_proj, gate_proj, k_proj", "q_proj", "fix:"),
+    ),
+    "lora target as one string": Case(
+        ["sft", "model.lora.target_modules=q_proj"], 2, ("'q_proj'", "a regular expression", "fix: list")
+    ),
+    "config fails transformers' validation": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("config.json does not validate", "output_attentions", "fix: remove or correct 'output_attentions'"),
+        {"m": model_folder(config={"output_attentions": True})},
+    ),
+    "value model with a smaller vocabulary": Case(
+        ["ppo", "ppo.value_model={m}", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4"],
+        2,
+        ("ppo.value_model", "embeds 512 token ids", "vocabulary has 4096", "policy's tokenizer"),
+        {"m": small_vocabulary},
+    ),
     "missing path": Case(
         ["sft", "model.name={tmp}/no/such/model"], 2, ("no/such/model", "no such folder", "fix:")
     ),
@@ -448,6 +511,12 @@ MODEL_CASES = {
 }
 
 RUN_FOLDER_CASES = {
+    "symlink loop": Case(
+        ["sft", "train.output_dir={o}"],
+        2,
+        ("loop", "a symbolic link that leads nowhere", "fix: remove the link", "train.output_dir"),
+        {"o": symlink_loop},
+    ),
     "not empty": Case(
         ["sft", "train.output_dir={o}"], 2, ("used", "not empty", "overwrite_output_dir"), {"o": used_folder}
     ),
@@ -473,6 +542,11 @@ RUN_FOLDER_CASES = {
         ("elsewhere", "not a complete padless checkpoint", "use latest, auto"),
     ),
 }
+
+if not torch.cuda.is_available():
+    MODEL_CASES["check on cuda without one"] = Case(
+        ["check", "--device", "cuda"], 2, ("--device cuda", "fix:")
+    )
 
 CASES = {
     **{f"config: {k}": v for k, v in CONFIG_CASES.items()},
@@ -650,7 +724,7 @@ def raise_in_run(error: BaseException) -> Callable[..., None]:
 
 RUNTIME_CASES = {
     "unexpected error": (RuntimeError("boom"), 1, ("unexpected RuntimeError: boom", "--debug")),
-    "interrupted": (KeyboardInterrupt(), 130, ("interrupted", "resume_from_checkpoint")),
+    "interrupted": (KeyboardInterrupt(), 130, ("interrupted (Ctrl-C)",)),  # outside a run: no advice
     "out of memory": (
         torch.OutOfMemoryError("CUDA out of memory."),
         1,
@@ -672,6 +746,26 @@ def test_fault_is_one_message_with_its_exit_code(name: str, capsys, monkeypatch)
     got, err = run(["sft", "train.max_steps=1"], capsys)
     assert got == code, err
     check_message(err, "sft", fragments)
+    assert "resume_from_checkpoint" not in err  # no run folder was taken: there is nothing to resume
+
+
+def test_the_advice_after_ctrl_c_is_checked_against_the_run_folder(trained, tmp_path, capsys, monkeypatch):
+    """Interrupted in its first step, a run has no checkpoint to resume: the message says so; a resumed
+    run interrupted the same way names the checkpoint it can continue from."""
+    from padless.trainers.sft import SFTRecipe
+
+    monkeypatch.setattr(SFTRecipe, "loss", raise_in_run(KeyboardInterrupt()))
+    fresh = ["sft", *LLAMA, f"train.output_dir={tmp_path / 'fresh'}", "data.train=tiny:sft_eval"]
+    code, err = run([*fresh, "train.max_steps=2"], capsys)
+    assert code == 130, err
+    check_message(err, "sft", ("interrupted (Ctrl-C) before any checkpoint was written", "nothing to resume"))
+    assert "resume_from_checkpoint" not in err
+    argv, out = _resume(trained, tmp_path, "sft", "train.max_steps=2")
+    code, err = run(argv, capsys)
+    assert code == 130, err
+    check_message(
+        err, "sft", (f"continue from {out.resolve() / 'checkpoint-1'}", "resume_from_checkpoint=latest")
+    )
 
 
 def test_debug_shows_the_traceback(capsys, monkeypatch) -> None:
@@ -862,7 +956,12 @@ def _resume(trained, tmp_path: Path, command: str = "sft", *extra: str) -> tuple
 RESUME_TERMS = {
     "another trainer": (
         ["dpo", "data.train=tiny:preference_eval", "train.max_steps=2"],
-        ("written by SFTRecipe", "DPORecipe", "fix:", "start a new run from it"),
+        ("written by padless sft (SFTRecipe)", "padless dpo", "fix: resume it with padless sft", "a new run"),
+    ),
+    # a reward model has a score head where the checkpoint has an LM head: the trainer is named, not the files
+    "another trainer, other files": (
+        ["rm", "data.train=tiny:preference_eval", "train.max_steps=2"],
+        ("written by padless sft", "this run is padless rm", "fix: resume it with padless sft"),
     ),
     "another batching mid-epoch": (
         ["sft", "train.max_steps=2", "train.max_tokens_per_batch=2048"],
@@ -876,7 +975,7 @@ RESUME_TERMS = {
 def test_resume_refuses_what_the_checkpoint_does_not_belong_to(name: str, trained, tmp_path, capsys) -> None:
     (command, *extra), fragments = RESUME_TERMS[name]
     argv, out = _resume(trained, tmp_path, command, *extra)
-    if command == "dpo":
+    if command in ("dpo", "rm"):
         argv = [a for a in argv if a != "data.train=tiny:sft_eval"]
     code, err = run(argv, capsys)
     assert code == 2, err

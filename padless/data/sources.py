@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from padless import tiny
 from padless.errors import InputError
@@ -303,6 +304,14 @@ def load_pretrained(
             model = auto.from_pretrained(
                 str(folder), local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
             )
+    except StrictDataclassError as e:  # transformers validates the config against the load's settings
+        said = " ".join(str(e).split())[:300]
+        key = re.search(r"validate_(\w+)", said)
+        what = f"remove or correct {key.group(1)!r}" if key else "correct what the message names"
+        raise InputError(
+            f"cannot load the model in {folder}: its config.json does not validate ({said}); fix: {what} "
+            f"in {folder / 'config.json'}"
+        ) from None
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise InputError(
             f"cannot load the model in {folder}: {str(e).splitlines()[0]}; fix: check that the folder was "

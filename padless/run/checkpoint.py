@@ -325,6 +325,16 @@ def read_state(path: Path) -> TrainState:
     return TrainState(**{k: v for k, v in saved.items() if k in known})
 
 
+def written_terms(path: Path) -> dict[str, Any]:
+    """The resume terms checkpoint ``path`` records, read before it is verified (to name another trainer
+    rather than the files it lacks); empty when unreadable, which verification then reports."""
+    try:
+        terms = json.loads((path / STATE_FILE).read_text()).get("terms")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return terms if isinstance(terms, dict) else {}
+
+
 def read_ahead(path: Path, rank: int) -> Any | None:
     """Rank ``rank``'s data prepared ahead of the plan in checkpoint ``path`` (None: there is none)."""
     file = path / "state" / f"ahead-{rank}.json"

@@ -40,6 +40,7 @@ from padless.run.checkpoint import (
     read_ahead,
     read_state,
     save_checkpoint,
+    written_terms,
 )
 from padless.run.guard import DivergenceGuard
 from padless.run.interrupts import deferred
@@ -323,6 +324,7 @@ class Trainer:
             with doing(
                 f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
             ):
+                contract.check_trainer(resume, written_terms(resume), self.terms)  # before its files are
                 verify_checkpoint(resume, self.model)
             saved = read_state(resume)
             applied = contract.check(

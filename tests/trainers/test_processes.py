@@ -225,3 +225,82 @@ def test_a_reward_function_failing_on_one_of_two_processes_stops_both_with_a_che
     assert state["step"] == 1 and state["world_size"] == 2
     assert all((run / "checkpoint-1" / f).is_file() for f in state["files"])
     assert not (run / "run.lock").exists()
+
+
+def launch_machine(rank: int, port: int, command: str, *overrides: str) -> list[str]:
+    """``padless <command>`` as machine ``rank`` of 2, one process each, meeting at ``port`` on this host:
+    accelerate's multi-machine launch, as each node of a cluster runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "padless.cli",
+        command,
+        *overrides,
+    ]
+
+
+def run_machines(command: str, *overrides: str) -> None:
+    port = free_port()
+    machines = [
+        subprocess.Popen(launch_machine(r, port, command, *overrides), env=ENV, stderr=subprocess.PIPE)
+        for r in (0, 1)
+    ]
+    errors = [m.communicate(timeout=600)[1].decode() for m in machines]
+    for m, err in zip(machines, errors, strict=True):
+        assert m.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow
+def test_two_machines_sharing_a_file_system_equal_one_machine_with_two_processes(tmp_path):
+    """Two "machines" of one process each on this host (accelerate's multi-machine launch; the same run
+    folder and data cache, as nodes share a file system), stopped after 2 steps and resumed to 4, train
+    the weights of one machine with two processes running 4 steps: the data cache is built once, the
+    metrics and checkpoints are written once. (The constant schedule makes the run of 2 steps the first
+    half of the run of 4.)"""
+    from safetensors.torch import load_file
+
+    common = [*BASE, "data.train=tiny:sft_eval", "train.lr_scheduler=constant", "train.save_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    result = subprocess.run(
+        launch_two(
+            "sft", *common, f"train.output_dir={one}", "train.max_steps=4", f"data.cache_dir={one}-cache"
+        ),
+        env=ENV,
+        capture_output=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    shared = [*common, f"train.output_dir={two}", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_machines("sft", *shared, "train.max_steps=2")
+    run_machines("sft", *shared, "train.max_steps=4", "train.resume_from_checkpoint=latest")
+    a, b = losses(one), losses(two)
+    assert sorted(b) == [1, 2, 3, 4] and b == pytest.approx(a, rel=1e-6, abs=0)
+    steps = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(4) == 1 and steps == sorted(steps)  # one writer
+    assert sorted(p.name for p in two.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in (two / "checkpoint-4" / "state").glob("optimizer-*.safetensors")) == [
+        "optimizer-0.safetensors",
+        "optimizer-1.safetensors",
+    ]
+    mine, theirs = (load_file(run / "checkpoint-4" / "model.safetensors") for run in (two, one))
+    assert mine.keys() == theirs.keys()
+    assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) <= 1e-6
+    entries = list((tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and not entries[0].name.startswith("."), entries  # built once, nothing left over

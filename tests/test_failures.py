@@ -119,6 +119,14 @@ def adapter_without_base(tmp: Path) -> Path:
     return path
 
 
+def adapter_of_a_moved_base(tmp: Path) -> Path:
+    path = adapter_without_base(tmp)
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tmp / "moved-base")})
+    )
+    return path
+
+
 def run_folder_with_checkpoints(tmp: Path) -> Path:
     path = tmp / "runs"
     (path / "checkpoint-3").mkdir(parents=True)
@@ -398,6 +406,12 @@ DATA_CASES = {
 }
 
 MODEL_CASES = {
+    "adapter whose base moved": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("adapter_config.json", "moved-base", "no such folder", "fix: put the base model back"),
+        {"m": adapter_of_a_moved_base},
+    ),
     "lora targets not in the model": Case(
         ["sft", "model.lora.target_modules=[qproj]"],
         2,

@@ -333,7 +333,16 @@ def _load_adapter(
         raise InputError(f"{folder}: no {ADAPTER_WEIGHTS}; fix: pass the folder written by save_pretrained")
     header = check_safetensors(weights)
     base_name = adapter_base(folder)
-    base = load_pretrained(base_name, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs)
+    try:
+        base = load_pretrained(base_name, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs)
+    except InputError as e:  # the base named in the adapter's config moved or is gone: say where it is named
+        said = re.split(r"[;.] [Ff]ix: ", str(e))[0]
+        raise InputError(
+            f"the LoRA adapter in {folder} names its base model in {folder / ADAPTER_CONFIG} "
+            f"(base_model_name_or_path {str(base_name)!r}), and it cannot be loaded: {said}; fix: put the "
+            f"base model back there, or set base_model_name_or_path in {folder / ADAPTER_CONFIG} to where it "
+            "is now"
+        ) from None
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:

@@ -125,8 +125,11 @@ TRAINERS = {
     "sft": (SCHEMA + "SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
     "dpo": (SCHEMA + "DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
     "rm": (SCHEMA + "RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
+    "kto": (SCHEMA + "KTOConfig", "padless.trainers.kto:run_kto", "KTO on completions labelled good or bad"),
+    "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
     "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
     "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
+    "distill": (SCHEMA + "DistillConfig", "padless.trainers.distill:run_distill", "distil a frozen teacher"),
 }
 
 

@@ -32,6 +32,12 @@ class UserCodeError(RuntimeError):
     something unusable; the message names the function and the step."""
 
 
+class UserExit(Exception):
+    """User code called ``sys.exit()`` or raised ``KeyboardInterrupt`` itself: at the boundary of that code
+    this is an error like any other it raises, never the end of the command (see
+    :func:`padless.run.interrupts.bounded`)."""
+
+
 class AttentionError(RuntimeError):
     """The requested attention is not available, or would not compute what was asked."""
 

@@ -90,9 +90,15 @@ class FileFault(Exception):
         self.code, self.category, self.path = code, category, path
 
 
+class ChangedFile(ValueError):
+    """A file is not what was written: its size or hash differs from the record kept when it was written
+    (a checkpoint's files), though its format may be whole."""
+
+
 def _corrupt_types() -> tuple[type[BaseException], ...]:
-    """Errors meaning "the bytes are not what the format says": JSON, text, Arrow, safetensors."""
-    types: list[type[BaseException]] = [json.JSONDecodeError, UnicodeDecodeError, EOFError]
+    """Errors meaning "the bytes are not what the format says": JSON, text, Arrow, safetensors, or not what
+    was written (:class:`ChangedFile`)."""
+    types: list[type[BaseException]] = [json.JSONDecodeError, UnicodeDecodeError, EOFError, ChangedFile]
     with contextlib.suppress(ImportError):
         import pyarrow as pa
 

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1128,7 +1129,10 @@ def test_half_a_metrics_line_left_by_a_kill_is_dropped_on_resume(trained, tmp_pa
     code, err = run(argv, capsys)
     assert code == 0, err
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()][-1] == 2
-    assert "dropped 1 line(s) that are not whole records" in err and """'{"step": 2, "train/lo'""" in err
+    logged = (out / "log.txt").read_text()
+    assert (
+        "dropped 1 line(s) that are not whole records" in logged and """'{"step": 2, "train/lo'""" in logged
+    )
 
 
 GRPO = [
@@ -1139,6 +1143,104 @@ GRPO = [
     "rollout.mask_truncated=false",
     *FAST,
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Saved RL state: a checkpoint taken mid-rollout with a rollout sampled ahead, damaged in well-formed ways
+
+AHEAD = [*GRPO, "rollout.max_staleness=1", "grpo.mini_batches_per_rollout=2", "train.max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def mid_rollout(tmp_path_factory) -> Path:
+    """checkpoint-1 of a GRPO run of two rollouts of two mini-batch steps each, the second rollout sampled
+    ahead: it holds the first rollout half-trained and the second queued (``state/recipe-0.json``)."""
+    root = tmp_path_factory.mktemp("mid_rollout")
+    assert main(["grpo", *AHEAD, f"train.output_dir={root}", "train.save_steps=1"]) == 0
+    return root / "checkpoint-1"
+
+
+def rehash(ckpt: Path) -> None:
+    """Record the checkpoint's files as they are now, as a writer that did not know better would."""
+    from padless.run.checkpoint import _checksum, file_digest
+
+    record = json.loads((ckpt / "trainer_state.json").read_text())
+    del record["checksum"]
+    record["digests"] = {name: file_digest(ckpt / name) for name in record["digests"]}
+    (ckpt / "trainer_state.json").write_text(json.dumps({**record, "checksum": _checksum(record)}))
+
+
+def edit_json(name: str, change: Callable[[Any], Any]) -> Callable[[Path], None]:
+    def damage(ckpt: Path) -> None:
+        data = json.loads((ckpt / name).read_text())
+        (ckpt / name).write_text(json.dumps(change(data)))
+
+    return damage
+
+
+def _halve(state: dict) -> dict:
+    return {**state, "rollout": state["rollout"][: len(state["rollout"]) // 2]}
+
+
+def _shorter_advantages(state: dict) -> dict:
+    state["rollout"][0]["algorithm"]["advantages"] = state["rollout"][0]["algorithm"]["advantages"][:-1]
+    return state
+
+
+RECIPE = "state/recipe-0.json"
+RL_STATE_DAMAGE = {  # (damage, record the damaged files as they are, what the message says)
+    "plan with half its samples": (edit_json(RECIPE, _halve), False, ("recipe-0.json", "changed after")),
+    "rollouts ahead replaced by []": (
+        edit_json(RECIPE, lambda s: {**s, "ahead": []}),
+        False,
+        ("recipe-0.json", "changed after"),
+    ),
+    "trainer state at another step": (
+        edit_json("trainer_state.json", lambda s: {**s, "step": 2}),
+        False,
+        ("trainer_state.json", "changed after", "checksum"),
+    ),
+    "schedule moved": (
+        edit_json("state/scheduler.json", lambda s: {**s, "last_epoch": s["last_epoch"] + 1}),
+        False,
+        ("scheduler.json", "changed after"),
+    ),
+    # a record that agrees with the files: the structure is checked against the run's settings
+    "recorded plan with half its samples": (
+        edit_json(RECIPE, _halve),
+        True,
+        ("recipe-0.json", "its rollout holds 2 samples; this run's rollouts hold 4"),
+    ),
+    "recorded empty queue ahead": (
+        edit_json(RECIPE, lambda s: {**s, "ahead": []}),
+        True,
+        ("recipe-0.json", "holds the rollouts [] sampled ahead", "holds [1]"),
+    ),
+    "recorded advantages of another length": (
+        edit_json(RECIPE, _shorter_advantages),
+        True,
+        ("recipe-0.json", "algorithm.advantages has"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RL_STATE_DAMAGE))
+def test_saved_rl_state_changed_in_a_well_formed_way_is_refused(name, mid_rollout, tmp_path, capsys) -> None:
+    """Every file of a checkpoint is covered by the size and sha256 recorded when it was written (and the
+    record by its checksum); a recipe state that agrees with the record is still checked against the run:
+    the rollout's sample count, each sample's values per target, the queue of rollouts sampled ahead."""
+    damage, recorded, fragments = RL_STATE_DAMAGE[name]
+    out = tmp_path / "run"
+    shutil.copytree(mid_rollout, out / "checkpoint-1")
+    damage(out / "checkpoint-1")
+    if recorded:
+        rehash(out / "checkpoint-1")
+    code, err = run(
+        ["grpo", *AHEAD, f"train.output_dir={out}", "train.resume_from_checkpoint=latest"], capsys
+    )
+    assert code == 2, err
+    check_message(err, "grpo", (str(out / "checkpoint-1"), *fragments, "fix:"))
+    assert not (out / "checkpoint-2").exists()
 
 
 @pytest.mark.slow

@@ -260,7 +260,18 @@ def adapter_base(folder: Path) -> str:
     if embedded(base) or Path(base).expanduser().exists():
         return base
     beside = folder / base
-    return str(beside.resolve()) if beside.exists() else base
+    if beside.exists():
+        return str(beside.resolve())
+    try:
+        local_folder(base)  # a cached hub id; else the base moved or is gone: say where it is named
+    except InputError as e:
+        said = re.split(r"[;.] [Ff]ix: ", str(e))[0]
+        raise InputError(
+            f"the LoRA adapter in {folder} names its base model in {folder / ADAPTER_CONFIG} "
+            f"(base_model_name_or_path {base!r}), and it cannot be loaded: {said}; fix: put the base model "
+            f"back there, or set base_model_name_or_path in {folder / ADAPTER_CONFIG} to where it is now"
+        ) from None
+    return base
 
 
 def load_pretrained(
@@ -333,16 +344,7 @@ def _load_adapter(
         raise InputError(f"{folder}: no {ADAPTER_WEIGHTS}; fix: pass the folder written by save_pretrained")
     header = check_safetensors(weights)
     base_name = adapter_base(folder)
-    try:
-        base = load_pretrained(base_name, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs)
-    except InputError as e:  # the base named in the adapter's config moved or is gone: say where it is named
-        said = re.split(r"[;.] [Ff]ix: ", str(e))[0]
-        raise InputError(
-            f"the LoRA adapter in {folder} names its base model in {folder / ADAPTER_CONFIG} "
-            f"(base_model_name_or_path {str(base_name)!r}), and it cannot be loaded: {said}; fix: put the "
-            f"base model back there, or set base_model_name_or_path in {folder / ADAPTER_CONFIG} to where it "
-            "is now"
-        ) from None
+    base = load_pretrained(base_name, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs)
     try:
         model = PeftModel.from_pretrained(base, str(folder), is_trainable=False)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:

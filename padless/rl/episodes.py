@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +43,7 @@ from padless.data.chat import ChatTemplateError
 from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
-from padless.forward.ranks import common_count
+from padless.forward.ranks import agreed, common_count
 from padless.rl.environments import (
     Environment,
     Step,
@@ -304,7 +305,9 @@ class EpisodeRunner:
         ``prompts[i]``: row ``i`` as tokenized (needed by a vision-language policy, for its images)."""
         r = self.rollout
         starts = prompts if prompts is not None else [None] * len(rows)
-        episodes = [self.start(*a) for a in zip(rows, seeds, starts, strict=True)]
+        # what the environment raises on one rank stops every rank here, together (they then checkpoint)
+        who = f"environment {self.spec!r}"
+        episodes = agreed(lambda: [self.start(*a) for a in zip(rows, seeds, starts, strict=True)], who)
         budget = r.max_episode_tokens
         for turn in range(r.max_turns):
             running = [e for e in episodes if not e.done]
@@ -324,12 +327,15 @@ class EpisodeRunner:
                 greedy,
                 None if self.images is None else [e.vision for e in batch],
             )
-            for e, c in zip(running, completions, strict=False):
-                self.take_turn(e, c, turn)
+            agreed(partial(self.take_turns, running, completions, turn), who)
         for e in episodes:
             if not e.done:
                 e.done, e.truncated = True, "max_turns"
         return episodes
+
+    def take_turns(self, running: list[Episode], completions: list[Completion], turn: int) -> None:
+        for e, c in zip(running, completions, strict=False):
+            self.take_turn(e, c, turn)
 
     def take_turn(self, e: Episode, c: Completion, turn: int) -> None:
         """Append the sampled turn; unless the episode ends, ask the environment and append its answer."""

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from safetensors.torch import load_file
 
 BASE = [
     "model.name=tiny-llama",
@@ -256,50 +258,70 @@ def launch_machine(rank: int, port: int, command: str, *overrides: str) -> list[
     ]
 
 
-def run_machines(command: str, *overrides: str) -> None:
+def start_machines(command: str, *overrides: str) -> list[subprocess.Popen]:
     port = free_port()
-    machines = [
+    return [
         subprocess.Popen(launch_machine(r, port, command, *overrides), env=ENV, stderr=subprocess.PIPE)
         for r in (0, 1)
     ]
-    errors = [m.communicate(timeout=600)[1].decode() for m in machines]
-    for m, err in zip(machines, errors, strict=True):
-        assert m.returncode == 0, err[-3000:]
+
+
+def worker_of(launcher: subprocess.Popen) -> psutil.Process:
+    """The padless process a launcher started (accelerate launch runs it as a child)."""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        found = [
+            p for p in psutil.Process(launcher.pid).children(recursive=True) if "padless.cli" in p.cmdline()
+        ]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError("the launcher started no padless process")
 
 
 @pytest.mark.slow
-def test_two_machines_sharing_a_file_system_equal_one_machine_with_two_processes(tmp_path):
-    """Two "machines" of one process each on this host (accelerate's multi-machine launch; the same run
-    folder and data cache, as nodes share a file system), stopped after 2 steps and resumed to 4, train
-    the weights of one machine with two processes running 4 steps: the data cache is built once, the
-    metrics and checkpoints are written once. (The constant schedule makes the run of 2 steps the first
-    half of the run of 4.)"""
-    from safetensors.torch import load_file
-
-    common = [*BASE, "data.train=tiny:sft_eval", "train.lr_scheduler=constant", "train.save_steps=2"]
+def test_two_machines_stopped_by_a_signal_resume_to_what_one_machine_with_two_processes_trains(tmp_path):
+    """Two "machines" of one process each on this host (accelerate's multi-machine launch; one run folder
+    and one data cache, as nodes share a file system). SIGTERM reaches one of them between steps: both
+    checkpoint the trained steps at the same step boundary and stop (exit 143); resumed, they end with the
+    losses and weights of one machine with two processes run straight through. The data cache is built once
+    (nothing left over), the metrics and checkpoints are written once."""
+    common = [*BASE, "data.train=tiny:sft_eval", "train.max_steps=12"]
     one, two = tmp_path / "one", tmp_path / "two"
     result = subprocess.run(
-        launch_two(
-            "sft", *common, f"train.output_dir={one}", "train.max_steps=4", f"data.cache_dir={one}-cache"
-        ),
+        launch_two("sft", *common, f"train.output_dir={one}", f"data.cache_dir={tmp_path / 'own-cache'}"),
         env=ENV,
         capture_output=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     shared = [*common, f"train.output_dir={two}", f"data.cache_dir={tmp_path / 'cache'}"]
-    run_machines("sft", *shared, "train.max_steps=2")
-    run_machines("sft", *shared, "train.max_steps=4", "train.resume_from_checkpoint=latest")
-    a, b = losses(one), losses(two)
-    assert sorted(b) == [1, 2, 3, 4] and b == pytest.approx(a, rel=1e-6, abs=0)
-    steps = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
-    assert steps.count(4) == 1 and steps == sorted(steps)  # one writer
-    assert sorted(p.name for p in two.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    assert sorted(p.name for p in (two / "checkpoint-4" / "state").glob("optimizer-*.safetensors")) == [
-        "optimizer-0.safetensors",
-        "optimizer-1.safetensors",
+    machines = start_machines("sft", *shared)
+    second = worker_of(machines[1])
+    deadline = time.time() + 600
+    while '"step": 2,' not in (
+        (two / "metrics.jsonl").read_text() if (two / "metrics.jsonl").exists() else ""
+    ):
+        assert all(m.poll() is None for m in machines) and time.time() < deadline, "the run ended first"
+        time.sleep(0.05)
+    second.send_signal(signal.SIGTERM)
+    errors = [m.communicate(timeout=600)[1].decode() for m in machines]
+    assert [m.returncode for m in machines] != [0, 0], errors[0][-2000:]
+    assert "terminated (SIGTERM); continue from" in errors[0], errors[0][-2000:]  # the main process's line
+    [stopped] = [int(p.name.split("-")[1]) for p in two.glob("checkpoint-*")]
+    assert 2 <= stopped < 12  # the trained steps, checkpointed by both ranks together
+    assert sorted(f.name for f in (two / f"checkpoint-{stopped}" / "state").glob("optimizer-*.json")) == [
+        "optimizer-0.json",
+        "optimizer-1.json",
     ]
-    mine, theirs = (load_file(run / "checkpoint-4" / "model.safetensors") for run in (two, one))
+    resumed = start_machines("sft", *shared, "train.resume_from_checkpoint=latest")
+    errors = [m.communicate(timeout=600)[1].decode() for m in resumed]
+    assert [m.returncode for m in resumed] == [0, 0], errors[0][-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(b) == list(range(1, 13)) and b == pytest.approx(a, rel=1e-6, abs=0)
+    steps = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(12) == 1 and steps == sorted(steps)  # one writer
+    mine, theirs = (load_file(run / "checkpoint-12" / "model.safetensors") for run in (two, one))
     assert mine.keys() == theirs.keys()
     assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) <= 1e-6
     entries = list((tmp_path / "cache").iterdir())

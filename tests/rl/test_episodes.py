@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,7 @@ from padless.rl.environments import Environment, Step, Tools, Turn
 from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
 from padless.rl.setup import RolloutSetup
+from padless.run.interrupts import handled
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -166,14 +168,50 @@ class Endless(Environment):
         return Step([{"role": "user", "content": "and again, with a longer message this time"}], reward=0.5)
 
 
+class Exits(Environment):
+    def step(self, turn):
+        sys.exit(0)
+
+
+class Interrupts(Environment):
+    def reset(self):
+        raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
-    [(Raises, "step\\(\\) raised KeyError: 'score'"), (WrongType, "step\\(\\) returned list; fix: return")],
+    [
+        (Raises, "step\\(\\) raised KeyError: 'score'"),
+        (WrongType, "step\\(\\) returned list; fix: return"),
+        (Exits, "step\\(\\) called sys.exit\\(0\\); fix the environment"),
+        (Interrupts, "reset\\(\\) raised KeyboardInterrupt; fix the environment"),
+    ],
 )
 def test_a_failing_environment_stops_in_one_line(tok, env, message):
-    with pytest.raises(UserCodeError, match=message) as info:
+    """Whatever an environment raises, sys.exit() and a KeyboardInterrupt of its own included, is an error
+    naming it (never the end of the command: the run checkpoints and says which code failed)."""
+    # handled(): as under the command line, where a real signal is recorded (this one is the code's own)
+    with handled(), pytest.raises(UserCodeError, match=message) as info:
         runner(tok, env).run(Scripted(tok, ["1"]), [{"prompt": "q"}], [0], False)
     assert "\n" not in str(info.value) and "test-env" in str(info.value)
+    assert getattr(info.value, "every_rank", False)  # every rank stops here, together
+
+
+def leaves(code: int) -> int:
+    """Leave.
+
+    Args:
+        code: the exit status
+    """
+    sys.exit(code)
+
+
+def test_a_tool_that_exits_is_a_failed_call_the_model_reads(tok):
+    turns = ['<call>{"name": "leaves", "arguments": {"code": 3}}</call>', "done"]
+    with handled():
+        [e] = runner(tok, tools=(leaves,)).run(Scripted(tok, turns), [{"prompt": "q"}], [0], False)
+    assert (e.turns, e.calls, e.failed_calls, e.truncated) == (2, 1, 1, None)
+    assert {"role": "tool", "name": "leaves", "content": "error: leaves called sys.exit(3)"} in e.messages
 
 
 def test_an_endless_environment_is_cut_at_max_turns_and_the_token_budget(tok):

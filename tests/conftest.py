@@ -175,3 +175,4 @@ def _library_logs_follow_stderr() -> None:
         for handler in logging.getLogger(name).handlers:
             if type(handler) is logging.StreamHandler:
                 handler.stream = sys.stderr
+                vars(handler).pop("flush", None)  # transformers pins the first stream's flush on it

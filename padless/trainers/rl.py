@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from padless.errors import InputError
 from padless.forward.engine import reference_engine
 from padless.forward.packing import PackedBatch, budget_batches, pack
 from padless.forward.passes import lockstep_pass
@@ -47,9 +48,24 @@ class RolloutRecipe(Recipe):
         self.rollout: tuple[int, list[Sample]] | None = None  # the current epoch's samples
         self._order: tuple[int, np.ndarray] | None = None
         self._vision: dict[int, Any] | None = None  # each training prompt row's image inputs (VLMs)
+        self.check_episode_budget()
         self.sampler = make_sampler(
             Parts(self.cfg, setup.engine, setup.tokenizer, setup.policy, setup.images, self.scheduled)
         )
+
+    def check_episode_budget(self) -> None:
+        """At start, not after sampling: a prompt as long as ``rollout.max_episode_tokens`` leaves its
+        episodes no model turn (each environment's first messages are checked again when an episode
+        starts)."""
+        budget = self.cfg.rollout.max_episode_tokens
+        longest = max(self.prompts, key=len, default=None) if budget is not None else None
+        if longest is not None and len(longest) >= budget:
+            raise InputError(
+                f"rollout.max_episode_tokens={budget}: row {longest.row} of {longest.source} is a prompt of "
+                f"{len(longest)} tokens, leaving its episodes no room for the model's turn; fix: raise "
+                f"rollout.max_episode_tokens above {len(longest)} (e.g. by max_turns x max_new_tokens), or "
+                "shorten the prompts (data.max_prompt_length with data.skip_bad_rows leaves longer ones out)"
+            )
 
     # -- planning: which prompts, which seeds -----------------------------------------------------------
 

@@ -633,6 +633,20 @@ def test_unreadable_environment_images_and_other_reset_images_are_refused_in_one
     assert "skip_bad_rows" not in str(info.value)  # no data setting skips an environment's turn
 
 
+def test_a_prompt_that_fills_max_episode_tokens_is_refused_at_start(tokenizer):
+    """Before any rollout, the longest data prompt is held against the episode budget (the key is named,
+    not max_new_tokens, which a run of empty episodes would otherwise blame)."""
+    cfg = load_config(GRPOConfig, None, ["rollout.environment=calculator", "rollout.max_episode_tokens=12"])
+    prompts = [PromptExample([5] * n, meta={"row": i, "source": "p.jsonl"}) for i, n in enumerate((4, 12, 7))]
+    engine = ModelEngine(load_model("tiny-llama"))
+    sampling = HFEngine(engine, tokenizer, cfg.rollout)
+    with pytest.raises(InputError) as info:
+        GRPORecipe(RolloutSetup(prompts, cfg, tokenizer, engine, sampling, torch.device("cpu")))
+    said = "rollout.max_episode_tokens=12: row 1 of p.jsonl is a prompt of 12 tokens, leaving its episodes"
+    assert str(info.value).startswith(said)
+    GRPORecipe(RolloutSetup(prompts[::2], cfg, tokenizer, engine, sampling, torch.device("cpu")))  # 7 < 12
+
+
 def test_first_messages_that_fill_max_episode_tokens_are_refused_naming_the_key(tok):
     """A prompt as long as the episode's budget leaves the model no turn: refused before sampling, naming
     rollout.max_episode_tokens (not max_new_tokens, which every empty episode would otherwise blame)."""

@@ -37,7 +37,7 @@ from padless.rl.setup import RolloutSetup
 from padless.run.loop import MicroBatch
 from padless.trainers.grpo import GRPORecipe
 
-LENGTHS = [5, 2, 7, 4]  # completion tokens per sequence
+LENGTHS = [5, 2, 7, 3]  # completion tokens per sequence (no two pairs of them of one total)
 WIDTH = max(LENGTHS)  # TRL's padded width, and max_new_tokens (Dr.GRPO's constant)
 BETA = 0.04
 
@@ -192,8 +192,8 @@ def padless_steps(x: dict[str, torch.Tensor], overrides: list[str]):
         leaf = x["logps"].double().requires_grad_(True)
 
         def model(batch, leaf=leaf, **_):
-            spot = batch.loss_mask[0]
-            code = batch.input_ids[0][spot] - 10
+            spot = batch.loss_mask[0]  # a target's log-prob sits on the position before it
+            code = batch.input_ids[0][spot.nonzero().squeeze(1) + 1] - 10
             logps = torch.zeros(spot.shape, dtype=torch.float64).masked_scatter(
                 spot, leaf[code // 100, code % 100]
             )

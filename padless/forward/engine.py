@@ -15,6 +15,7 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,23 +23,30 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
-from padless.config.choices import VARLEN_KERNELS
+from padless.config.choices import TREE_PACKING, VARLEN_KERNELS
 from padless.config.schema import TrainSettings
 from padless.errors import AttentionError
 from padless.forward import hybrid, sequence_parallel
 from padless.forward.attention import (
+    ATTENTION_LAYER_TYPES,
     assert_attention,
     attention_in_use,
     hf_name,
+    row_position_problem,
     runtime_context,
     set_varlen_kernel,
+    text_config,
     varlen_kernel_choice,
 )
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.sequence_parallel import SequenceParallel
+from padless.forward.tree import TreeRow, share_prefixes
 from padless.forward.varlen import sequence_bounds
+
+log = logging.getLogger(__name__)
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
@@ -58,6 +66,7 @@ class EngineSettings:
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
     sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+    tree_packing: str = "off"  # train.tree_packing: auto / on / off (see resolve_tree)
 
     @property
     def degree(self) -> int:
@@ -70,6 +79,10 @@ class EngineSettings:
         if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
             raise AttentionError(
                 f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
+            )
+        if self.tree_packing not in TREE_PACKING:
+            raise ValueError(
+                f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
             )
 
     def pinned(self) -> contextlib.AbstractContextManager:
@@ -138,6 +151,96 @@ def checked_backend(model: torch.nn.Module) -> str:
     return backend
 
 
+# Backends that run a tree row: varlen through its key segments, the others through a mask of the row.
+TREE_BACKENDS = ("varlen", "sdpa", "eager", "flex_attention")
+
+
+def tree_problem(model: torch.nn.Module, backend: str, degree: int = 1) -> str | None:
+    """Why ``model`` on ``backend`` cannot run tree rows (:mod:`padless.forward.tree`) exactly (``None``:
+    it can), by category: the backend, layers that carry a state from token to token, attention that
+    restarts per sequence in ways a branch does not share, images, and rows split over ranks."""
+    config = text_config(model)
+    types = list(getattr(config, "layer_types", None) or ())
+    if backend not in TREE_BACKENDS:
+        return f"{backend} takes no tree of key segments; use attn_implementation varlen"
+    stateful = hybrid.installed_layers(model)
+    if stateful or any(t not in ATTENTION_LAYER_TYPES for t in types):
+        named = ", ".join(stateful[:2]) or ", ".join(
+            sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
+        )
+        return (
+            f"its layers that carry a state from token to token ({named}) would have to start each branch "
+            "from the state at the end of its prefix, which padless does not do: each sequence runs whole"
+        )
+    if "chunked_attention" in types:
+        return "its chunked attention counts chunks from each sequence's start, across prefix and branch"
+    if row_position_problem(model, "varlen") is not None or getattr(config, "attn_temperature_tuning", False):
+        return "its NoPE layers scale queries by each token's place in the row"
+    if getattr(unwrap(model).config, "vision_config", None) is not None:  # a vision-language model
+        return (
+            "a vision-language model's prompt images belong to each sequence, and a tree shares tokens only"
+        )
+    windowed = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None))
+    if backend != "varlen" and windowed:
+        return f"transformers applies one custom mask to every layer on {backend}, sliding ones included"
+    if degree > 1:
+        return "sequence parallelism splits a row by position, and a tree row is not split (yet)"
+    return None
+
+
+def resolve_tree(model: torch.nn.Module, backend: str, mode: str, degree: int = 1) -> bool:
+    """Whether ``model`` runs tree rows under ``train.tree_packing`` = ``mode``: ``off`` never; ``on``
+    always, or a refusal with the reason (:func:`tree_problem`); ``auto`` wherever it can, the log saying
+    which layout runs and why."""
+    if mode == "off":
+        return False
+    problem = tree_problem(model, backend, degree)
+    name = type(unwrap(model)).__name__
+    if problem is None:
+        _log_once(f"tree packing on for {name}: a prefix its packed sequences share is computed once")
+        return True
+    if mode == "on":
+        raise AttentionError(
+            f"train.tree_packing: on, but {name} on {backend!r} cannot run tree rows: {problem}; set "
+            "train.tree_packing: auto (flat rows where a tree cannot run) or off"
+        )
+    _log_once(f"tree packing off for {name} (flat packed rows): {problem}")
+    return False
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def tree_inputs(row: TreeRow, backend: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Forward kwargs of a tree row: its key segments for ``varlen``; for transformers' own kernels (the
+    comparisons) a mask of the whole row (boolean for sdpa, additive for eager, a block mask for flex),
+    which transformers uses as it is."""
+    inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids}
+    if backend == "varlen":
+        sequence_bounds(row.cu_seqlens), sequence_bounds(row.cu_keys)  # to the host once, as model_inputs
+        return {**inputs, **row.attention_kwargs()}
+    allowed = row.allowed()
+    if backend == "sdpa":
+        mask: Any = allowed[None, None]
+    elif backend == "eager":
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    elif backend == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        size = row.num_tokens
+        mask = create_block_mask(lambda b, h, q, k: allowed[q, k], 1, None, size, size, device=allowed.device)
+    else:
+        raise AttentionError(f"{backend} takes no tree of key segments; use attn_implementation varlen")
+    return {**inputs, "attention_mask": mask}
+
+
 def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
     """Forward kwargs: a packed row with explicit bounds and no mask, or a padded batch with its mask.
 
@@ -172,32 +275,36 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
+def _mrope_rows(batch: PackedBatch | TreeRow) -> torch.Tensor:
     """A packed row's ``[4, 1, T]`` ids for an M-RoPE model: the restarting text row the mask is built from,
     then the three rope rows. Given one row, such a model computes its own rope rows and masks the whole
     row causally on sdpa / eager (a leak: 23.8 nats on Qwen2.5-VL); text takes its restarting positions on
     all three, images need theirs from the model's rope index."""
-    ids = batch.position_ids
+    ids, vision = batch.position_ids, getattr(batch, "vision", None)
     if ids.dim() == 3 and len(ids) == 4:
         return ids
-    if ids.dim() == 2 and not batch.vision:
+    if ids.dim() == 2 and not vision:
         return ids.expand(4, 1, -1)
     raise ValueError(
         f"a packed row of an M-RoPE model needs position ids [4, 1, T] (text row, then 3 rope rows), got "
-        f"{list(ids.shape)}{' with images' if batch.vision else ''}: tokenize the examples with the model's "
+        f"{list(ids.shape)}{' with images' if vision else ''}: tokenize the examples with the model's "
         "rope index (padless.forward.vision.RopeIndex)"
     )
 
 
-def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[1, R, H]`` a tree row, ``[N, L, H]`` padded) with no
+    head applied.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
     backend = checked_backend(model)
     base = backbone(model)
-    inputs = model_inputs(batch)
-    if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
+    if isinstance(batch, TreeRow):
+        inputs = tree_inputs(batch, backend, base.get_input_embeddings().weight.dtype)
+    else:
+        inputs = model_inputs(batch)
+    if isinstance(batch, (PackedBatch, TreeRow)) and hasattr(base, "get_rope_index"):
         inputs["position_ids"] = _mrope_rows(batch)
     with runtime_context(backend, batch.input_ids.device):
         return base(**inputs, use_cache=False).last_hidden_state
@@ -340,7 +447,7 @@ class _WeightedLogps(torch.autograd.Function):
 
 def forward_packed(
     model: torch.nn.Module,
-    batch: PackedBatch,
+    batch: PackedBatch | TreeRow,
     *,
     entropy: bool = False,
     temperature: float = 1.0,
@@ -348,7 +455,8 @@ def forward_packed(
     logp_weights: torch.Tensor | None = None,
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
 ) -> TokenOutputs:
-    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy), per position of its row (a tree
+    row's positions: :class:`ModelEngine` unfolds them); see :func:`logps_from_hidden`."""
     hidden = hidden_states(model, batch)[0]
     return logps_from_hidden(
         unwrap(model),
@@ -444,10 +552,22 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed (``[R]`` a tree row), ``[N, L]`` padded."""
     scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
-    return scores[0] if isinstance(batch, PackedBatch) else scores
+    return scores if isinstance(batch, PaddedBatch) else scores[0]
+
+
+# cu_seqlens tensor of a packed batch -> its tree row (None: nothing shared), built once per batch: the
+# passes of one batch (old and reference log-probs, values, the update) share it.
+_TREE_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def tree_row(batch: PackedBatch) -> TreeRow | None:
+    """:func:`padless.forward.tree.share_prefixes` of ``batch``, remembered while its ``cu_seqlens`` lives."""
+    if batch.cu_seqlens not in _TREE_ROWS:
+        _TREE_ROWS[batch.cu_seqlens] = share_prefixes(batch)
+    return _TREE_ROWS[batch.cu_seqlens]
 
 
 class EngineOutput(NamedTuple):
@@ -483,6 +603,12 @@ class ModelEngine(torch.nn.Module):
         for m in (model, value):  # the models' structure, checked once here, not before each forward
             if m is not None:
                 hybrid.require_packing(unwrap(m))
+        # whether packed batches run as tree rows (train.tree_packing), decided once per engine
+        self.tree = all(
+            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.settings.degree)
+            for m in (model, value)
+            if m is not None
+        )
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
@@ -549,20 +675,31 @@ class ModelEngine(torch.nn.Module):
         logp_weights: torch.Tensor | None,
         values: bool,
     ) -> EngineOutput:
-        """The packed pass (one chunk of the row under sequence parallelism)."""
+        """The packed pass (one chunk of the row under sequence parallelism); as a tree row where the engine
+        runs them and the batch shares a prefix, its results unfolded to the packed order."""
+        row = tree_row(batch) if self.tree else None
+        run = batch if row is None else row
+        if row is not None and logp_weights is not None:
+            logp_weights = row.fold(logp_weights)
+
+        def unfold(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values if row is None or values is None else values.index_select(0, row.unfold)
+
         out = EngineOutput()
         if logps:
             tokens = forward_packed(
                 self.model,
-                batch,
+                run,
                 entropy=entropy,
                 temperature=temperature,
                 logp_weights=logp_weights,
                 logits_memory_mb=self.settings.logits_memory_mb,
             )
-            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+            out = out._replace(
+                logps=unfold(tokens.logps), entropy=unfold(tokens.entropy), weighted=tokens.weighted
+            )
         if values:
-            out = out._replace(values=forward_scores(self.scorer, batch))
+            out = out._replace(values=unfold(forward_scores(self.scorer, run)))
         return out
 
     def _padded(

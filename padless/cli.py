@@ -69,7 +69,7 @@ def _check(args: argparse.Namespace) -> int:
             probe=False,
             trust_remote_code=args.trust_remote_code,
         )
-        layouts = {}
+        layouts: dict[str, Any] = {"layouts": check.LAYOUTS + check.TREE_LAYOUTS}
         if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
             seqs = check_vision.probe_examples(model, load_processor(args.model))
             layouts = {"logps": check_vision.layout_logps, "alone": check_vision.alone_logps}
@@ -92,7 +92,7 @@ def _check(args: argparse.Namespace) -> int:
         failed = check.zoo_failures(results, requested)
     else:
         rows, _ = check.run_matrix(model, seqs, pad_id, backends, **layouts)
-        print(check.format_matrix(rows))
+        print(check.format_matrix(rows, layouts.get("layouts", check.LAYOUTS)))
         failed = check.failures(rows, requested)
     if failed:
         print("\nFAILED:\n" + "\n".join(f"  {f}" for f in failed), file=sys.stderr)

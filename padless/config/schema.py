@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
-from padless.config.choices import Backend, ModelDType, VarlenKernel
+from padless.config.choices import Backend, ModelDType, TreePacking, VarlenKernel
 from padless.config.loading import ConfigModel, invalid
 
 REPORTERS = ("tensorboard", "jsonl")
@@ -121,6 +121,9 @@ class TrainSettings(ConfigModel):
     """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
+    tree_packing: TreePacking = "auto"
+    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (where
+    the model runs it exactly; the log says which layout ran), on (refused where it cannot run), off"""
     logging_steps: PositiveInt = 10
     eval_steps: NonNegativeInt = 0
     """0: evaluate only at the end (if data.eval is set)"""
@@ -177,6 +180,13 @@ class TrainSettings(ConfigModel):
                 ("sequence_parallel", "batching"),
                 f"sequence_parallel={self.sequence_parallel} splits packed rows; batching padded makes none",
                 "set batching to tokens or packing, or sequence_parallel to 1",
+            )
+        if self.tree_packing == "on" and (self.batching == "padded" or self.sequence_parallel > 1):
+            cause = "batching padded" if self.batching == "padded" else "sequence_parallel > 1"
+            raise invalid(
+                ("tree_packing", "batching" if self.batching == "padded" else "sequence_parallel"),
+                f"tree_packing on lays packed rows out as prefix trees, which {cause} does not run",
+                "set tree_packing to auto or off",
             )
 
 

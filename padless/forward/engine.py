@@ -85,6 +85,11 @@ class EngineSettings:
                 f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
             )
 
+    def probed_tree(self) -> str:
+        """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
+        rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
+        return self.tree_packing if self.degree == 1 else "off"
+
     def pinned(self) -> contextlib.AbstractContextManager:
         """The kernel pin in force inside the block, the previous choice back after it."""
         return pinned_kernel(self.varlen_kernel)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch
+from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch, budget_batches
 
 
 @dataclass
@@ -277,3 +277,14 @@ def tree_tokens(examples: Sequence[Example]) -> int:
     prefixes = sorted(shareable_prefix(e) for e in examples)
     lengths = sum(len(e) for e in examples)
     return lengths - sum(_common(a, b) for a, b in pairwise(prefixes))
+
+
+def plan_batches(
+    examples: Sequence[Example], max_tokens: int, tree: bool, seed: int = 0, shuffle: bool = False
+) -> list[list[int]]:
+    """Micro-batches of ``examples`` within ``max_tokens``: by the tokens of their tree rows where the
+    engine runs trees (:func:`tree_batches`), else of their packed rows (best fit decreasing, see
+    :func:`padless.forward.packing.budget_batches`, seeded and shuffled as asked)."""
+    if tree:
+        return tree_batches(examples, max_tokens)
+    return budget_batches([len(e) for e in examples], max_tokens, seed=seed, shuffle=shuffle)

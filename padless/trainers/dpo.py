@@ -52,12 +52,13 @@ class DPORecipe(PairRecipe):
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
         The pass is split between ranks (each runs its share of the packed batches) and summed once."""
+        super().bind(model)
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
         for pairs in (self.pairs, self.eval_pairs):
             if not pairs:
                 continue
-            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
+            groups = budget_batches(self.lengths(pairs), self.cfg.max_tokens_per_batch, shuffle=False)
 
             def run(group: list[int], pairs=pairs) -> torch.Tensor:
                 chunk = pairs.take(group)

@@ -84,3 +84,18 @@ def test_the_grpo_example_learns(tmp_path):
     assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.3, rewards
     final = [r for r in records if "eval/reward/arithmetic" in r][-1]
     assert final["eval/reward/arithmetic"] > 5 / 16
+
+
+def test_the_reward_function_example_scores_as_the_rl_guide_says(tmp_path):
+    """examples/rewards.py (shown in docs/guides/rl.md), loaded as reward.functions loads it, with the
+    guide's command-line override."""
+    from padless.config.schema import GRPOConfig
+    from padless.rl.rewards import load_reward_function
+
+    spec = "examples/rewards.py:bare_answer"
+    fn = load_reward_function(str(Path(__file__).parent.parent / spec))
+    completions = ["12", " 12.", "12 apples", "13"]
+    assert fn(prompts=["p"] * 4, completions=completions, answer=["12"] * 4, level=[1] * 4) == [1, 1, 0, 0]
+    example = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
+    config = load_config(GRPOConfig, example, [f"reward.functions=[arithmetic, {spec}]"])
+    assert config.reward.functions == ["arithmetic", spec]

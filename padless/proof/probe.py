@@ -213,10 +213,10 @@ def probe_reference(model: torch.nn.Module, purpose: str, tree: bool = False) ->
     config = text_config(model)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    seqs = [
-        torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
-    ]
-    with spans_within_probe(model):
+    with spans_within_probe(model):  # lengths past the spans as the probe cuts them
+        seqs = [
+            torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
+        ]
         reference = _probe_reference(model, purpose, seqs)
         if tree:
             branches, prompts = tree_sequences(seqs)

@@ -581,7 +581,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
         ("peak CUDA" if cuda else "peak RSS", "memory", 9),
     ]
     common.print_ratios(ratios, columns)
-    if ratios:
+    if "padless" in chosen and "trl" in chosen:
         means = {name: chosen[name]["mean_completion_length"] for name in ("padless", "trl")}
         if abs(means["padless"] - means["trl"]) > 0.02 * max(means.values()):
             print(

@@ -15,7 +15,6 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,7 +22,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 from transformers import PreTrainedModel
 
 from padless.config.choices import TREE_PACKING, VARLEN_KERNELS
@@ -31,22 +29,17 @@ from padless.config.schema import TrainSettings
 from padless.errors import AttentionError
 from padless.forward import hybrid, sequence_parallel
 from padless.forward.attention import (
-    ATTENTION_LAYER_TYPES,
     assert_attention,
     attention_in_use,
     hf_name,
-    row_position_problem,
     runtime_context,
     set_varlen_kernel,
-    text_config,
     varlen_kernel_choice,
 )
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.sequence_parallel import SequenceParallel
-from padless.forward.tree import TreeRow, share_prefixes
+from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
-
-log = logging.getLogger(__name__)
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
@@ -154,96 +147,6 @@ def checked_backend(model: torch.nn.Module) -> str:
     backend = loaded_backend(model)
     assert_attention(unwrap(model), backend)
     return backend
-
-
-# Backends that run a tree row: varlen through its key segments, the others through a mask of the row.
-TREE_BACKENDS = ("varlen", "sdpa", "eager", "flex_attention")
-
-
-def tree_problem(model: torch.nn.Module, backend: str, degree: int = 1) -> str | None:
-    """Why ``model`` on ``backend`` cannot run tree rows (:mod:`padless.forward.tree`) exactly (``None``:
-    it can), by category: the backend, layers that carry a state from token to token, attention that
-    restarts per sequence in ways a branch does not share, images, and rows split over ranks."""
-    config = text_config(model)
-    types = list(getattr(config, "layer_types", None) or ())
-    if backend not in TREE_BACKENDS:
-        return f"{backend} takes no tree of key segments; use attn_implementation varlen"
-    stateful = hybrid.installed_layers(model)
-    if stateful or any(t not in ATTENTION_LAYER_TYPES for t in types):
-        named = ", ".join(stateful[:2]) or ", ".join(
-            sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
-        )
-        return (
-            f"its layers that carry a state from token to token ({named}) would have to start each branch "
-            "from the state at the end of its prefix, which padless does not do: each sequence runs whole"
-        )
-    if "chunked_attention" in types:
-        return "its chunked attention counts chunks from each sequence's start, across prefix and branch"
-    if row_position_problem(model, "varlen") is not None or getattr(config, "attn_temperature_tuning", False):
-        return "its NoPE layers scale queries by each token's place in the row"
-    if getattr(unwrap(model).config, "vision_config", None) is not None:  # a vision-language model
-        return (
-            "a vision-language model's prompt images belong to each sequence, and a tree shares tokens only"
-        )
-    windowed = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None))
-    if backend != "varlen" and windowed:
-        return f"transformers applies one custom mask to every layer on {backend}, sliding ones included"
-    if degree > 1:
-        return "sequence parallelism splits a row by position, and a tree row is not split (yet)"
-    return None
-
-
-def resolve_tree(model: torch.nn.Module, backend: str, mode: str, degree: int = 1) -> bool:
-    """Whether ``model`` runs tree rows under ``train.tree_packing`` = ``mode``: ``off`` never; ``on``
-    always, or a refusal with the reason (:func:`tree_problem`); ``auto`` wherever it can, the log saying
-    which layout runs and why."""
-    if mode == "off":
-        return False
-    problem = tree_problem(model, backend, degree)
-    name = type(unwrap(model)).__name__
-    if problem is None:
-        _log_once(f"tree packing on for {name}: a prefix its packed sequences share is computed once")
-        return True
-    if mode == "on":
-        raise AttentionError(
-            f"train.tree_packing: on, but {name} on {backend!r} cannot run tree rows: {problem}; set "
-            "train.tree_packing: auto (flat rows where a tree cannot run) or off"
-        )
-    _log_once(f"tree packing off for {name} (flat packed rows): {problem}")
-    return False
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
-
-
-def tree_inputs(row: TreeRow, backend: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Forward kwargs of a tree row: its key segments for ``varlen``; for transformers' own kernels (the
-    comparisons) a mask of the whole row (boolean for sdpa, additive for eager, a block mask for flex),
-    which transformers uses as it is."""
-    inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids}
-    if backend == "varlen":
-        sequence_bounds(row.cu_seqlens), sequence_bounds(row.cu_keys)  # to the host once, as model_inputs
-        return {**inputs, **row.attention_kwargs()}
-    allowed = row.allowed()
-    if backend == "sdpa":
-        mask: Any = allowed[None, None]
-    elif backend == "eager":
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    elif backend == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        size = row.num_tokens
-        mask = create_block_mask(lambda b, h, q, k: allowed[q, k], 1, None, size, size, device=allowed.device)
-    else:
-        raise AttentionError(f"{backend} takes no tree of key segments; use attn_implementation varlen")
-    return {**inputs, "attention_mask": mask}
 
 
 def model_inputs(batch: PackedBatch | PaddedBatch) -> dict[str, Any]:
@@ -561,18 +464,6 @@ def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | Tr
     """Per-token scalars from a scalar head (fp32): ``[T]`` packed (``[R]`` a tree row), ``[N, L]`` padded."""
     scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
     return scores if isinstance(batch, PaddedBatch) else scores[0]
-
-
-# cu_seqlens tensor of a packed batch -> its tree row (None: nothing shared), built once per batch: the
-# passes of one batch (old and reference log-probs, values, the update) share it.
-_TREE_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def tree_row(batch: PackedBatch) -> TreeRow | None:
-    """:func:`padless.forward.tree.share_prefixes` of ``batch``, remembered while its ``cu_seqlens`` lives."""
-    if batch.cu_seqlens not in _TREE_ROWS:
-        _TREE_ROWS[batch.cu_seqlens] = share_prefixes(batch)
-    return _TREE_ROWS[batch.cu_seqlens]
 
 
 class EngineOutput(NamedTuple):

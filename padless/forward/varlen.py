@@ -534,39 +534,58 @@ class TreeGroups:
     (:func:`padded_length` of each): a segment's queries padded on the right, its keys (its ancestors',
     then its own) likewise, and a mask per segment that aligns causality at the bottom right (query
     ``i`` of a segment with ``a`` ancestor keys sees keys ``j <= a + i``), so no real query sees padding.
+    A group of segments without ancestors (roots, shared prefixes) is plain causal attention, as in
+    :class:`SequenceGroups`.
 
     ``queries`` / ``keys`` ``[S]``: the row position each slot reads, group after group; ``back`` ``[R]``:
-    the query slot holding each row position's output; ``offsets``: ``a`` of each segment per group.
+    the query slot holding each row position's output; ``owner`` ``[S]``: the row position a query slot
+    holds, ``R`` for padding; ``offsets``: ``a`` of each segment, per group
+    (``None`` for a group of segments without ancestors).
     """
 
     queries: torch.Tensor
     keys: torch.Tensor
     back: torch.Tensor
+    owner: torch.Tensor
+    padded: bool  # some query slot is padding
     shapes: tuple[tuple[int, int, int], ...]  # (segments, padded queries, padded keys) of each group
-    offsets: tuple[torch.Tensor, ...]
+    offsets: tuple[torch.Tensor | None, ...]
 
     @classmethod
     def plan(
         cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int], device
     ) -> TreeGroups:
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int, bool], list[int]] = {}
         for s, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(bounds_q), pairwise(bounds_k), strict=True)):
-            groups.setdefault((padded_length(q1 - q0), padded_length(k1 - k0)), []).append(s)
+            root = k1 - k0 == q1 - q0
+            groups.setdefault((padded_length(q1 - q0), padded_length(k1 - k0), root), []).append(s)
         queries: list[int] = []
+        owner: list[int] = []
         key_slots: list[int] = []
-        back = [0] * bounds_q[-1]
+        rows = bounds_q[-1]
+        back = [0] * rows
         shapes, offsets = [], []
-        for (size_q, size_k), members in sorted(groups.items(), reverse=True):
+        for (size_q, size_k, root), members in sorted(groups.items(), reverse=True):
             for s in members:
                 q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
                 back[q0:q1] = range(len(queries), len(queries) + q1 - q0)
                 queries += [*range(q0, q1), *[q1 - 1] * (size_q - (q1 - q0))]
+                owner += [*range(q0, q1), *[rows] * (size_q - (q1 - q0))]
                 key_slots += [*keys[k0:k1], *[keys[k1 - 1]] * (size_k - (k1 - k0))]
             shapes.append((len(members), size_q, size_k))
             gaps = [(bounds_k[s + 1] - bounds_k[s]) - (bounds_q[s + 1] - bounds_q[s]) for s in members]
-            offsets.append(torch.tensor(gaps, device=device))
+            offsets.append(None if root else torch.tensor(gaps, device=device))
+        padded = len(queries) > rows  # then _Gather's backward reads padding's (zero) gradient at row R
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(queries), as_tensor(key_slots), as_tensor(back), tuple(shapes), tuple(offsets))
+        return cls(
+            as_tensor(queries),
+            as_tensor(key_slots),
+            as_tensor(back),
+            as_tensor(owner),
+            padded,
+            tuple(shapes),
+            tuple(offsets),
+        )
 
     @staticmethod
     def allowed(offsets: torch.Tensor, size_q: int, size_k: int, window: int | None) -> torch.Tensor:
@@ -621,22 +640,21 @@ def _tree_attention(
             sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist(), q.device
         )
     flat_q, flat_k, flat_v = (t[0].transpose(0, 1) for t in (q, k, v))  # [R, H, D]
-    qs, ks, vs = (
-        flat_q.index_select(0, plan.queries),
-        flat_k.index_select(0, plan.keys),
-        flat_v.index_select(0, plan.keys),
-    )
+    # queries and outputs: one slot per row position (padding slots' gradients are zero): gathers both
+    # ways; keys and values: a prefix's in every branch's slots, their gradients summed (index_select)
+    qs = _Gather.apply(flat_q, plan.queries, plan.back, False)
+    ks, vs = flat_k.index_select(0, plan.keys), flat_v.index_select(0, plan.keys)
     outs, at_q, at_k = [], 0, 0
     for (n, size_q, size_k), offsets in zip(plan.shapes, plan.offsets, strict=True):
         group_q = qs[at_q : at_q + n * size_q].view(n, size_q, *qs.shape[1:]).transpose(1, 2)
         group_k, group_v = (
             t[at_k : at_k + n * size_k].view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (ks, vs)
         )
-        allowed = TreeGroups.allowed(offsets, size_q, size_k, args.window)
+        allowed = None if offsets is None else TreeGroups.allowed(offsets, size_q, size_k, args.window)
         out = _sequence_attention(group_q, group_k, group_v, args, allowed)
         outs.append(out.transpose(1, 2).reshape(n * size_q, heads, out_dim))
         at_q, at_k = at_q + n * size_q, at_k + n * size_k
-    return torch.cat(outs).index_select(0, plan.back)[None]
+    return _Gather.apply(torch.cat(outs), plan.back, plan.owner, plan.padded)[None]
 
 
 def varlen_attention_forward(

@@ -13,7 +13,7 @@ with the reason). :func:`run_zoo` runs the matrix over the tiny architectures of
 The tree cells run sequences that share nested prefixes (:func:`padless.proof.probe.tree_sequences`) as one
 tree row through the engine: ``tree`` compares the log-probs of every trained token with each sequence
 alone; ``tree grad`` compares the gradient of a loss over them with the flat packed layout's, parameter
-by parameter. Where the model cannot run a tree (:func:`padless.forward.engine.tree_problem`) they say why.
+by parameter. Where the model cannot run a tree (:func:`padless.forward.tree.tree_problem`) they say why.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from padless.forward.engine import (
     forward_packed,
     forward_padded,
     loaded_backend,
-    tree_problem,
     use_backend,
 )
 from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
+from padless.forward.tree import tree_problem
 from padless.proof.probe import (
     ReferenceForwardError,
     model_name,

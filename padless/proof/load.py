@@ -13,7 +13,8 @@ from padless.config.choices import DTYPE_NAMES
 from padless.data import sources
 from padless.forward import hybrid
 from padless.forward.attention import assert_attention, hf_name, require_backend
-from padless.forward.engine import pinned_kernel, resolve_tree
+from padless.forward.engine import pinned_kernel
+from padless.forward.tree import resolve_tree
 from padless.proof import reuse
 
 Task = Literal["causal-lm", "score"]

@@ -27,10 +27,10 @@ from padless.forward.attention import (
     runtime_context,
     text_config,
 )
-from padless.forward.engine import backbone, logps_from_hidden, pinned_kernel, score_head, tree_inputs
+from padless.forward.engine import backbone, logps_from_hidden, pinned_kernel, score_head
 from padless.forward.hybrid import installed_layers, require_packing
 from padless.forward.packing import IGNORE_INDEX, Example, pack
-from padless.forward.tree import share_prefixes
+from padless.forward.tree import share_prefixes, tree_inputs
 from padless.forward.varlen import KERNEL_CALLS
 from padless.forward.vision import uses_mrope
 from padless.proof.tolerance import bound

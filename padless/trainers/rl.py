@@ -29,10 +29,9 @@ from padless.data.sources import require_scoring_model
 from padless.data.tokenized import ExampleSet, load_set
 from padless.errors import InputError
 from padless.forward.engine import as_engine, inner_engine, reference_engine, unwrap
-from padless.forward.packing import Example, PackedBatch, concat_vision, pack
+from padless.forward.packing import Example, PackedBatch, budget_batches, concat_vision, pack
 from padless.forward.ranks import agreed, equal_share, gather_shares, lockstep
 from padless.forward.sequence_parallel import data_parallel
-from padless.forward.tree import plan_batches
 from padless.forward.vision import require_same_inputs
 from padless.losses import soft_overlong_penalty
 from padless.proof.load import disable_dropout, load_model, load_tokenizer, pad_token_id
@@ -60,7 +59,6 @@ class RolloutRecipe(Recipe):
 
     updates: int = 1
     mini_batches: int = 1
-    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(
         self,
@@ -317,7 +315,7 @@ class RolloutRecipe(Recipe):
     def store(self, examples: list[Example], passes: dict[str, Pass], filler: Example) -> None:
         """Run each no-grad pass (per-token values ``[T]``) on packed micro-batches; keep targets in meta."""
         budget = self.cfg.train.max_tokens_per_batch
-        groups = plan_batches(examples, budget, self.tree) if examples else []
+        groups = budget_batches([len(e) for e in examples], budget, shuffle=False) if examples else []
         for chunk, real in lockstep([[examples[i] for i in g] for g in groups], [filler]):
             batch = pack(chunk, device=self.device)
             for key, run in passes.items():
@@ -330,10 +328,8 @@ class RolloutRecipe(Recipe):
                     start += e.num_targets
 
     def bind(self, model: torch.nn.Module) -> None:
-        """Sample and score through the prepared engine from now on; plan micro-batches by the tokens of
-        its tree rows where it runs them (a group's prompt once)."""
+        """Sample and score through the prepared engine from now on."""
         self.policy = model
-        self.tree = inner_engine(model).tree
         if isinstance(self.engine, HFEngine):
             self.engine.policy = model
 
@@ -474,7 +470,7 @@ class RolloutRecipe(Recipe):
             size = len(order) // self.mini_batches
             for m in range(self.mini_batches):
                 mini = [examples[i] for i in order[m * size : (m + 1) * size]]
-                for b in plan_batches(mini, budget, self.tree, seed=epoch + update + m, shuffle=True):
+                for b in budget_batches([len(e) for e in mini], budget, seed=epoch + update + m):
                     chunk = [mini[i] for i in b]
                     micros.append(MicroBatch(chunk, self.units(chunk), sum(len(e) for e in chunk), step=step))
                 step += 1
@@ -554,7 +550,8 @@ def make_engine(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
                 "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
                 "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
-                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
+                "here, so the path could not be tested; docs/guides/sampling.md: vLLM on CPU); set "
+                "rollout.engine: hf"
             )
         from padless.rl.vllm_engine import VLLMEngine
 

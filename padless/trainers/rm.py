@@ -14,10 +14,9 @@ from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.data.images import ImageInputs
 from padless.data.sources import require_scoring_model
 from padless.errors import InputError
-from padless.forward.engine import ModelEngine, inner_engine, sequence_scores
-from padless.forward.packing import Example, pack
+from padless.forward.engine import ModelEngine, sequence_scores
+from padless.forward.packing import Example, budget_batches, pack
 from padless.forward.ranks import lockstep
-from padless.forward.tree import plan_batches
 from padless.losses import bradley_terry_loss
 from padless.proof.load import load_model, load_tokenizer, pad_token_id
 from padless.run.loop import MicroBatch, Trainer
@@ -71,7 +70,7 @@ def score_examples(
     scores = [0.0] * len(examples)
     device = next(model.parameters()).device
     budget = max([max_tokens, *map(len, examples)])
-    groups = plan_batches(examples, budget, inner_engine(model).tree) if examples else []
+    groups = budget_batches([len(e) for e in examples], budget, shuffle=False) if examples else []
     for group, real in lockstep(groups, [-1]):
         chunk = [examples[i] if i >= 0 else filler for i in group]
         values = sequence_scores(model, pack(chunk, device=device)).tolist()

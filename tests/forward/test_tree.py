@@ -12,12 +12,20 @@ import pytest
 import torch
 
 import padless.forward.engine as engine_module
+import padless.forward.tree as tree_module
 from padless.data import load_rows, tokenize_preference
 from padless.errors import AttentionError
 from padless.forward.attention import set_varlen_kernel
-from padless.forward.engine import EngineSettings, ModelEngine, resolve_tree, tree_problem
+from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
-from padless.forward.tree import TreeRow, share_prefixes, tree_batches, tree_tokens
+from padless.forward.tree import (
+    TreeRow,
+    resolve_tree,
+    share_prefixes,
+    tree_batches,
+    tree_problem,
+    tree_tokens,
+)
 from padless.forward.varlen import varlen_attention_forward
 from padless.proof.check import gradient_delta
 from padless.proof.load import load_model
@@ -293,7 +301,7 @@ def test_a_planted_sibling_leak_fails(policy, tokenizer, monkeypatch):
         row.max_keys = max(len(x) for x in lists)
         return row
 
-    monkeypatch.setattr(engine_module, "share_prefixes", leaky)
+    monkeypatch.setattr(tree_module, "share_prefixes", leaky)
     alone, magnitude = _alone(policy, examples)
     tree_logps, _ = _run(policy, examples, True, None)
     delta = max((t - a).abs().max().item() for t, a in zip(tree_logps, alone, strict=True))

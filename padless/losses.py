@@ -7,6 +7,8 @@ into micro-batches or processes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +76,87 @@ def dpo_loss(
     else:
         raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid, ipo, hinge or simpo")
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0`` without cancellation: ``log(-expm1(x))`` near 0, ``log1p(-exp(x))``
+    below ``-log 2`` (Maechler 2012, "Accurately computing log(1 - exp(-|a|))")."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(
+    chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term per pair ``-beta log sigmoid(log odds(chosen) - log odds(rejected))``, where
+    ``odds(y) = P(y) / (1 - P(y))`` of the completion's mean per-token log-prob; returns it and the log
+    odds ratio. The SFT term (the chosen completion's NLL) is added by the recipe.
+
+    Source: Hong et al. 2024, "ORPO" (arXiv:2403.07691) Eq. 4-7; ``beta`` is the paper's lambda (TRL's
+    ``beta``)."""
+    chosen, rejected = chosen_mean_logps.float(), rejected_mean_logps.float()
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds), log_odds.detach()
+
+
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-completion KTO losses and implicit rewards ``beta (log pi - log pi_ref)`` from summed completion
+    log-probs ``[N]`` and which completions are desirable ``[N]`` (bool).
+
+    ``kto``: desirable ``w_d (1 - sigmoid(beta (r - z)))``, undesirable ``w_u (1 - sigmoid(beta (z - r)))``
+    with ``r`` the log-ratio and ``z`` the KL baseline (taken without gradient; the recipe estimates it on
+    mismatched prompt / completion pairs). ``apo_zero_unpaired``: the same without ``z``, undesirable
+    ``w_u sigmoid(beta r)``.
+
+    Source: Ethayarajh et al. 2024, "KTO" (arXiv:2402.01306) Eq. 7-8; APO-zero: D'Oosterlinck et al. 2024
+    (arXiv:2408.06266), the unpaired form TRL 1.16 ships."""
+    ratio = logps - ref_logps
+    if loss_type == "kto":
+        z = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device).detach()
+        good, bad = 1 - torch.sigmoid(beta * (ratio - z)), 1 - torch.sigmoid(beta * (z - ratio))
+    elif loss_type == "apo_zero_unpaired":
+        good, bad = 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}; choose kto or apo_zero_unpaired")
+    losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
+    return losses, beta * ratio.detach()
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token generalised Jensen-Shannon divergence ``[n]`` between the student's and the teacher's
+    next-token distributions (logits ``[n, V]``, temperature already applied), summed over the vocabulary:
+    ``beta KL(p_T || m) + (1 - beta) KL(p_S || m)`` with the mixture ``m = beta p_T + (1 - beta) p_S``;
+    ``beta = 0`` is the forward ``KL(p_T || p_S)``, ``beta = 1`` the reverse ``KL(p_S || p_T)``.
+
+    Source: Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD, arXiv:2306.13649)
+    Eq. 1, as TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` computes it (the same mixture weights)."""
+    s = student_logits.float().log_softmax(-1)
+    t = teacher_logits.float().log_softmax(-1)
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    mixture = torch.logsumexp(torch.stack([s + math.log1p(-beta), t + math.log(beta)]), 0)
+    return beta * (t.exp() * (t - mixture)).sum(-1) + (1 - beta) * (s.exp() * (s - mixture)).sum(-1)
+
+
+def top_k_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-token ``KL(q || p_S)`` ``[n]`` where ``q`` is the teacher's distribution restricted to its ``k``
+    most likely tokens and renormalised, against the student's full distribution at those tokens (sparse
+    knowledge distillation: the teacher's tail is dropped, the student's is not)."""
+    top, ids = teacher_logits.float().topk(k, -1)
+    q = top.log_softmax(-1)
+    s = student_logits.float().log_softmax(-1).gather(-1, ids)
+    return (q.exp() * (q - s)).sum(-1)
 
 
 def bradley_terry_loss(

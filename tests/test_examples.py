@@ -54,16 +54,19 @@ def test_example_runs(path, tmp_path):
     ]
     # the smaller embedded sets, except for vision-language examples: their data are what they show
     images = path.stem.startswith("vlm_")
+    samples = kind in ("grpo", "ppo") or (kind == "distill" and "mode: on_policy" in path.read_text())
     if kind == "sft":
         overrides += ["train.eval_steps=2", "train.eval_max_new_tokens=4"]
         overrides += [] if images else ["data.train=tiny:sft_eval"]
-    elif kind in ("dpo", "rm"):
+    elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
-    else:  # online RL: no eval split, small rollouts
+    elif not samples:  # distillation on data completions
+        overrides += ["train.eval_steps=2", "data.train=tiny:sft_eval"]
+    else:  # online RL and on-policy distillation: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
     metrics = run(load_config(config_cls, path, overrides))
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
-    if kind in ("grpo", "ppo"):
+    if samples:
         assert "train/loss" in metrics and "rollout/reward" in (tmp_path / "metrics.jsonl").read_text()
     else:
         assert metrics["eval/loss"] > 0
@@ -99,3 +102,21 @@ def test_the_reward_function_example_scores_as_the_rl_guide_says(tmp_path):
     example = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
     config = load_config(GRPOConfig, example, [f"reward.functions=[arithmetic, {spec}]"])
     assert config.reward.functions == ["arithmetic", spec]
+
+
+def test_the_environment_example_plays_as_the_episodes_guide_says():
+    """examples/environments.py (shown in docs/guides/episodes.md), loaded as rollout.environment loads
+    it: its tool's schema is readable, tool results go back, a wrong answer gets one retry."""
+    from padless.rl.environments import Step, Turn, load_environment, tool_schema
+
+    cls = load_environment(str(Path(__file__).parent.parent / "examples/environments.py:Quiz"))
+    assert tool_schema("multiply", cls.tools[0])["function"]["parameters"]["required"] == ["a", "b"]
+    row = {"prompt": "What is 6 x 7?", "answer": "42"}
+    env = cls(row)
+    assert env.reset() == [{"role": "user", "content": "What is 6 x 7?"}]
+    called = [{"role": "tool", "content": "42"}]
+    assert env.step(Turn(0, "<call>...</call>", [1], [{"name": "multiply"}], called)) == Step(called)
+    assert not env.step(Turn(1, "41", [2])).done
+    assert env.step(Turn(2, "42.", [3])) == Step(reward=0.5, done=True)
+    retried = cls(row)
+    assert retried.step(Turn(0, "1", [2])).messages and retried.step(Turn(1, "2", [2])) == Step(done=True)

@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="GRPO completion length (256)")
     p.add_argument("--pairs", type=int, default=None, help="DPO pairs (64)")
     p.add_argument("--with-trl", action=argparse.BooleanOptionalAction, default=None, help="TRL too")
+    p.add_argument("--flat", action=argparse.BooleanOptionalAction, default=True, help="padless flat too")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender (GRPO 3, DPO 6)")
@@ -119,7 +120,7 @@ def common_args(args: argparse.Namespace, steps: int, result: Path) -> list[str]
 
 
 def run_grpo(args: argparse.Namespace, data: Path, result: Path) -> int:
-    contenders = "padless,padless-flat" + (",trl" if args.with_trl else "")
+    contenders = "padless" + (",padless-flat" if args.flat else "") + (",trl" if args.with_trl else "")
     argv = [
         "--data",
         str(data),
@@ -141,12 +142,12 @@ def run_grpo(args: argparse.Namespace, data: Path, result: Path) -> int:
 
 
 def run_dpo(args: argparse.Namespace, data: Path, result: Path) -> int:
-    contenders = "padless-packed,padless-flat" + (",trl" if args.with_trl else "")
+    contenders = "padless-packed" + (",padless-flat" if args.flat else "") + (",trl" if args.with_trl else "")
     argv = [
         "--data",
         str(data),
         "--max-length",
-        str(args.prompt_tokens + 400),
+        str(args.prompt_tokens + 1024),  # tiny:preference's longest sides are about 600 tokens
         "--batch-size",
         "4" if args.quick else "8",
         "--contenders",

@@ -705,20 +705,7 @@ class RolloutSettings(ConfigModel):
     )
 
     def _check(self) -> None:
-        if self.episodes() and self.engine == "vllm" and self.max_episode_tokens is None:
-            raise invalid(
-                ("max_episode_tokens", "engine"),
-                "vLLM sizes its context when it starts, and an episode's turns have no length limit without "
-                "a token budget",
-                "set rollout.max_episode_tokens (e.g. 1024)",
-            )
-        if self.episodes() and self.max_staleness > 0:
-            raise invalid(
-                ("max_staleness", "environment"),
-                "multi-turn episodes are sampled on-policy only for now (the ahead sampler runs single "
-                "completions)",
-                "set max_staleness: 0",
-            )
+        # which engines and sampling modes go together: padless.rl.sampling (REFUSALS)
         if self.max_staleness > 0 and self.importance_sampling_correction is False:
             raise invalid(
                 ("max_staleness", "importance_sampling_correction"),

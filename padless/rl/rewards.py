@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from padless.errors import InputError
+
 __all__ = [
     "BUNDLED",
     "RewardComposer",
@@ -54,8 +56,9 @@ _SIGNATURE = "def f(prompts, completions, **fields)"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-class RewardError(ValueError):
-    """A reward function that cannot be loaded or called, or that returned something unusable."""
+class RewardError(InputError):
+    """A reward function that cannot be loaded or called, or that returned something unusable (the user's
+    to fix: exit code 2, and a run names the step it stopped at)."""
 
 
 # --------------------------------------------------------------------------------------------------

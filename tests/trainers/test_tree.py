@@ -1,21 +1,30 @@
-"""Tree packing in the trainers: DPO and reward-model pairs give the flat packed layout's numbers while
-computing each shared prompt once."""
+"""Tree packing in the trainers: DPO and reward-model pairs and GRPO groups (every no-grad pass, the plan and
+the update) give the flat packed layout's numbers while computing each shared prompt once."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 
-from padless.config.schema import DPOSettings, TrainSettings
+from padless.config.loading import load_config
+from padless.config.schema import DPOSettings, GRPOConfig, TrainSettings
 from padless.data import load_rows, tokenize_preference
 from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward.packing import pack
+from padless.forward.tree import share_prefixes
 from padless.proof.check import gradient_delta
 from padless.proof.load import load_model
+from padless.proof.tolerance import bound
 from padless.proof.zoo import LOGIT_TARGET, scale_head
+from padless.rl.generate import HFEngine
+from padless.rl.sample import Sample
+from padless.rl.setup import RolloutSetup
 from padless.run.loop import MicroBatch
 from padless.trainers.dpo import DPORecipe
+from padless.trainers.grpo import GRPORecipe
 from padless.trainers.rm import RMRecipe
 
 CPU = torch.device("cpu")
@@ -77,4 +86,56 @@ def test_dpo_and_reward_model_pairs_on_tree_rows_equal_flat(pairs, tokenizer, ca
     }
     assert got["tree"][0] == pytest.approx(got["flat"][0], rel=1e-5)
     delta, limit = gradient_delta(got["flat"][1], got["tree"][1], torch.float32)
+    assert delta <= limit, (delta, limit)
+
+
+def _group(prompt: list[int], completions: list[list[int]], advantages: list[float]) -> list[Sample]:
+    samples = []
+    for c, a in zip(completions, advantages, strict=True):
+        sample = Sample(prompt + c, [False] * len(prompt) + [True] * len(c))
+        sample.algorithm.advantages = [a] * len(c)
+        samples.append(sample)
+    return samples
+
+
+def test_grpo_passes_plan_and_update_on_tree_rows_equal_flat(tokenizer):
+    """Two groups of four completions: the stored reference and old log-probs equal the flat layout's per
+    token, the plan keeps each group in one micro-batch, and the update's loss and gradient (two
+    updates per rollout, so the old log-probs are a stored pass) equal the flat plan's."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 4096, (n,), generator=gen).tolist()
+
+    prompts = [ids(60), ids(45)]
+    completions = [[ids(n) for n in (3, 11, 7, 1)], [ids(n) for n in (9, 2, 14, 5)]]
+    advantages = [[1.0, -0.5, 0.25, -0.75], [-1.0, 0.5, 0.75, -0.25]]
+    seqs = [p + c for p, cs in zip(prompts, completions, strict=True) for c in cs]
+    policy = _realistic(load_model("tiny-llama", training=True, probe=False), seqs)
+    ref = ModelEngine(copy.deepcopy(policy))  # the starting policy: a KL of round-off size, not of exp(30)
+    overrides = ["train.max_tokens_per_batch=200", "grpo.updates_per_rollout=2", "grpo.beta=0.04"]
+    cfg = load_config(GRPOConfig, None, overrides)
+    stored, results = {}, {}
+    for name, settings in (("flat", FLAT), ("tree", TREE)):
+        engine = ModelEngine(policy, settings=settings)
+        sampler = HFEngine(engine, tokenizer, cfg.rollout)
+        recipe = GRPORecipe(RolloutSetup([], cfg, tokenizer, engine, sampler, CPU, ref_model=ref))
+        recipe.bind(engine)
+        samples = [
+            s for p, c, a in zip(prompts, completions, advantages, strict=True) for s in _group(p, c, a)
+        ]
+        recipe.store(samples, recipe.passes(), filler=samples[0])
+        stored[name] = {
+            key: torch.tensor([v for s in samples for v in getattr(s.passes, key)])
+            for key in ("ref_logps", "old_logps")
+        }
+        plan = [m for m in recipe.micro_batches(samples, 0) if m.step == 0]
+        results[name] = (plan, *_grads(recipe, engine, plan, sum(m.units for m in plan)))
+    for key, flat in stored["flat"].items():
+        limit = bound(torch.float32, flat.abs().max().item())
+        assert (stored["tree"][key] - flat).abs().max().item() <= limit, key
+    (micro,) = results["tree"][0]  # both groups in one row of 163 tokens; flat, 472 tokens need three
+    assert share_prefixes(pack(micro.data)).num_tokens == 163 and len(results["flat"][0]) >= 3
+    assert results["tree"][1] == pytest.approx(results["flat"][1], rel=1e-5, abs=1e-7)
+    delta, limit = gradient_delta(results["flat"][2], results["tree"][2], torch.float32)
     assert delta <= limit, (delta, limit)

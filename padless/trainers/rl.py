@@ -40,6 +40,7 @@ class RolloutRecipe(Recipe):
 
     updates: int = 1
     mini_batches: int = 1
+    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(self, setup: RolloutSetup):
         self.setup, self.cfg, self.prompts, self.policy = setup, setup.cfg, setup.prompts, setup.policy

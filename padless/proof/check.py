@@ -12,7 +12,7 @@ with the reason). :func:`run_zoo` runs the matrix over the tiny architectures of
 
 The tree cells run sequences that share nested prefixes (:func:`padless.proof.probe.tree_sequences`) as one
 tree row through the engine: ``tree`` compares the log-probs of every trained token with each sequence
-alone; ``tree grad`` compares the gradient of a loss over them with the flat packed layout's, parameter
+alone; ``tree-grad`` compares the gradient of a loss over them with the flat packed layout's, parameter
 by parameter. Where the model cannot run a tree (:func:`padless.forward.tree.tree_problem`) they say why.
 """
 
@@ -56,7 +56,7 @@ from padless.proof.tolerance import FORMULA, bound
 from padless.proof.zoo import LOGIT_TARGET, build_zoo_model, exercises, scale_head, zoo_names
 
 LAYOUTS = ("alone", "left", "right", "packed")
-TREE_LAYOUTS = ("tree", "tree grad")
+TREE_LAYOUTS = ("tree", "tree-grad")
 DEFAULT_LENGTHS = (4, 19, 77, 160)
 
 
@@ -195,7 +195,7 @@ def tree_case(model: PreTrainedModel, seqs: list[list[int]], alone: Callable[...
 
 
 def tree_cell(model: PreTrainedModel, backend: str, case: TreeCase, layout: str) -> Cell:
-    """A ``tree`` cell (log-probs of every trained token vs alone) or a ``tree grad`` cell (the gradient of
+    """A ``tree`` cell (log-probs of every trained token vs alone) or a ``tree-grad`` cell (the gradient of
     a loss over those log-probs, tree row vs flat packed row, the worst parameter beside its bound), run
     through the engine on ``backend``."""
     problem = tree_problem(model, backend)
@@ -375,7 +375,7 @@ def format_matrix(rows: list[BackendRow], layouts: tuple[str, ...] = LAYOUTS) ->
     )
     if any(lay in TREE_LAYOUTS for lay in layouts):
         lines.append(
-            "tree: sequences sharing nested prefixes as one tree row, trained tokens vs alone; tree grad: "
+            "tree: sequences sharing nested prefixes as one tree row, trained tokens vs alone; tree-grad: "
             "the gradient of a loss over them vs the flat packed row (M: the largest |gradient|)"
         )
     lines += [f"  note: {n}" for n in notes]

@@ -120,3 +120,19 @@ def test_the_environment_example_plays_as_the_episodes_guide_says():
     assert env.step(Turn(2, "42.", [3])) == Step(reward=0.5, done=True)
     retried = cls(row)
     assert retried.step(Turn(0, "1", [2])).messages and retried.step(Turn(1, "2", [2])) == Step(done=True)
+
+
+@pytest.mark.slow
+def test_the_api_example_trains_from_an_in_memory_dataset(tmp_path, monkeypatch, capsys):
+    """examples/api_sft.py (docs/api.md), as a script: a datasets.Dataset and a model object through
+    padless.SFT, four steps; the config the run saved names the folder the model object was written to."""
+    import runpy
+
+    monkeypatch.setenv("PADLESS_EXAMPLE_OUTPUT", str(tmp_path / "run"))
+    monkeypatch.setenv("PADLESS_EXAMPLE_STEPS", "4")
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "api_sft.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "'train/loss'" in out and "checkpoint" in out
+    assert (tmp_path / "run" / "checkpoint-4").is_dir()
+    saved = load_config(_load(TRAINERS["sft"][0]), tmp_path / "run" / "config.yaml")
+    assert saved.data.train == "python:data.train" and (Path(saved.model.name) / "config.json").exists()

@@ -8,17 +8,15 @@ quickly.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
-from padless.config.choices import Backend, ModelDType, VarlenKernel
+from padless.config.choices import REPORTERS, TRACKERS, Backend, ModelDType, TreePacking, VarlenKernel
 from padless.config.loading import Applies, ConfigModel, Why, invalid
-
-REPORTERS = ("tensorboard", "jsonl")
-
 
 # Bounds are part of a key's type (PositiveInt, ... from pydantic, or Field(ge=..., lt=...)), so that the
 # JSON Schema carries them and editors check them too; rules that need a reason or a fix of their own
@@ -176,6 +174,9 @@ class TrainSettings(ConfigModel):
     """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
+    tree_packing: TreePacking = "auto"
+    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (where
+    the model runs it exactly; the log says which layout ran), on (refused where it cannot run), off"""
     logging_steps: PositiveInt = 10
     """optimizer steps between metrics records"""
     eval_steps: NonNegativeInt = 0
@@ -197,7 +198,13 @@ class TrainSettings(ConfigModel):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """a NaN/inf loss or grad norm: stop, or skip the step"""
     report_to: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
-    """where metrics go: tensorboard, jsonl ([] for neither; log.txt is always written)"""
+    """where metrics go: tensorboard and jsonl (files in output_dir), and the trackers trackio, wandb
+    (offline unless WANDB_MODE says otherwise) and mlflow (a file store in output_dir/mlruns unless
+    MLFLOW_TRACKING_URI says otherwise); [] for none (log.txt is always written)"""
+    run_name: str | None = None
+    """the run's name in the trackers of report_to (default: output_dir's folder name)"""
+    project: str = "padless"
+    """the trackers' project (trackio, wandb) or experiment (mlflow) the run is filed under"""
     progress_bar: bool = True
     """show a progress bar on the console (main process)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -229,11 +236,26 @@ class TrainSettings(ConfigModel):
             "set train.batching: padded to compare with padding, or remove train.{key}",
         ),
         Applies(
+            ("run_name", "project"),
+            ("report_to",),
+            lambda s: any(r in TRACKERS for r in s.report_to),
+            "it names the run in an experiment tracker, and report_to lists none",
+            f"add a tracker ({', '.join(TRACKERS)}) to train.report_to, or remove train.{{key}}",
+        ),
+        Applies(
             ("eval_max_new_tokens", "eval_batch_size"),
             ("eval_generate",),
             lambda s: s.eval_generate,
             "it shapes the completions eval_generate samples, and eval_generate is off",
             "set train.eval_generate: true (SFT), or remove train.{key}",
+        ),
+        Applies(
+            ("tree_packing",),
+            ("batching", "sequence_parallel"),
+            lambda s: s.batching != "padded" and s.sequence_parallel == 1,
+            "it lays whole packed rows out as prefix trees: batching padded makes no packed rows and "
+            "sequence_parallel > 1 splits them (both run flat)",
+            "remove train.{key}",
         ),
     )
 
@@ -252,8 +274,13 @@ class TrainSettings(ConfigModel):
                 "report_to",
                 f"unknown reporter(s) {', '.join(map(repr, unknown))}; padless writes to "
                 f"{', '.join(map(repr, REPORTERS))}",
-                "use a subset of [tensorboard, jsonl] ([] for none)",
+                f"use a subset of [{', '.join(REPORTERS)}] ([] for none)",
             )
+        for name in self.report_to:
+            if name in TRACKERS and importlib.util.find_spec(name) is None:
+                raise invalid("report_to", f"{name} is not installed", f"{TRACKERS[name]}, or remove {name}")
+        if self.run_name == "" or not self.project:
+            raise invalid(("run_name", "project"), "is empty", "give a name, or leave run_name out")
         if self.resume_from_checkpoint == "":
             raise invalid(
                 "resume_from_checkpoint",

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from padless.data import given
 from padless.errors import InputError, UserExit
 from padless.run.interrupts import bounded
 
@@ -254,6 +255,8 @@ def load_callable(spec: str, kind: str, bundled: Mapping[str, Any]) -> Any:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(f"{kind} spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}")
     spec = spec.strip()
+    if given.is_given(spec):  # handed to padless.api as a Python object
+        return given.lookup(spec, kind)
     noun = "reward" if kind == "reward function" else kind
     thing = "class" if kind == "environment" else "function"
     if spec in bundled:

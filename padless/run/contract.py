@@ -30,7 +30,14 @@ from padless.errors import InputError
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"  # the parameter group without a learning rate of its own
-PLAN_SETTINGS = ("batching", "max_tokens_per_batch", "batch_size", "gradient_accumulation_steps", "seed")
+PLAN_SETTINGS = (
+    "batching",
+    "max_tokens_per_batch",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "tree_packing",  # a tree row counts a shared prompt once in the token budget
+)
 NEW_RUN = (
     "start a new run from it instead (model.name=<that checkpoint>, another train.output_dir, "
     "train.resume_from_checkpoint=null)"

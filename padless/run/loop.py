@@ -334,7 +334,12 @@ class Trainer:
                 with doing("setting newer checkpoints aside", cfg.output_dir, setting="train.output_dir"):
                     branch(cfg.output_dir, resume)
         reporter = Reporter(
-            cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
+            cfg.output_dir,
+            cfg.report_to,
+            acc.is_main_process,
+            state.step if resume else None,
+            cfg.run_name,
+            cfg.project,
         )
         bar = tqdm(
             total=self.total_steps,
@@ -356,6 +361,7 @@ class Trainer:
                 self._loop(state, reporter, bar, window, counts, last)
         except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
+            reporter.close(failed=True)
             raise
         bar.close()
         reporter.plot()

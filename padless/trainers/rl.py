@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from padless.errors import InputError
-from padless.forward.engine import reference_engine
-from padless.forward.packing import PackedBatch, budget_batches, pack
+from padless.forward.engine import inner_engine, reference_engine
+from padless.forward.packing import PackedBatch, pack
 from padless.forward.passes import lockstep_pass
 from padless.forward.ranks import equal_share, gather_shares
+from padless.forward.tree import plan_batches
 from padless.rl.correction import correct
 from padless.rl.sample import Sample, per_target, summary
 from padless.rl.sampler import Request, revive
@@ -40,6 +40,7 @@ class RolloutRecipe(Recipe):
 
     updates: int = 1
     mini_batches: int = 1
+    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(self, setup: RolloutSetup):
         self.setup, self.cfg, self.prompts, self.policy = setup, setup.cfg, setup.prompts, setup.policy
@@ -60,7 +61,7 @@ class RolloutRecipe(Recipe):
         budget = self.cfg.rollout.max_episode_tokens
         longest = max(self.prompts, key=len, default=None) if budget is not None else None
         if longest is not None and len(longest) >= budget:
-            raise InputError(
+            raise ValueError(  # an input error (exit 2), as every ValueError
                 f"rollout.max_episode_tokens={budget}: row {longest.row} of {longest.source} is a prompt of "
                 f"{len(longest)} tokens, leaving its episodes no room for the model's turn; fix: raise "
                 f"rollout.max_episode_tokens above {len(longest)} (e.g. by max_turns x max_new_tokens), or "
@@ -141,14 +142,16 @@ class RolloutRecipe(Recipe):
             return out
 
         budget = self.cfg.train.max_tokens_per_batch
-        stored = lockstep_pass(samples, [len(s) for s in samples], run, budget, filler)
+        stored = lockstep_pass(samples, [len(s) for s in samples], run, budget, filler, tree=self.tree)
         for s, values in zip(samples, stored, strict=True):
             for key, kept in values.items():
                 setattr(s.passes, key, kept)
 
     def bind(self, model: torch.nn.Module) -> None:
-        """Sample and score through the prepared engine from now on."""
+        """Sample and score through the prepared engine from now on; plan micro-batches by the tokens of
+        its tree rows where it runs them (a group's prompt once)."""
         self.policy = model
+        self.tree = inner_engine(model).tree
         self.sampler.bind(model)
 
     def logps_pass(self, model: torch.nn.Module) -> Pass:
@@ -294,7 +297,7 @@ class RolloutRecipe(Recipe):
             size = len(order) // self.mini_batches
             for m in range(self.mini_batches):
                 mini = [samples[i] for i in order[m * size : (m + 1) * size]]
-                for b in budget_batches([len(s) for s in mini], budget, seed=epoch + update + m):
+                for b in plan_batches(mini, budget, self.tree, seed=epoch + update + m, shuffle=True):
                     chunk = [mini[i] for i in b]
                     micros.append(MicroBatch(chunk, self.units(chunk), sum(len(s) for s in chunk), step=step))
                 step += 1

@@ -307,7 +307,7 @@ def test_bounds_are_checked_from_the_types() -> None:
         ("train.learning_rate=0", "train.learning_rate"),
         ("train.warmup_ratio=1.0", "train.warmup_ratio"),
         ("train.warmup_ratio=-0.1", "train.warmup_ratio"),
-        ("train.report_to=[wandb]", "train.report_to"),
+        ("train.report_to=[neptune]", "train.report_to"),
         ("model.lora.r=0", "model.lora.r"),
     ],
 )

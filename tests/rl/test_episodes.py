@@ -640,7 +640,7 @@ def test_a_prompt_that_fills_max_episode_tokens_is_refused_at_start(tokenizer):
     prompts = [PromptExample([5] * n, meta={"row": i, "source": "p.jsonl"}) for i, n in enumerate((4, 12, 7))]
     engine = ModelEngine(load_model("tiny-llama"))
     sampling = HFEngine(engine, tokenizer, cfg.rollout)
-    with pytest.raises(InputError) as info:
+    with pytest.raises(ValueError) as info:  # an input error: exit 2 on the command line
         GRPORecipe(RolloutSetup(prompts, cfg, tokenizer, engine, sampling, torch.device("cpu")))
     said = "rollout.max_episode_tokens=12: row 1 of p.jsonl is a prompt of 12 tokens, leaving its episodes"
     assert str(info.value).startswith(said)

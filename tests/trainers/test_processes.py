@@ -76,8 +76,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two(command: str, *overrides: str) -> list[str]:
-    """``padless <command>`` on 2 CPU processes (gloo) under ``accelerate launch``."""
+def launch_two(command: str, *overrides: str, machine: int | None = None, port: int = 0) -> list[str]:
+    """``padless <command>`` on 2 CPU processes (gloo) under ``accelerate launch``: both on this machine, or
+    (``machine`` 0 or 1) this one of two "machines" of one process each meeting at ``port`` on this host,
+    accelerate's multi-machine launch as each node of a cluster runs it."""
+    where = ["--num_machines", "1"]
+    if machine is not None:
+        where = ["--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1"]
     return [
         sys.executable,
         "-m",
@@ -85,14 +90,13 @@ def launch_two(command: str, *overrides: str) -> list[str]:
         "--multi_gpu",
         "--num_processes",
         "2",
-        "--num_machines",
-        "1",
+        *where,
         "--mixed_precision",
         "no",
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(free_port()),
+        str(port or free_port()),
         "-m",
         "padless.cli",
         command,
@@ -229,41 +233,10 @@ def test_a_reward_function_failing_on_one_of_two_processes_stops_both_with_a_che
     assert not (run / "run.lock").exists()
 
 
-def launch_machine(rank: int, port: int, command: str, *overrides: str) -> list[str]:
-    """``padless <command>`` as machine ``rank`` of 2, one process each, meeting at ``port`` on this host:
-    accelerate's multi-machine launch, as each node of a cluster runs it."""
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "2",
-        "--machine_rank",
-        str(rank),
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        str(port),
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "padless.cli",
-        command,
-        *overrides,
-    ]
-
-
 def start_machines(command: str, *overrides: str) -> list[subprocess.Popen]:
     port = free_port()
-    return [
-        subprocess.Popen(launch_machine(r, port, command, *overrides), env=ENV, stderr=subprocess.PIPE)
-        for r in (0, 1)
-    ]
+    launches = [launch_two(command, *overrides, machine=r, port=port) for r in (0, 1)]
+    return [subprocess.Popen(launch, env=ENV, stderr=subprocess.PIPE) for launch in launches]
 
 
 def worker_of(launcher: subprocess.Popen) -> psutil.Process:

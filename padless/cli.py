@@ -351,10 +351,6 @@ def _command(argv: list[str] | None) -> int:
         return 0
     except BaseException as e:
         e = interruption(e)  # a library's cleanup may have replaced Ctrl-C / SIGTERM on the way out
-        if isinstance(e, KeyboardInterrupt):  # resume advice only where a checkpoint exists
-            from padless.run.rundir import latest_of_runs
-
-            e.checkpoint = latest_of_runs()
         if debug:
             traceback.print_exc()
         message = f"{command}: error: {describe(e)}"

@@ -13,7 +13,7 @@ FAULT = 1  # exit code: the run failed while running
 INTERRUPTED = 130  # exit code: Ctrl-C, as shells report SIGINT
 TERMINATED = 143  # exit code: SIGTERM (128 + 15)
 DEBUG_HINT = "rerun with --debug (or PADLESS_DEBUG=1) for the traceback"
-OUTSIDE_A_RUN = object()  # an interruption's checkpoint when no run folder was taken: no resume advice
+OUTSIDE_A_RUN = object()  # an interruption outside the training loop (no checkpoint known): no advice
 
 
 class InputError(ValueError):
@@ -112,7 +112,7 @@ def describe(error: BaseException) -> str:
         return error.message
     if isinstance(error, KeyboardInterrupt):
         how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
-        latest = getattr(error, "checkpoint", OUTSIDE_A_RUN)  # set by the command line from the run folder
+        latest = getattr(error, "checkpoint", OUTSIDE_A_RUN)  # set by the training loop from its run folder
         if latest is OUTSIDE_A_RUN:
             return how
         if latest is None:

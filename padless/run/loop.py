@@ -46,7 +46,7 @@ from padless.run.checkpoint import (
 from padless.run.guard import DivergenceGuard
 from padless.run.interrupts import deferred, take_held
 from padless.run.reporting import Reporter
-from padless.run.rundir import branch, end_run, resume_checkpoint, rotate_checkpoints
+from padless.run.rundir import branch, checkpoints, end_run, resume_checkpoint, rotate_checkpoints
 from padless.run.strategy import expected_strategy, verify_strategy
 from padless.run.verify import verify_checkpoint
 
@@ -318,7 +318,7 @@ class Trainer:
             with doing(
                 f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
             ):
-                contract.check_trainer(resume, written_terms(resume), self.terms)  # before its files are
+                contract.check_trainer(resume, written_terms(resume), self.terms)  # named before its files
                 verify_checkpoint(resume, self.model)
             saved = read_state(resume)
             applied = contract.check(
@@ -361,6 +361,9 @@ class Trainer:
                 self._loop(state, reporter, bar, window, counts, last)
         except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
+            if isinstance(e, KeyboardInterrupt):  # resume advice only where a checkpoint exists
+                found = checkpoints(cfg.output_dir)
+                e.checkpoint = found[-1] if found else None  # type: ignore[attr-defined]
             reporter.close(failed=True)
             raise
         bar.close()

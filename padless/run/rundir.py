@@ -31,7 +31,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from padless.errors import OUTSIDE_A_RUN, InputError
+from padless.errors import InputError
 from padless.faults import FileFault, doing
 from padless.run.checkpoint import STATE_FILE  # written last into a checkpoint: present means complete
 from padless.run.logs import log_to_file
@@ -298,15 +298,6 @@ def end_run(output_dir: str | Path) -> None:
     in this process starts from the defaults)."""
     release(output_dir)
     log_to_file(None)
-
-
-def latest_of_runs() -> Path | object | None:
-    """The newest complete checkpoint of the run folder this process holds (None: it has none), or
-    :data:`padless.errors.OUTSIDE_A_RUN` when it holds none: what an interruption's advice rests on."""
-    if not _held:
-        return OUTSIDE_A_RUN
-    found = [c for root in _held for c in checkpoints(root)]
-    return found[-1] if found else None
 
 
 def end_all_runs() -> None:

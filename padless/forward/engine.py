@@ -15,6 +15,7 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless.config.choices import VARLEN_KERNELS
+from padless.config.choices import TREE_PACKING, VARLEN_KERNELS
 from padless.config.schema import TrainSettings
 from padless.errors import AttentionError
 from padless.forward import hybrid, routing, sequence_parallel
@@ -40,7 +41,10 @@ from padless.forward.distill import Distillation, distill_from_hidden
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.routers import SPLIT_ROWS, RouterLoss, RouterRecord, defines_router_loss
 from padless.forward.sequence_parallel import SequenceParallel
+from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
+
+log = logging.getLogger(__name__)
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
@@ -61,6 +65,7 @@ class EngineSettings:
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
     sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+    tree_packing: str = "off"  # train.tree_packing: auto / on / off (see resolve_tree)
     router_aux_loss_coef: float | None = None  # model.router_aux_loss_coef; None: each model's config's
 
     @property
@@ -75,6 +80,15 @@ class EngineSettings:
             raise AttentionError(
                 f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
             )
+        if self.tree_packing not in TREE_PACKING:
+            raise ValueError(
+                f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
+            )
+
+    def probed_tree(self) -> str:
+        """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
+        rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
+        return self.tree_packing if self.degree == 1 else "off"
 
     def pinned(self) -> contextlib.AbstractContextManager:
         """The kernel pin in force inside the block, the previous choice back after it."""
@@ -177,25 +191,26 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
+def _mrope_rows(batch: PackedBatch | TreeRow) -> torch.Tensor:
     """A packed row's ``[4, 1, T]`` ids for an M-RoPE model: the restarting text row the mask is built from,
     then the three rope rows. Given one row, such a model computes its own rope rows and masks the whole
     row causally on sdpa / eager (a leak: 23.8 nats on Qwen2.5-VL); text takes its restarting positions on
     all three, images need theirs from the model's rope index."""
-    ids = batch.position_ids
+    ids, vision = batch.position_ids, getattr(batch, "vision", None)
     if ids.dim() == 3 and len(ids) == 4:
         return ids
-    if ids.dim() == 2 and not batch.vision:
+    if ids.dim() == 2 and not vision:
         return ids.expand(4, 1, -1)
     raise ValueError(
         f"a packed row of an M-RoPE model needs position ids [4, 1, T] (text row, then 3 rope rows), got "
-        f"{list(ids.shape)}{' with images' if batch.vision else ''}: tokenize the examples with the model's "
+        f"{list(ids.shape)}{' with images' if vision else ''}: tokenize the examples with the model's "
         "rope index (padless.forward.vision.RopeIndex)"
     )
 
 
-def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[1, R, H]`` a tree row, ``[N, L, H]`` padded) with no
+    head applied.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
@@ -209,8 +224,11 @@ def routed_hidden_states(
     real tokens (else ``None``)."""
     backend = checked_backend(model)
     base = backbone(model)
-    inputs = model_inputs(batch)
-    if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
+    if isinstance(batch, TreeRow):
+        inputs = tree_inputs(batch, backend, base.get_input_embeddings().weight.dtype)
+    else:
+        inputs = model_inputs(batch)
+    if isinstance(batch, (PackedBatch, TreeRow)) and hasattr(base, "get_rope_index"):
         inputs["position_ids"] = _mrope_rows(batch)
     if router is not None:
         inputs["output_router_logits"] = True
@@ -412,7 +430,7 @@ class _WeightedLogps(torch.autograd.Function):
 
 def forward_packed(
     model: torch.nn.Module,
-    batch: PackedBatch,
+    batch: PackedBatch | TreeRow,
     *,
     entropy: bool = False,
     temperature: float = 1.0,
@@ -421,8 +439,9 @@ def forward_packed(
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
     router: RouterLoss | None = None,
 ) -> TokenOutputs:
-    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`.
-    With ``router``, also the router load-balancing loss of the forward (``aux``)."""
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy), per position of its row (a tree
+    row's positions: :class:`ModelEngine` unfolds them); see :func:`logps_from_hidden`. With ``router``,
+    also the router load-balancing loss of the forward (``aux``)."""
     hidden, aux = routed_hidden_states(model, batch, router)
     out = logps_from_hidden(
         unwrap(model),
@@ -530,19 +549,19 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed (``[R]`` a tree row), ``[N, L]`` padded."""
     return routed_scores(model, batch)[0]
 
 
 def routed_scores(
-    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow, router: RouterLoss | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`forward_scores`, and with ``router`` the router load-balancing loss of the forward (else
     ``None``)."""
     hidden, aux = routed_hidden_states(model, batch, router)
     scores = score_head(unwrap(model))(hidden)[..., 0].float()
-    return (scores[0] if isinstance(batch, PackedBatch) else scores), aux
+    return (scores if isinstance(batch, PaddedBatch) else scores[0]), aux
 
 
 class EngineOutput(NamedTuple):
@@ -584,6 +603,8 @@ class ModelEngine(torch.nn.Module):
         # each model's router load-balancing term (None: its objective has none, or its coefficient is 0)
         self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
         self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
+        # whether packed batches run as tree rows (train.tree_packing), decided once per engine
+        self.tree = _tree_rows(self.settings, any(self.routers), model, value)
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
@@ -704,7 +725,16 @@ class ModelEngine(torch.nn.Module):
         logp_weights: torch.Tensor | None,
         values: bool,
     ) -> EngineOutput:
-        """The packed pass (one chunk of the row under sequence parallelism)."""
+        """The packed pass (one chunk of the row under sequence parallelism); as a tree row where the engine
+        runs them and the batch shares a prefix, its results unfolded to the packed order."""
+        row = tree_row(batch) if self.tree and batch.routes is None else None
+        run = batch if row is None else row
+        if row is not None and logp_weights is not None:
+            logp_weights = row.fold(logp_weights)
+
+        def unfold(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values if row is None or values is None else values.index_select(0, row.unfold)
+
         out = EngineOutput()
         routers, terms = self._routers(), []
         if logps:
@@ -713,18 +743,20 @@ class ModelEngine(torch.nn.Module):
             with replay or contextlib.nullcontext():
                 tokens = forward_packed(
                     self.model,
-                    batch,
+                    run,
                     entropy=entropy,
                     temperature=temperature,
                     logp_weights=logp_weights,
                     logits_memory_mb=self.settings.logits_memory_mb,
                     router=routers[0],
                 )
-            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+            out = out._replace(
+                logps=unfold(tokens.logps), entropy=unfold(tokens.entropy), weighted=tokens.weighted
+            )
             terms.append((tokens.aux, routers[0]))
         if values:
-            scores, aux = routed_scores(self.scorer, batch, routers[1])
-            out = out._replace(values=scores)
+            scores, aux = routed_scores(self.scorer, run, routers[1])
+            out = out._replace(values=unfold(scores))
             terms.append((aux, routers[1]))
         return out._replace(aux=self._recorded(terms, batch.num_tokens))
 
@@ -773,6 +805,25 @@ class ModelEngine(torch.nn.Module):
             out = out._replace(values=unpad(scores, padded.attention_mask))
             terms.append((aux, routers[1]))
         return out._replace(aux=self._recorded(terms, batch.num_tokens))
+
+
+def _tree_rows(settings: EngineSettings, routed: bool, *models: torch.nn.Module | None) -> bool:
+    """Whether the engine runs packed batches as tree rows: where every model can (``resolve_tree``) and no
+    router loss is trained (a batch statistic over every token: a prefix computed once would count once)."""
+    if routed and settings.tree_packing != "off":
+        reason = "its router load-balancing loss counts every token of every sequence, shared prefixes too"
+        if settings.tree_packing == "on":
+            raise AttentionError(
+                f"train.tree_packing: on, but {reason}; set train.tree_packing: off (or auto), or "
+                "model.router_aux_loss_coef: 0 to train without the router loss"
+            )
+        log.info(f"tree packing off (flat packed rows): {reason}")
+        return False
+    return all(
+        resolve_tree(m, loaded_backend(m), settings.tree_packing, settings.degree)
+        for m in models
+        if m is not None
+    )
 
 
 def _active_router(model: torch.nn.Module | None, override: float | None) -> RouterLoss | None:

@@ -15,7 +15,6 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,8 +42,6 @@ from padless.forward.routers import SPLIT_ROWS, RouterLoss, RouterRecord, define
 from padless.forward.sequence_parallel import SequenceParallel
 from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
-
-log = logging.getLogger(__name__)
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
 # (train.logits_memory_mb): 1 GiB holds 4,096 positions of a 65k vocabulary, 1,766 of a 152k one.
@@ -604,7 +601,11 @@ class ModelEngine(torch.nn.Module):
         self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
         self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # whether packed batches run as tree rows (train.tree_packing), decided once per engine
-        self.tree = _tree_rows(self.settings, any(self.routers), model, value)
+        self.tree = all(
+            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.settings.degree)
+            for m in (model, value)
+            if m is not None
+        )
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.sequence_parallel
         if self.sequence_parallel is not None:
@@ -805,25 +806,6 @@ class ModelEngine(torch.nn.Module):
             out = out._replace(values=unpad(scores, padded.attention_mask))
             terms.append((aux, routers[1]))
         return out._replace(aux=self._recorded(terms, batch.num_tokens))
-
-
-def _tree_rows(settings: EngineSettings, routed: bool, *models: torch.nn.Module | None) -> bool:
-    """Whether the engine runs packed batches as tree rows: where every model can (``resolve_tree``) and no
-    router loss is trained (a batch statistic over every token: a prefix computed once would count once)."""
-    if routed and settings.tree_packing != "off":
-        reason = "its router load-balancing loss counts every token of every sequence, shared prefixes too"
-        if settings.tree_packing == "on":
-            raise AttentionError(
-                f"train.tree_packing: on, but {reason}; set train.tree_packing: off (or auto), or "
-                "model.router_aux_loss_coef: 0 to train without the router loss"
-            )
-        log.info(f"tree packing off (flat packed rows): {reason}")
-        return False
-    return all(
-        resolve_tree(m, loaded_backend(m), settings.tree_packing, settings.degree)
-        for m in models
-        if m is not None
-    )
 
 
 def _active_router(model: torch.nn.Module | None, override: float | None) -> RouterLoss | None:

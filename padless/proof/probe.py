@@ -446,7 +446,7 @@ def probe_tree(
     try:
         with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model):
             inputs = tree_inputs(row, backend, dtype)
-            hidden = _packed_hidden(model, decoder, inputs, backend).index_select(0, row.unfold)
+            hidden = _packed_hidden(model, decoder, inputs, backend)[0].index_select(0, row.unfold)
             scalar = output_head(model)
             if scalar is None:
                 labels = batch.labels[0]

@@ -472,9 +472,10 @@ def load_set(
     source_spec, selected = sliced(spec)
     source = open_source(source_spec, split)
     if images is not None or source.kind == "python":
-        rows = source.rows()[selected]
+        every = source.rows()
+        rows = every[selected]
         if not rows:
-            raise no_rows(spec)
+            raise no_rows(spec, len(every))
         items, stats = layout.in_memory(rows, tokenizer, images)
         return InMemory(items), stats
     settings = layout.settings()

@@ -129,14 +129,36 @@ def load_trainable(
         from peft import LoraConfig, get_peft_model
 
         lora = model_cfg.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
-            ),
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
         )
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as e:  # no module matches, or one matches that adapters cannot go into
+            raise InputError(lora_problem(model, lora.target_modules, e)) from None
     return model
+
+
+def lora_problem(model: torch.nn.Module, targets: list[str] | str, error: Exception) -> str:
+    """Why peft refused ``model.lora.target_modules``, with the names of the model's linear layers."""
+    names = sorted(
+        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        - {"lm_head", "score"}
+    )
+    said = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip("( ")
+    regex = isinstance(targets, str) and targets != "all-linear"
+    how = (
+        " (a single string is a regular expression matched against whole module paths such as "
+        "model.layers.0.self_attn.q_proj; a list matches the last part of a name)"
+        if regex
+        else ""
+    )
+    return (
+        f"model.lora.target_modules={targets!r}: peft puts no adapter there (peft: {said}){how}; the "
+        f"model's linear layers are named {', '.join(names)}; fix: list some of them, e.g. "
+        f"[{', '.join(names[:2])}], or use all-linear"
+    )

@@ -89,6 +89,28 @@ def test_the_grpo_example_learns(tmp_path):
     assert final["eval/reward/arithmetic"] > 5 / 16
 
 
+@pytest.mark.slow
+def test_the_distill_example_learns(tmp_path):
+    """examples/distill_tiny.yaml as shipped: tiny-llama-arith distilled on-policy from tiny-llama-arith-rl
+    for 30 rollouts, without a reward. The arithmetic reward measured on its samples (never trained on)
+    rises from the first third of the rollouts to the last by more than 0.06 (measured 0.155 -> 0.270 with
+    seed 42; a third's mean varies by about 0.02), the per-token reverse KL to the teacher falls below half
+    (1.00 -> 0.34), and greedy answers end better than the student's 5 of 16 (measured 9 of 16, the
+    teacher's)."""
+    path = Path(__file__).parent.parent / "examples" / "distill_tiny.yaml"
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.report_to=[jsonl]"]
+    _load(TRAINERS["distill"][1])(load_config(_load(TRAINERS["distill"][0]), path, overrides))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward"] for r in records if "rollout/reward" in r]
+    kl = [r["train/distill/reverse_kl"] for r in records if "train/distill/reverse_kl" in r]
+    assert len(rewards) == len(kl) == 30
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.06, rewards
+    assert sum(kl[-10:]) < 0.5 * sum(kl[:10]), kl
+    assert all("train/distill/teacher_logps" in r for r in records if "train/distill/reverse_kl" in r)
+    final = [r for r in records if "eval/reward/arithmetic" in r][-1]
+    assert final["eval/reward/arithmetic"] > 5 / 16
+
+
 def test_the_reward_function_example_scores_as_the_rl_guide_says(tmp_path):
     """examples/rewards.py (shown in docs/guides/rl.md), loaded as reward.functions loads it, with the
     guide's command-line override."""

@@ -420,6 +420,17 @@ class DPOSettings(ConfigModel):
             raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
 
 
+def _check_adapters(section: str, reference: str, lora: LoraSettings | None) -> None:
+    """``reference: adapters`` (DPO, KTO) is the policy with its LoRA adapters off: there must be some."""
+    if reference == "adapters" and lora is None:
+        raise invalid(
+            (f"{section}.reference", "model.lora"),
+            "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+            "not set, so there are no adapters",
+            f"add a model.lora section (e.g. model.lora.r=16), or set {section}.reference to model",
+        )
+
+
 PREFERENCE_RUN = (
     _not_for("DPO and reward-model", "reports preference metrics on data.eval instead"),
     _eval_needs_data("an eval data set (e.g. tiny:preference_eval)"),
@@ -443,13 +454,7 @@ class DPOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.dpo.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("dpo.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set dpo.reference to model",
-            )
+        _check_adapters("dpo", self.dpo.reference, self.model.lora)
 
 
 class RMSettings(ConfigModel):
@@ -564,13 +569,7 @@ class KTOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.kto.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("kto.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set kto.reference to model",
-            )
+        _check_adapters("kto", self.kto.reference, self.model.lora)
 
 
 # --------------------------------------------------------------------------------------------------

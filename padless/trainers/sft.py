@@ -159,6 +159,25 @@ def eval_prompt_ids(rows: list[Any], tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
+def load_examples(
+    spec: str, role: str, data: Any, tokenizer: Any, output_dir: str, images: ImageInputs | None = None
+) -> ExampleSet[Example]:
+    """The tokenized SFT examples of ``data.<role>`` (``spec``), as ``data`` says; skips reported."""
+    layout = SFTLayout(
+        max_length=data.max_length,
+        format=data.format,
+        truncation=data.truncation,
+        completion_only_loss=data.completion_only_loss,
+        per_turn=data.per_turn,
+        skip_bad_rows=data.skip_bad_rows,
+    )
+    examples, stats = load_set(
+        spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
+    )
+    report_data(stats, role, spec, output_dir)
+    return examples
+
+
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
@@ -166,19 +185,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     images = ImageInputs.for_model(cfg.model.name, session.model)
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        layout = SFTLayout(
-            max_length=data.max_length,
-            format=data.format,
-            truncation=data.truncation,
-            completion_only_loss=data.completion_only_loss,
-            per_turn=data.per_turn,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        examples, stats = load_set(
-            spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
-        )
-        report_data(stats, role, spec, cfg.train.output_dir)
-        return examples
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, images)
 
     examples = tokenize(data.train, "train")
     eval_examples, eval_prompts, eval_vision = None, None, None

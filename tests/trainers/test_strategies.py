@@ -4,8 +4,7 @@ under ZeRO-3: ``NOT_UNDER``) and the embedded VLM), DPO
 (frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the
 adapters-off policy as reference), RM, GRPO (on-policy, one step off-policy: ``rollout.max_staleness:
 1``, the rollout sampled ahead carried through a checkpoint per rank, and multi-turn calculator episodes
-whose turn counts differ between ranks), PPO and distillation (GKD with steps on the student's samples, and
-on-policy, from a frozen teacher sharded like a reference) under DDP, FSDP2, DeepSpeed
+whose turn counts differ between ranks) and PPO under DDP, FSDP2, DeepSpeed
 ZeRO-2 and ZeRO-3 gives the same per-step losses and final weights as one process with the same global
 batch, and a run resumed from a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are
 deliberately uneven: 3 RL prompts on 2 ranks (one rank samples a filler), eval sets and rollouts whose
@@ -130,16 +129,6 @@ TRAINERS = {
         "rollout.max_new_tokens=8",
         "grpo.mini_batches_per_rollout=2",
     ],
-    "distill": [  # GKD from a frozen teacher sharded like a reference: steps on data and on student samples
-        "data.train=tiny:sft_eval",
-        "data.max_length=1024",
-        "distill.mode=gkd",
-        "distill.lmbda=0.5",
-        "rollout.max_new_tokens=6",
-        "train.max_steps=4",
-        "train.save_steps=2",
-    ],
-    "distill_on": [*RL, "distill.mode=on_policy"],  # the teacher scores the student's rollouts
 }
 # the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
 # rollout plan); the VLM, hybrid and precomputed-reference variants add nothing to resume and are not
@@ -153,8 +142,6 @@ RESUME_FROM = {
     "grpo_stale": 2,
     "ppo": 3,
     "grpo_env": 3,
-    "distill": 2,
-    "distill_on": 3,
 }
 # ZeRO-3 gathers a module's parameters at each call, and the hybrid's exact path calls each stateful layer
 # once per group of sequence lengths, a count that differs between ranks: the collectives mismatch and gloo
@@ -171,7 +158,11 @@ CONFIGS = {
 
 
 def argv(kind: str, out: Path, *extra: str) -> list[str]:
-    return [kind.split("_")[0], *COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
+    """The command line of ``kind``: a key the kind (or ``extra``) sets replaces the common value (a key
+    given twice on the command line is refused)."""
+    given = [*COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
+    last = {o.partition("=")[0]: o for o in given}
+    return [kind.split("_")[0], *last.values()]
 
 
 def losses(run: Path, key: str = "train/loss") -> dict[int, float]:

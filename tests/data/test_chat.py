@@ -142,14 +142,18 @@ def test_per_turn_mode_trains_each_turn_on_its_full_content(template, monkeypatc
 
 def test_end_of_conversation_token_belongs_to_the_last_turn(monkeypatch):
     """<|endoftext|> written only after the last turn is not instability: every turn trains as with the
-    verbatim template, and the last one also learns to close the conversation."""
+    verbatim template, through its stop token; the model stops at <|im_end|>, so what the template writes
+    after it is context, not something the model writes."""
     plain = [{**m, "content": m["content"].split("</think>")[-1].strip()} for m in REASONING]
     ((ids, mask),) = _both_paths(END_OF_TEXT, plain, monkeypatch)
     ((want_ids, want_mask),) = _both_paths(VERBATIM, plain, monkeypatch)
     tok = _tok(END_OF_TEXT)
     assert ids == [*want_ids, tok.convert_tokens_to_ids("<|endoftext|>")]
-    assert _trained(tok, ids, mask) == ["Paris.<|im_end|>", "Rome.<|im_end|>\n<|endoftext|>"]
-    assert _trained(tok, want_ids, want_mask) == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+    assert (
+        _trained(tok, ids, mask)
+        == _trained(tok, want_ids, want_mask)
+        == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+    )
 
 
 def _qwen3_rows(n: int) -> list[dict[str, Any]]:

@@ -239,12 +239,19 @@ class ChatEncoder:
     """Tokenizer-derived facts, computed once per dataset.
 
     ``stop_ids``: the ids the model stops generating at besides the tokenizer's eos (its
-    ``generation_config.json`` ``eos_token_id``, see :func:`padless.data.sources.stop_token_ids`).
+    ``generation_config.json`` ``eos_token_id``, see :func:`padless.data.sources.stop_token_ids`). ``tools``:
+    the tool schemas every conversation is rendered with (an episode's tools).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: Iterable[int] = (),
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.tok = tokenizer
         self.extra_stop_ids = tuple(sorted(set(stop_ids)))
+        self.tools = tools or None
         self._start_caches()
 
     def _start_caches(self) -> None:
@@ -328,7 +335,11 @@ class ChatEncoder:
     ) -> Any:
         with _rendering(row):
             return self.tok.apply_chat_template(
-                messages, tokenize=tokenize, return_dict=tokenize, add_generation_prompt=generation_prompt
+                messages,
+                tokenize=tokenize,
+                return_dict=tokenize,
+                add_generation_prompt=generation_prompt,
+                tools=self.tools,
             )
 
     def render(self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
@@ -346,8 +357,8 @@ class ChatEncoder:
         the last turn), found by rendering a two-exchange probe; it belongs to the last turn."""
         probe = [{"role": r, "content": f"{r} {k}"} for k in range(2) for r in ("user", "assistant")]
         try:
-            upto = str(self.tok.apply_chat_template(probe[:2], tokenize=False))
-            full = str(self.tok.apply_chat_template(probe, tokenize=False))
+            upto = str(self.tok.apply_chat_template(probe[:2], tokenize=False, tools=self.tools))
+            full = str(self.tok.apply_chat_template(probe, tokenize=False, tools=self.tools))
         except Exception:  # user-supplied Jinja: the rows' own renders report what it raises
             return ""
         if not self.tok.is_fast or full.startswith(upto):
@@ -392,6 +403,7 @@ class ChatEncoder:
         with _rendering(row):
             texts, spans = render_jinja_template(
                 conversations=[messages],
+                tools=self.tools,
                 chat_template=self.template,
                 return_assistant_tokens_mask=True,
                 **self.tok.special_tokens_map,
@@ -851,7 +863,7 @@ class ChatEncoder:
     def _analyse(self, key: str, turns: tuple[int, ...]) -> _Layout | None:
         def text(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
             return self.tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tokenize=False, add_generation_prompt=generation_prompt, tools=self.tools
             )
 
         return _layout_of(text, json.loads(key), self.conversation_tail, turns)

@@ -238,7 +238,7 @@ def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> t
 
 def _images_in(messages: list[dict[str, Any]]) -> int:
     return sum(
-        p.get("type") == "image" for m in messages if isinstance(m["content"], list) for p in m["content"]
+        p.get("type") == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"]
     )
 
 

@@ -25,7 +25,6 @@ class TestTemplate:
 
     template: str
     does: str  # what it reproduces
-    faithful: bool  # whether it renders every field of every message it accepts
     tokens: tuple[str, ...] = ()  # special tokens the template writes
     eos: str | None = None  # the tokenizer's eos, when not the base tokenizer's
     stops: tuple[str, ...] = ()  # generation_config.json eos tokens besides the tokenizer's
@@ -45,10 +44,15 @@ class TestTemplate:
 
 
 def _chatml(assistant: str, other: str = "m.content") -> str:
-    """ChatML turns; the assistant's body is the Jinja statements ``assistant`` (writing ``m``'s fields)."""
+    """ChatML turns after a system turn naming the tools (when there are any); the assistant's body is the
+    Jinja statements ``assistant`` (writing ``m``'s fields), other roles' the expression ``other``."""
     return (
+        "{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | map(attribute='function.name') | join(', ')) "
+        "+ '<|im_end|>\\n' }}{% endif %}"
         "{%- for m in messages %}"
-        "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}" + assistant + "{{ '<|im_end|>\\n' }}"
+        "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+        + assistant
+        + "{{ '<|im_end|>\\n' }}"
         "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + (" + other + ") + '<|im_end|>\\n' }}{% endif %}"
         "{%- endfor %}"
         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -59,8 +63,8 @@ def _chatml(assistant: str, other: str = "m.content") -> str:
 _FN = "{% set f = c.function if c.function is defined else c %}"
 _ARGS = "(f.arguments if f.arguments is string else f.arguments | tojson)"
 _JSON_CALLS = (
-    "{%- for c in m.tool_calls or [] %}" + _FN + "{{ '<tool_call>\\n{\"name\": \"' + f.name + "
-    "'\", \"arguments\": ' + " + _ARGS + " + '}\\n</tool_call>' }}{%- endfor %}"
+    "{%- for c in m.tool_calls or [] %}" + _FN + '{{ \'<tool_call>\\n{"name": "\' + f.name + '
+    '\'", "arguments": \' + ' + _ARGS + " + '}\\n</tool_call>' }}{%- endfor %}"
 )
 _XML_CALLS = (
     "{%- for c in m.tool_calls or [] %}" + _FN + "{{ '<tool_call>\\n<function=' + f.name + '>\\n' }}"
@@ -74,7 +78,9 @@ _PARTS = (
     "{%- if p.type == 'thinking' %}{{ '[THINK]' + p.thinking + '[/THINK]' }}"
     "{%- elif p.type == 'text' %}{{ p.text }}{% endif %}{%- endfor %}{%- endif %}"
 )
-_REASONING = "{%- if m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
+_REASONING = (
+    "{%- if m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
+)
 
 # Harmony-style: channels, a tool call ending in <|call|>, the last answer in <|return|>, history in <|end|>.
 _HARMONY = (
@@ -126,15 +132,13 @@ TEMPLATES: dict[str, TestTemplate] = {
     "json-calls": TestTemplate(
         _chatml(_REASONING + _CONTENT + _JSON_CALLS),
         "Hermes / Qwen-style: reasoning in <think>, tool calls as JSON in <tool_call> tags",
-        faithful=True,
     ),
     "xml-calls": TestTemplate(
         _chatml(_CONTENT + _XML_CALLS),
         "Qwen3-Coder-style: tool calls as XML, one <parameter=...> per argument",
-        faithful=True,
     ),
     "drops-calls": TestTemplate(
-        _chatml(_CONTENT), "never renders tool_calls: a calling turn trains as its text only", faithful=False
+        _chatml(_CONTENT), "never renders tool_calls: a calling turn trains as its text only"
     ),
     "id-as-name": TestTemplate(
         _chatml(
@@ -142,32 +146,32 @@ TEMPLATES: dict[str, TestTemplate] = {
             "c.function.arguments | tojson + '</tool_call>' }}{%- endfor %}"
         ),
         "Kimi-style: writes the call id (expected as functions.NAME:0) where the function name belongs",
-        faithful=False,
     ),
     "xml-strings-only": TestTemplate(
-        _chatml(_CONTENT + _XML_CALLS.replace("{%- for k, v in f.arguments.items() %}", "{%- for k, v in f.arguments.items() if v is string %}")),
+        _chatml(
+            _CONTENT
+            + _XML_CALLS.replace(
+                "{%- for k, v in f.arguments.items() %}",
+                "{%- for k, v in f.arguments.items() if v is string %}",
+            )
+        ),
         "XML tool calls that write string arguments only: numbers and objects are dropped",
-        faithful=False,
     ),
     "reads-reasoning": TestTemplate(
         _chatml("{{ '<think>' + (m.reasoning or '') + '</think>' + m.content }}"),
         "reads the reasoning from 'reasoning' and writes <think></think> when it is empty",
-        faithful=False,
     ),
     "thinking-parts": TestTemplate(
         _chatml(_PARTS, other="m.content if m.content is string else m.content[0].text"),
         "Magistral-style: content parts, thinking parts in [THINK]...[/THINK]",
-        faithful=True,
     ),
     "parts-as-text": TestTemplate(
         _chatml("{{ m.content | string }}", other="m.content | string"),
         "writes a list content out as Python text",
-        faithful=False,
     ),
     "harmony": TestTemplate(
         _HARMONY,
         "harmony-style channels: a tool call ends in <|call|>, the last answer in <|return|>, history in <|end|>",
-        faithful=True,
         tokens=HARMONY_TOKENS,
         eos="<|return|>",
         stops=("<|call|>",),
@@ -175,13 +179,11 @@ TEMPLATES: dict[str, TestTemplate] = {
     "headers": TestTemplate(
         _HEADERS,
         "GLM-style: no end-of-turn token, the next role header (a generation-config eos id) ends a turn",
-        faithful=True,
         tokens=HEADER_TOKENS,
         stops=("<|user|>", "<|observation|>"),
     ),
     "prefill-think": TestTemplate(
         _PREFILL,
         "the generation prompt pre-fills <think>\\n; reasoning before the last user message is cut out",
-        faithful=True,
     ),
 }

@@ -511,7 +511,8 @@ def summary(examples: list[Example], prefix: str = "") -> dict[str, float]:
 
 def episode_metrics(examples: list[Example], prefix: str) -> dict[str, float]:
     """Multi-turn episodes: turns, tool calls and their success rate, environment tokens (masked from the
-    loss), and the share of episodes truncated (by max_turns, the token budget or a turn's length)."""
+    loss), the share of episodes truncated (by max_turns, the token budget or a turn's length), and the share
+    with a call the chat template would render otherwise than the model wrote it."""
     if "episode" not in examples[0].meta:
         return {}
     stats = [e.meta["episode"] for e in examples]
@@ -523,6 +524,7 @@ def episode_metrics(examples: list[Example], prefix: str) -> dict[str, float]:
         f"{prefix}tool_call_success": (calls - failed) / calls if calls else math.nan,
         f"{prefix}env_tokens": sum(s["env_tokens"] for s in stats) / n,
         f"{prefix}truncated_episodes": sum(s["truncated_by"] is not None for s in stats) / n,
+        f"{prefix}template_differs": sum(s.get("template_differs", False) for s in stats) / n,
     }
 
 

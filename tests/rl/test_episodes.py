@@ -29,6 +29,7 @@ from padless.proof.tolerance import bound
 from padless.rl.environments import Environment, Step, Tools, Turn
 from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
+from padless.testing.templates import TEMPLATES
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -148,6 +149,51 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     turns = ['<call>{"name": "add", "arguments": {"a": 2, "b": 3}}</call>', "5"]
     with pytest.raises(ChatTemplateError, match="cannot append an environment turn"):
         runner(tok).run(Scripted(tok, turns), [{"prompt": "q"}], [0], False)
+
+
+# The call syntax of the json-calls test template: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
+JSON_CALLS = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"close": "<tool_call>", "content": "text"},
+        "tool_calls": {
+            "open": "<tool_call>\n",
+            "close": "\n</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+SPACED = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "says"),
+    [
+        ("json-calls", SPACED, None),
+        ("json-calls", SPACED.replace(": ", ":").replace(", ", ","), "re-serialises it: it writes"),
+        ("drops-calls", SPACED, "did not render messages[1].tool_calls[0]"),
+        ("id-as-name", SPACED, "cannot render this conversation"),  # parsed calls have no id to write
+    ],
+)
+def test_a_call_the_template_would_render_otherwise_marks_the_episode(tokenizer, name, call, says, caplog):
+    """The sampled call read back as the message it parses to and proven under the template: kept as
+    sampled either way, the episode marked (and the log says why, once) where the template would write it
+    otherwise: dropped, unrenderable, or re-serialised."""
+    tok = TEMPLATES[name].tokenizer(tokenizer)
+    run = EpisodeRunner(
+        tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id}
+    )
+    episodes = run.run(Scripted(tok, [call, "5"]), [{"prompt": "q"}, {"prompt": "r"}], [0, 1], False)
+    sampled = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for e in episodes:
+        assert e.ids[: len(sampled)] == sampled and e.calls == 1 and e.failed_calls == 0
+        assert (e.template_differs is None) == (says is None)
+        assert says is None or says in e.template_differs
+        assert e.completion(False).episode["template_differs"] == (says is not None)
+    told = [r.getMessage() for r in caplog.records if "template_differs" in r.getMessage()]
+    assert len(told) == (says is not None) and (says is None or says in told[0])
 
 
 class Raises(Environment):

@@ -71,7 +71,7 @@ def test_inference_weights_of_a_zero3_lora_policy_are_gathered_and_merged():
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-c", "from tests.test_vllm_engine import zero3_gathers; zero3_gathers()"],
+        [sys.executable, "-c", "from tests.rl.test_vllm_engine import zero3_gathers; zero3_gathers()"],
         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,18 +18,18 @@ tool-call token). The first stop token in the turn ends it; a turn without one e
 when that header is a stop token (after the last turn, the header the template writes next is appended). Every
 trained turn holds exactly one stop token; one that cannot end in a stop is refused with the reason.
 
-**What it holds.** The trained tokens must render the whole message: its content (a string, or every text part
-in order, not a serialised list), every tool call's name and arguments, and its reasoning (a reasoning field or
-thinking parts). What a template writes is found by rendering: the message is rendered again with a sentinel
-in place of every value, and each sentinel must land in the turn's trained text (see
+**What it holds.** The trained tokens must render the whole message: its content (a string, or every text
+part in order, not a serialised list), every tool call's name and arguments, and its reasoning (a reasoning
+field or thinking parts). What a template writes is found by rendering: the message is rendered again with a
+sentinel in place of every value, and each sentinel must land in the turn's trained text (see
 :mod:`padless.data.messages`); a template that drops, renames or moves a field is refused naming the turn, the
 field and what it did.
 
 Rendering those prefixes for every row costs 2k+1 renders for k assistant turns. Instead, for rows whose
 contents are strings, the prefixes are rendered once per conversation *shape* (roles and every field but the
 text contents), with each content replaced by a placeholder; that fixes where each turn's boundaries fall
-around the contents. A row then costs one render: it is used only when it equals the shape's rendering with the
-row's contents put in place of the placeholders (the template inserted every content verbatim), and the
+around the contents. A row then costs one render: it is used only when it equals the shape's rendering with
+the row's contents put in place of the placeholders (the template inserted every content verbatim), and the
 token-prefix checks run on the row's own tokens. Otherwise the row is rendered prefix by prefix, so errors are
 unchanged. What the fast path assumes and does not re-check per row: a template that inserts this row's
 contents verbatim into the whole conversation also does so into each prefix of it.
@@ -64,7 +64,7 @@ _TEMPLATE_FIX = (
     "rendered as the template renders it for generation and the loss on the turn's full content. If it "
     "changes every turn, use a template that renders assistant messages as they are."
 )
-# What a template did to a turn, as the data report counts rows (ChatTemplateError.behaviour / DataError.reason)
+# What a template did to a turn, as the data report counts rows (ChatTemplateError.behaviour)
 REWRITES_HISTORY = "rewrites earlier turns"
 CONTENT_CHANGED = "content changed"
 PARTS_AS_TEXT = "content parts written as text"
@@ -505,8 +505,8 @@ class ChatEncoder:
                 if stop < end and not marked[stop]:
                     raise ChatTemplateError(
                         f"{row.where}: the {{% generation %}} markers of messages[{i}] (assistant) leave out "
-                        f"its stop token {self.tok.decode([ids[stop]])!r}, so a model trained on it would not "
-                        "learn to stop. Put the markers around the content and the end-of-turn token.",
+                        f"its stop token {self.tok.decode([ids[stop]])!r}, so a model trained on it would "
+                        "not learn to stop. Put the markers around the content and the end-of-turn token.",
                         MARKERS,
                     )
                 mask[head:stop] = marked[head:stop]
@@ -564,9 +564,9 @@ class ChatEncoder:
         return ChatTemplateError(
             f"{row.where}: messages[{i}] (assistant) ends as {closing!r}, and no token the model stops at "
             f"({self.stop_names}) ends it or follows it, so a model trained on it would not learn to stop. "
-            "Use a template that closes assistant turns with a stop token, or list the token that ends a turn "
-            "in the model's generation_config.json eos_token_id (GLM-style templates end a turn with the "
-            "next role header, which the model's generation config lists).",
+            "Use a template that closes assistant turns with a stop token, or list the token that ends a "
+            "turn in the model's generation_config.json eos_token_id (GLM-style templates end a turn with "
+            "the next role header, which the model's generation config lists).",
             NO_STOP,
         )
 
@@ -645,10 +645,10 @@ class ChatEncoder:
             if self.text(row, [*messages[:i], flipped, *messages[i + 1 :]]) != self.text(row, messages):
                 raise ChatTemplateError(
                     f"{row.where}: the chat template wrote {label}.content (a list of parts) out as a "
-                    "serialised list rather than its parts' text (rendering each part with its keys in another "
-                    f"order changed the text; the turn trains as {_short(trained)}), so the model would learn "
-                    "to write Python or JSON. Give the content as a string, or use a template that renders "
-                    "content parts.",
+                    "serialised list rather than its parts' text (rendering each part with its keys in "
+                    f"another order changed the text; the turn trains as {_short(trained)}), so the model "
+                    "would learn to write Python or JSON. Give the content as a string, or use a template "
+                    "that renders content parts.",
                     PARTS_AS_TEXT,
                 )
         perturbed, leaves = with_sentinels(message, label)
@@ -682,8 +682,8 @@ class ChatEncoder:
             if leaf.sentinel in found and not any(_normalised(w) in got for w in leaf.writings):
                 raise ChatTemplateError(
                     f"{row.where}: the chat template rewrote {leaf.path}: it "
-                    f"{_what_changed(_normalised(leaf.writings[0]), got)}, so the tokens trained for that turn "
-                    "are not what the message says. Use a template that renders the field as it is.",
+                    f"{_what_changed(_normalised(leaf.writings[0]), got)}, so the tokens trained for that "
+                    "turn are not what the message says. Use a template that renders the field as it is.",
                     FIELD_REWRITTEN,
                 )
 
@@ -710,7 +710,7 @@ class ChatEncoder:
     def _sentinel_region(
         self, row: Row, messages: list[dict[str, Any]], i: int, perturbed: dict[str, Any], head: str
     ) -> str:
-        """The text turn ``i`` trains when the conversation is rendered with ``perturbed`` as message ``i``."""
+        """The text turn ``i`` trains when the conversation is rendered with ``perturbed`` in its place."""
         try:
             text = self.text(row, [*messages[:i], perturbed, *messages[i + 1 :]])
         except DataError as e:
@@ -761,8 +761,9 @@ class ChatEncoder:
         elif whole:
             what, behaviour = f"did not render {leaf.field} ({shown})", CALL_DROPPED
             fix = (
-                "The model would learn not to call tools. Use a template that renders tool_calls (transformers' "
-                "format: {'type': 'function', 'function': {'name', 'arguments'}}), or leave the calls out."
+                "The model would learn not to call tools. Use a template that renders tool_calls "
+                "(transformers' format: {'type': 'function', 'function': {'name', 'arguments'}}), or leave "
+                "the calls out."
             )
         elif leaf.kind == "name":
             ident = next((x for x in leaves if x.field == leaf.field and x.kind == "id"), None)

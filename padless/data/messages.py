@@ -206,7 +206,7 @@ def has_fields(message: dict[str, Any]) -> bool:
     )
 
 
-# -- what a turn must render ----------------------------------------------------------------------------------
+# -- what a turn must render ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,11 @@ def check_data(
 
 
 def _rows(numbers: list[int], total: int) -> str:
-    return f"row{'s' if total > 1 else ''} " + ", ".join(map(str, numbers)) + (", ..." if total > len(numbers) else "")
+    return (
+        f"row{'s' if total > 1 else ''} "
+        + ", ".join(map(str, numbers))
+        + (", ..." if total > len(numbers) else "")
+    )
 
 
 def image_inputs(name: str, trust_remote_code: bool = False) -> ImageInputs | None:

@@ -210,7 +210,8 @@ class EpisodeRunner:
                     min(len(trained), len(ids)),
                 )
                 why = (
-                    f"re-serialises it: it writes {self.tok.decode(trained[k : k + 12])!r} where the model wrote "
+                    f"re-serialises it: it writes {self.tok.decode(trained[k : k + 12])!r} where the model "
+                    "wrote "
                     f"{self.tok.decode(ids[k : k + 12])!r} (token {k} of the turn)"
                 )
                 cause = "re-serialised"
@@ -226,8 +227,8 @@ class EpisodeRunner:
             self.told.add(cause)
             log.warning(
                 "environment %r: at turn %d the model called tools in a form the chat template would render "
-                "differently (the turn is trained as sampled; the rollout metric template_differs counts such "
-                "episodes): the template %s",
+                "differently (the turn is trained as sampled; the rollout metric template_differs counts "
+                "such episodes): the template %s",
                 self.spec,
                 turn,
                 why.removeprefix("the chat template "),

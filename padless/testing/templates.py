@@ -47,8 +47,8 @@ def _chatml(assistant: str, other: str = "m.content") -> str:
     """ChatML turns after a system turn naming the tools (when there are any); the assistant's body is the
     Jinja statements ``assistant`` (writing ``m``'s fields), other roles' the expression ``other``."""
     return (
-        "{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | map(attribute='function.name') | join(', ')) "
-        "+ '<|im_end|>\\n' }}{% endif %}"
+        "{%- if tools %}{{ '<|im_start|>system\\nTools: ' + "
+        "(tools | map(attribute='function.name') | join(', ')) + '<|im_end|>\\n' }}{% endif %}"
         "{%- for m in messages %}"
         "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
         + assistant
@@ -105,7 +105,8 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|
 _HEADERS = (
     "{%- for m in messages %}"
     "{{ '<|' + ('observation' if m.role == 'tool' else m.role) + '|>\\n' + (m.content or '') }}"
-    "{%- for c in m.tool_calls or [] %}{{ c.function.name + '\\n' + c.function.arguments | tojson }}{%- endfor %}"
+    "{%- for c in m.tool_calls or [] %}{{ c.function.name + '\\n' + c.function.arguments | tojson }}"
+    "{%- endfor %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -119,7 +120,8 @@ _PREFILL = (
     "{%- if m.role == 'assistant' %}"
     "{%- set r = m.reasoning_content if m.reasoning_content is string else '' %}{% set c = m.content %}"
     "{%- if m.reasoning_content is not string and '</think>' in c %}"
-    "{%- set r = c.split('</think>')[0].split('<think>')[-1] %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "{%- set r = c.split('</think>')[0].split('<think>')[-1] %}{% set c = c.split('</think>')[-1] %}"
+    "{%- endif %}"
     "{{ '<|im_start|>assistant\\n' }}"
     "{%- if loop.index0 > ns.last %}{{ '<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' }}{% endif %}"
     "{{ c.lstrip('\\n') + '<|im_end|>\\n' }}"
@@ -171,7 +173,8 @@ TEMPLATES: dict[str, TestTemplate] = {
     ),
     "harmony": TestTemplate(
         _HARMONY,
-        "harmony-style channels: a tool call ends in <|call|>, the last answer in <|return|>, history in <|end|>",
+        "harmony-style channels: a tool call ends in <|call|>, the last answer in <|return|>, history in "
+        "<|end|>",
         tokens=HARMONY_TOKENS,
         eos="<|return|>",
         stops=("<|call|>",),

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from padless.cli import main
-from padless.data import chat
-from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_preference, tokenize_sft
+from padless.data import ChatTemplateError, DataError, Row, chat, load_rows, tokenize_preference, tokenize_sft
 from padless.data.sft import SftEncoder, SFTLayout
 from padless.data.tokenized import load_set
 from padless.testing.templates import TEMPLATES
@@ -488,13 +487,14 @@ def test_harmony_turns_end_at_the_token_the_model_stops_at(monkeypatch):
     ids a call turn never stops."""
     call, final = _turns_of("harmony", "call", monkeypatch)[0]
     assert (
-        call
-        == ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 3}<|call|>'
+        call == " to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris", "days": 3}<|call|>'
     )
     assert final == "<|channel|>final<|message|>It is 18 C.<|return|>"
     analysis = _turns_of("harmony", "reasoning_content", monkeypatch)[0][0]
     assert analysis == (
-        "<|channel|>analysis<|message|>It is July.<|end|><|start|>assistant<|channel|>final<|message|>Warm.<|return|>"
+        "<|channel|>analysis<|message|>It is July.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Warm.<|return|>"
     )
     with pytest.raises(
         ChatTemplateError,
@@ -513,7 +513,7 @@ def test_harmony_turns_end_at_the_token_the_model_stops_at(monkeypatch):
         ["<|channel|>final<|message|>6.<|return|>"],
     ]
     tok = _test_tokenizer("harmony")
-    (kept,), stats = tokenize_sft(
+    (_,), stats = tokenize_sft(
         _row(ROWS["two-calls"]) + _row(ROWS["plain"]),
         tok,
         max_length=512,
@@ -549,8 +549,8 @@ def test_role_headers_end_turns_when_the_generation_config_lists_them(monkeypatc
 
 
 def test_a_generation_prompt_that_prefills_think_trains_what_follows_it(monkeypatch):
-    """The generation prompt ends in "<think>\\n": a turn trains from there, and reasoning given in the content
-    is found with the part the prompt pre-fills. History without reasoning is trained per turn."""
+    """The generation prompt ends in "<think>\\n": a turn trains from there, and reasoning given in the
+    content is found with the part the prompt pre-fills. History without reasoning is trained per turn."""
     assert _turns_of("prefill-think", "reasoning_content", monkeypatch) == [
         ["It is July.\n</think>\n\nWarm.<|im_end|>"]
     ]
@@ -573,12 +573,17 @@ def test_a_generation_prompt_ending_inside_a_token_is_tokenized_as_at_inference(
     so (a later turn's context would differ from inference): per-turn mode trains it."""
     tok = _tok(SPACE_PROMPT)
     ((ids, mask),) = _both_paths(SPACE_PROMPT, ROWS["plain"], monkeypatch)
-    prompt = tok.apply_chat_template(ROWS["plain"][:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = tok.apply_chat_template(ROWS["plain"][:1], add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     whole = tok.apply_chat_template(ROWS["plain"], return_dict=True)["input_ids"]
     assert whole[: len(prompt)] != prompt and tok.decode(ids) == tok.decode(whole)
     assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
     assert _trained(tok, ids, mask) == ["Hello there.<|im_end|>"]
-    words = [{**m, "content": {"4.": "Four.", "6.": "Six."}.get(m["content"], m["content"])} for m in ROWS["two-exchanges"]]
+    words = [
+        {**m, "content": {"4.": "Four.", "6.": "Six."}.get(m["content"], m["content"])}
+        for m in ROWS["two-exchanges"]
+    ]
     refused = _both_paths(SPACE_PROMPT, words, monkeypatch)
     assert isinstance(refused, str) and "not prefix-stable" in refused and "data.per_turn: true" in refused
     per_turn = _both_paths(SPACE_PROMPT, words, monkeypatch, per_turn=True)
@@ -624,7 +629,10 @@ def test_padless_sft_refuses_dropped_calls_and_trains_every_turn_through_its_sto
         runs[name] = main([*args, f"train.output_dir={tmp_path / name}-run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert runs == {"drops-calls": 2, "json-calls": 0}
-    assert len(err) == 1 and "calls.jsonl row 2 (line 2): the chat template did not render messages[1].tool_calls[0]" in err[0]
+    assert (
+        len(err) == 1
+        and "calls.jsonl row 2 (line 2): the chat template did not render messages[1].tool_calls[0]" in err[0]
+    )
     tok = _test_tokenizer("json-calls")
     layout = SFTLayout(max_length=2048, stop_ids=stop_token_ids(str(tmp_path / "json-calls")))
     stored, _ = load_set(str(data), layout, tok, cache_dir=tmp_path / "cache")

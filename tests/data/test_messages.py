@@ -92,20 +92,28 @@ def test_flags_compose_with_per_turn_and_completion_only_loss():
         ({4: {"weight": 0.5}}, "messages[4].weight", "must be 0 (not trained) or 1 (trained), got 0.5"),
         ({4: {"train": "no"}}, "messages[4].train", "must be true or false, got str"),
         ({4: {"loss": True, "weight": 0}}, "messages[4]", "flags that disagree"),
-        ({2: {"loss": False}, 4: {"loss": False}, 6: {"loss": False}}, "messages", "every one is flagged off"),
+        (
+            {2: {"loss": False}, 4: {"loss": False}, 6: {"loss": False}},
+            "messages",
+            "every one is flagged off",
+        ),
     ],
 )
 def test_bad_flags_are_refused_with_the_row(flags, where, says):
     with pytest.raises(DataError) as error:
         tokenize_sft([_row({"messages": _flagged(flags)})], TOK, max_length=512)
-    assert str(error.value).startswith(f"mem.jsonl row 3 (line 3): field '{where}' ") and says in str(error.value)
+    assert str(error.value).startswith(f"mem.jsonl row 3 (line 3): field '{where}' ") and says in str(
+        error.value
+    )
 
 
 def test_a_flag_where_nothing_trains_turn_by_turn_is_refused():
     """A preference completion trains whole: a flag on it would do nothing, so it is refused."""
     row = {"prompt": CHAT[:2], "chosen": [{"role": "assistant", "content": "5", "loss": False}]}
     row["rejected"] = [{"role": "assistant", "content": "6"}]
-    with pytest.raises(DataError, match=r"'chosen\[0\]\.loss' says whether a turn trains, but 'chosen' is never"):
+    with pytest.raises(
+        DataError, match=r"'chosen\[0\]\.loss' says whether a turn trains, but 'chosen' is never"
+    ):
         tokenize_preference([_row(row)], TOK, max_length=512)
 
 
@@ -113,7 +121,11 @@ def test_a_flag_where_nothing_trains_turn_by_turn_is_refused():
     ("message", "where", "says"),
     [
         ({"tool_calls": {"name": "add"}}, "messages[1].tool_calls", "must be a list of tool calls, got dict"),
-        ({"tool_calls": [{"function": {"arguments": {}}}]}, "messages[1].tool_calls[0].function.name", "None"),
+        (
+            {"tool_calls": [{"function": {"arguments": {}}}]},
+            "messages[1].tool_calls[0].function.name",
+            "None",
+        ),
         ({"tool_calls": [{"name": "add", "arguments": 3}]}, "messages[1].tool_calls[0].arguments", "got int"),
         ({"reasoning_content": ["a"]}, "messages[1].reasoning_content", "must be a string, got list"),
         ({"content": [{"type": "thinking", "thinking": 1}]}, "messages[1].content[0].thinking", "got int"),

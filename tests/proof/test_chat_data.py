@@ -21,7 +21,12 @@ CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b
 ASK = {"role": "user", "content": "What is 2 + 3?"}
 PLAIN = [ASK, {"role": "assistant", "content": "5."}]
 CALLING = [ASK, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "5"}, PLAIN[1]]
-TWO_CALLS = [ASK, {"role": "assistant", "tool_calls": [CALL, CALL]}, {"role": "tool", "content": "5"}, PLAIN[1]]
+TWO_CALLS = [
+    ASK,
+    {"role": "assistant", "tool_calls": [CALL, CALL]},
+    {"role": "tool", "content": "5"},
+    PLAIN[1],
+]
 REASONING = [ASK, {"role": "assistant", "reasoning_content": "Two plus three.", "content": "5."}]
 TWO_EXCHANGES = [*PLAIN, {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": "8."}]
 # rows 1-8 of the file

@@ -610,9 +610,9 @@ def test_markers_train_calls_and_must_hold_the_stop_token(monkeypatch):
 
 @pytest.mark.slow
 def test_padless_sft_refuses_dropped_calls_and_trains_every_turn_through_its_stop(tmp_path, capsys):
-    """Tool-call and reasoning rows: a template that drops the calls stops `padless sft` with exit 2 and one
-    line naming the row, turn and field; a faithful one trains, every trained turn ending in its stop token
-    (read back from the run's own tokenized set)."""
+    """Tool-call and reasoning rows: a template that drops them (the calls and the reasoning field) stops
+    `padless sft` with exit 2 and one line naming the row, turn and field; a faithful one trains, every
+    trained turn ending in its stop token (read back from the run's own tokenized set)."""
     from padless.data.sources import stop_token_ids
 
     data = tmp_path / "calls.jsonl"
@@ -627,12 +627,9 @@ def test_padless_sft_refuses_dropped_calls_and_trains_every_turn_through_its_sto
         args = ["sft", f"model.name={folder}", f"data.train={data}", f"data.cache_dir={tmp_path / 'cache'}"]
         args += ["train.max_steps=1", "train.progress_bar=false", "train.report_to=[jsonl]"]
         runs[name] = main([*args, f"train.output_dir={tmp_path / name}-run"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert runs == {"drops-calls": 2, "json-calls": 0}
-    assert (
-        len(err) == 1
-        and "calls.jsonl row 2 (line 2): the chat template did not render messages[1].tool_calls[0]" in err[0]
-    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("padless sft: error")]
+    assert runs == {"drops-calls": 2, "json-calls": 0} and len(err) == 1
+    assert "calls.jsonl row 1 (line 1): the chat template ignored messages[1].reasoning_content" in err[0]
     tok = _test_tokenizer("json-calls")
     layout = SFTLayout(max_length=2048, stop_ids=stop_token_ids(str(tmp_path / "json-calls")))
     stored, _ = load_set(str(data), layout, tok, cache_dir=tmp_path / "cache")

@@ -114,7 +114,7 @@ class _Layout:
 Found = tuple[list[int], list[tuple[int, int, int]], list[bool] | None]
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
     return next((k for k in range(n) if a[k] != b[k]), n)
 
@@ -364,7 +364,7 @@ class ChatEncoder:
         if not self.tok.is_fast or full.startswith(upto):
             return ""
         enc = self.tok(upto, add_special_tokens=False, return_offsets_mapping=True)
-        k = _common_prefix(enc["input_ids"], self.encode(full))  # where they part, on a token boundary
+        k = common_prefix(enc["input_ids"], self.encode(full))  # where they part, on a token boundary
         tail = upto[enc["offset_mapping"][k][0] :] if k < len(enc["input_ids"]) else ""
         return tail if full.endswith(tail) and "user 1" not in tail else ""
 
@@ -724,7 +724,7 @@ class ChatEncoder:
         return self._region(text, len(head))
 
     def _unstable_text(self, row: Row, i: int, head: str, text: str) -> ChatTemplateError:
-        k = _common_prefix(head, text)
+        k = common_prefix(head, text)
         return ChatTemplateError(
             f"{row.where}: the chat template renders the messages before messages[{i}] differently depending "
             f"on that turn's fields (at character {k}: {head[k : k + 30]!r} vs {text[k : k + 30]!r}), so "

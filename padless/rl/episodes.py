@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from padless.data.chat import ChatEncoder, ChatTemplateError
+from padless.data.chat import ChatEncoder, ChatTemplateError, common_prefix
 from padless.data.messages import chat_messages
 from padless.data.records import IMAGE_COLUMNS, DataError, Row
 from padless.errors import InputError, UserCodeError
@@ -197,31 +197,26 @@ class EpisodeRunner:
 
     def check_rendering(self, e: Episode, parsed: dict[str, Any], ids: list[int], turn: int) -> None:
         """Mark ``e`` when the template would render the sampled turn (``ids``), kept as the message it
-        parses to, as other tokens; the log says why, once per cause."""
+        parses to, as other text; the log says why, once per cause. Two renders when it renders the same;
+        otherwise the turn is proven like a data row's (:meth:`ChatEncoder.chat`) to name what differs."""
         history = [*e.messages, {**parsed, "role": "assistant"}]
         row = Row({"messages": history}, f"environment {self.spec!r}", turn, skippable=False)
+        sampled = self.tok.decode(ids, skip_special_tokens=False)
         try:
-            got, mask = self.chat.chat(row, chat_messages(row, "messages", history), last_only=True)
-            trained = [t for t, m in zip(got, mask, strict=True) if m]
-            why = None
-            if trained != ids:
-                k = next(
-                    (k for k, (a, b) in enumerate(zip(trained, ids, strict=False)) if a != b),
-                    min(len(trained), len(ids)),
-                )
-                why = (
-                    f"re-serialises it: it writes {self.tok.decode(trained[k : k + 12])!r} where the model "
-                    "wrote "
-                    f"{self.tok.decode(ids[k : k + 12])!r} (token {k} of the turn)"
-                )
-                cause = "re-serialised"
-            else:
-                cause = ""
+            head = self.chat.text(row, e.messages, True)
+            turn_text = self.chat.text(row, history)[len(head) :]
+            if turn_text.startswith(sampled):
+                return
+            self.chat.chat(row, chat_messages(row, "messages", history), last_only=True)
+            k = common_prefix(turn_text, sampled)
+            why = (
+                f"re-serialises it: it writes {turn_text[k : k + 30]!r} where the model wrote "
+                f"{sampled[k : k + 30]!r} (character {k} of the turn)"
+            )
+            cause = "re-serialised"
         except (ChatTemplateError, DataError) as error:
             why = str(error).split(": ", 1)[-1]
             cause = getattr(error, "behaviour", None) or getattr(error, "reason", "")
-        if why is None:
-            return
         e.template_differs = e.template_differs or why
         if cause not in self.told:
             self.told.add(cause)

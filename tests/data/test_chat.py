@@ -613,7 +613,7 @@ def test_padless_sft_refuses_dropped_calls_and_trains_every_turn_through_its_sto
     """Tool-call and reasoning rows: a template that drops them (the calls and the reasoning field) stops
     `padless sft` with exit 2 and one line naming the row, turn and field; a faithful one trains, every
     trained turn ending in its stop token (read back from the run's own tokenized set)."""
-    from padless.data.sources import stop_token_ids
+    from padless.data.sources import load_tokenizer, stop_token_ids
 
     data = tmp_path / "calls.jsonl"
     rows = [ROWS["reasoning_content"], ROWS["call"], ROWS["two-calls"], ROWS["plain"]]
@@ -630,7 +630,7 @@ def test_padless_sft_refuses_dropped_calls_and_trains_every_turn_through_its_sto
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("padless sft: error")]
     assert runs == {"drops-calls": 2, "json-calls": 0} and len(err) == 1
     assert "calls.jsonl row 1 (line 1): the chat template ignored messages[1].reasoning_content" in err[0]
-    tok = _test_tokenizer("json-calls")
+    tok = load_tokenizer(str(tmp_path / "json-calls"))  # as the run loaded it
     layout = SFTLayout(max_length=2048, stop_ids=stop_token_ids(str(tmp_path / "json-calls")))
     stored, _ = load_set(str(data), layout, tok, cache_dir=tmp_path / "cache")
     assert stored.cached  # the very set the run trained on

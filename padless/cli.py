@@ -8,7 +8,6 @@ adds the traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 
+from padless.api import TRAINERS, offline_run
+from padless.api import load_target as _load
 from padless.config.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
 from padless.forward.attention import backend_problem, set_varlen_kernel, validate_backend_name
@@ -52,6 +53,17 @@ def _check_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def pick_device(asked: str | None) -> str:
+    """``--device``: as asked (cuda refused where torch has none), else cuda when there is one."""
+    if asked == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise InputError(
+            f"--device cuda: torch {torch.__version__} ({build}) finds no CUDA device on this machine; fix: "
+            "leave --device out (or pass --device cpu), or run on a machine with an NVIDIA GPU"
+        )
+    return asked or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _check(args: argparse.Namespace) -> int:
     from padless.data.sources import load_processor
     from padless.forward.vision import is_vision_config
@@ -66,7 +78,7 @@ def _check(args: argparse.Namespace) -> int:
         raise InputError("--per-turn says how --data is tokenized; fix: add --data FILE, or leave it out")
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     backends = tuple(b.strip() for b in args.backends.split(",")) if args.backends else BACKENDS
     if args.zoo and not args.backends and device == "cpu":
         # flex_attention compiles one kernel per shape on CPU: minutes per architecture.
@@ -99,7 +111,7 @@ def _check(args: argparse.Namespace) -> int:
             probe=False,
             trust_remote_code=args.trust_remote_code,
         )
-        layouts = {}
+        layouts: dict[str, Any] = {"layouts": check.LAYOUTS + check.TREE_LAYOUTS}
         if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
             seqs = check_vision.probe_examples(model, load_processor(args.model))
             layouts = {"logps": check_vision.layout_logps, "alone": check_vision.alone_logps}
@@ -122,7 +134,7 @@ def _check(args: argparse.Namespace) -> int:
         failed = check.zoo_failures(results, requested)
     else:
         rows, _ = check.run_matrix(model, seqs, pad_id, backends, **layouts)
-        print(check.format_matrix(rows))
+        print(check.format_matrix(rows, layouts.get("layouts", check.LAYOUTS)))
         failed = check.failures(rows, requested)
     if failed:
         print("\nFAILED:\n" + "\n".join(f"  {f}" for f in failed), file=sys.stderr)
@@ -139,27 +151,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-SCHEMA = "padless.config.schema:"
-TRAINERS = {
-    "sft": (SCHEMA + "SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
-    "dpo": (SCHEMA + "DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
-    "rm": (SCHEMA + "RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
-    "kto": (SCHEMA + "KTOConfig", "padless.trainers.kto:run_kto", "KTO on completions labelled good or bad"),
-    "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
-    "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
-    "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
-}
-
-
-def _load(target: str) -> Any:
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _train(args: argparse.Namespace) -> int:
+    """``padless <trainer> CONFIG key=value ...``: the config file read, then trained by the Python API."""
+    from padless.api import trainer
     from padless.config.loading import load_config
 
-    config_target, run_target, _ = TRAINERS[args.command]
+    config_target = TRAINERS[args.command][0]
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
         config, overrides = None, [config, *overrides]
@@ -168,7 +165,7 @@ def _train(args: argparse.Namespace) -> int:
             f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
             "or give the path of a YAML config"
         )
-    metrics = _load(run_target)(load_config(_load(config_target), config, overrides, once=True))
+    metrics = trainer(args.command, load_config(_load(config_target), config, overrides, once=True)).train()
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0
 
@@ -204,7 +201,7 @@ def _rm(args: argparse.Namespace) -> int:
             f"not {Path(opts.out).suffix or 'a file without a suffix'}; fix: name it e.g. scored.jsonl or "
             "scored.parquet"
         )
-    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(opts.device)
     path = score_file(opts.model, opts.data, opts.out, opts.max_length, device, opts.trust_remote_code)
     if path:
         print(f"wrote {path}")
@@ -242,7 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not all(p.strip() for p in args.prompt):
         raise InputError("--prompt is empty; fix: pass the text to answer, e.g. --prompt 'What is 2 + 3?'")
     _refuse_scorer(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_model(
         args.model,
@@ -374,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    offline = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
+    with offline_run():  # padless never downloads; a run that stopped gives back its lock and log file
+        return _command(argv)
+
+
+def _command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -399,14 +399,6 @@ def _main(argv: list[str] | None) -> int:
         print(message, file=sys.stderr)
         log_failure(message)
         return exit_code(e)
-    finally:
-        from padless.run.rundir import end_all_runs
-
-        end_all_runs()  # locks, log files and the varlen kernel pin of a run that stopped
-        if offline is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from padless.data import sources
 from padless.forward import hybrid
 from padless.forward.attention import assert_attention, hf_name, require_backend
 from padless.forward.engine import pinned_kernel
+from padless.forward.tree import resolve_tree
 from padless.proof import reuse
 
 Task = Literal["causal-lm", "score"]
@@ -51,6 +52,7 @@ def load_model(
     pad_id: int | None = None,
     trust_remote_code: bool = False,
     varlen_kernel: str | None = None,
+    tree_packing: str = "off",
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
@@ -60,6 +62,8 @@ def load_model(
     scores are read at the last token that is not it, as transformers' sequence classifiers read them.
     ``varlen_kernel`` is the kernel the model's engine will pin
     (:class:`padless.forward.engine.EngineSettings`): it is checked and proven here with that pin.
+    ``tree_packing`` (``train.tree_packing``): where the engine will run tree rows
+    (:func:`padless.forward.engine.resolve_tree`), the probe proves that layout too.
     """
     with pinned_kernel(varlen_kernel):  # the kernel the engine pins is the one checked and proven
         require_backend(attn_implementation, device, training)
@@ -75,7 +79,8 @@ def load_model(
         model.train(training)
         model.padless_attention = attn_implementation
         if probe:
-            model.padless_probe = reuse.prove(model, attn_implementation)  # what ran: the run log says it
+            tree = resolve_tree(model, attn_implementation, tree_packing)
+            model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
         else:
             hybrid.require_packing(model)  # what the probe refuses first, without it
             assert_attention(model, attn_implementation)
@@ -93,3 +98,27 @@ def disable_dropout(model: torch.nn.Module) -> int:
         if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
             module.attention_dropout, changed = 0.0, changed + 1
     return changed
+
+
+def tokenizer_differences(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> list[str]:
+    """What differs between two tokenizers that must map text to the same ids (a student's and its
+    teacher's): the vocabulary, the special tokens, the chat template. Empty when they are the same."""
+    found = []
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        moved = sum(mine[t] != theirs[t] for t in mine.keys() & theirs.keys())
+        only_mine, only_theirs = len(mine.keys() - theirs.keys()), len(theirs.keys() - mine.keys())
+        found.append(
+            f"the vocabulary ({len(mine)} vs {len(theirs)} tokens, {only_mine} only in the student's, "
+            f"{only_theirs} only in the teacher's, {moved} with another id)"
+        )
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        a, b = getattr(student, name, None), getattr(teacher, name, None)
+        if a != b:
+            found.append(f"{name} ({a!r} vs {b!r})")
+    extra = sorted(set(student.all_special_tokens) ^ set(teacher.all_special_tokens))
+    if extra:
+        found.append(f"special tokens ({', '.join(map(repr, extra[:3]))}{' ...' if len(extra) > 3 else ''})")
+    if student.chat_template != teacher.chat_template:
+        found.append("the chat template")
+    return found

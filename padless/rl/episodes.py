@@ -36,19 +36,23 @@ order, and saved with a rollout checkpointed mid-way (as PNG). ``reset()``'s ima
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, common_prefix
 from padless.data.messages import chat_messages
-from padless.data.records import IMAGE_COLUMNS, DataError, Row
+from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
-from padless.forward.ranks import common_count
+from padless.forward.ranks import agreed, common_count
 from padless.rl.environments import (
     Environment,
     Step,
@@ -59,6 +63,8 @@ from padless.rl.environments import (
     user_call,
 )
 from padless.rl.generate import Completion, Engine, row_seed
+from padless.rl.sample import EpisodeStats, Sample
+from padless.rl.sampler import Request, Sampler
 
 if TYPE_CHECKING:
     from padless.data import PromptExample
@@ -94,15 +100,15 @@ class Episode:
     origin: tuple[str, int] = ("", 0)
 
     def completion(self, greedy: bool) -> Completion:
-        stats = {
-            "turns": self.turns,
-            "tool_calls": self.calls,
-            "failed_tool_calls": self.failed_calls,
-            "env_tokens": self.model.count(False),
-            "env_reward": self.reward,
-            "truncated_by": self.truncated,
-            "template_differs": self.template_differs is not None,
-        }
+        stats = EpisodeStats(
+            turns=self.turns,
+            tool_calls=self.calls,
+            failed_tool_calls=self.failed_calls,
+            env_tokens=self.model.count(False),
+            env_reward=self.reward,
+            truncated_by=self.truncated,
+            template_differs=self.template_differs is not None,
+        )
         return Completion(
             self.prompt_ids,
             self.ids,
@@ -149,6 +155,48 @@ class EpisodeRunner:
                     "response-parsing schema for the template's tool-call syntax) or use a tokenizer that "
                     "ships one"
                 )
+            self.check_call_syntax()
+
+    def check_call_syntax(self) -> None:
+        """A tool call as the chat template writes it must read back as the same call through the response
+        template; otherwise every model turn would be a failed tool call and every episode would run to
+        ``max_turns``. Checked once, before any rollout, on a call to the first tool."""
+        schema = self.tools.schemas[0]["function"]
+        properties = schema.get("parameters", {}).get("properties", {})
+        call = {
+            "name": schema["name"],
+            "arguments": {k: EXAMPLE_ARGUMENT.get(v.get("type"), "a") for k, v in properties.items()},
+        }
+        user = [{"role": "user", "content": "Hello."}]
+        prefix = self.render(user, True)
+        written = self.render(
+            [
+                *user,
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            ],
+            False,
+        )
+        turn = written[len(prefix) :] if written.startswith(prefix) else ""
+        ends = [i for eos in self.eos_ids if (i := turn.find(self.tok.decode([eos]))) >= 0]
+        turn = turn[: min(ends)] if ends else turn
+        own = self.tools.response_template is getattr(self.tok, "response_template", None)
+        source = "the tokenizer's response_template" if own else "rollout.response_template"
+        if schema["name"] not in turn:
+            log.warning(
+                "rollout.tools: the chat template writes no tool call into an assistant turn, so the call "
+                "syntax %s reads cannot be checked against it",
+                source,
+            )
+            return
+        calls, problem = self.tools.parse(turn, prefix)
+        read = [{**c, "arguments": _as_object(c["arguments"])} for c in calls]
+        if read != [call]:
+            raise InputError(
+                f"{source} cannot read the tool calls the chat template writes: a call to {schema['name']} "
+                f"is written as {turn!r} and read back as {problem or calls or 'no call'}, so every model "
+                "turn would be a failed tool call; fix: set rollout.response_template to transformers' "
+                "response schema for the template's call syntax (or remove it to use the tokenizer's own)"
+            )
 
     # -- rendering --------------------------------------------------------------------------------------
 
@@ -245,13 +293,27 @@ class EpisodeRunner:
             )
         if self.images is None:
             text = self.render(messages, True)
-            return Episode(env, messages, self.encode(text), seed, text=text)
+            return Episode(env, messages, self.room(self.encode(text), prompt), seed, text=text)
         if prompt is None:
             raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
         messages, ids, vision = self.with_images(row, messages, prompt)
         text = self.render(messages, True)
-        origin = (prompt.meta["source"], prompt.meta["row"])
-        return Episode(env, messages, ids, seed, text=text, vision=vision, origin=origin)
+        origin = (prompt.source, prompt.row)
+        return Episode(env, messages, self.room(ids, prompt), seed, text=text, vision=vision, origin=origin)
+
+    def room(self, ids: list[int], prompt: PromptExample | None) -> list[int]:
+        """An episode's first ids, refused when they leave the model no token of ``max_episode_tokens``
+        (every episode would end before its first turn, and the rollout train on nothing)."""
+        budget = self.rollout.max_episode_tokens
+        if budget is not None and len(ids) >= budget:
+            row = f" of row {prompt.row} of {prompt.source}" if prompt is not None else ""
+            raise InputError(
+                f"rollout.max_episode_tokens={budget}: the first messages{row} (reset() of environment "
+                f"{self.spec!r}) take {len(ids)} tokens, leaving the model no room to answer; fix: raise "
+                f"rollout.max_episode_tokens above {len(ids)} (e.g. by max_turns x max_new_tokens), or "
+                "shorten the prompts"
+            )
+        return ids
 
     def with_images(
         self, row: dict[str, Any], messages: list[dict[str, Any]], prompt: PromptExample
@@ -261,9 +323,7 @@ class EpisodeRunner:
         each image's tokens expanded, and the image inputs, checked equal to the prompt's."""
         assert self.images is not None
         columns = {k: row[k] for k in IMAGE_COLUMNS if row.get(k) is not None}
-        where = Row(
-            {"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"], skippable=False
-        )
+        where = Row({"prompt": messages, **columns}, prompt.source, prompt.row, skippable=False)
         try:
             prepared = self.images.prepare(where)
             messages = prepared.row.data["prompt"]
@@ -273,7 +333,7 @@ class EpisodeRunner:
             raise UserCodeError(f"environment {self.spec!r}: the images of reset()'s messages: {e}") from None
         if not same_vision(vision, prompt.vision):
             raise UserCodeError(
-                f"environment {self.spec!r}: reset() of row {prompt.meta['row']} of {prompt.meta['source']} "
+                f"environment {self.spec!r}: reset() of row {prompt.row} of {prompt.source} "
                 "returns images other than the prompt row's; an episode's images are its prompt row's (a "
                 "run resumed mid-rollout finds them there again); fix: return the row's prompt images, or "
                 "put the images the episode needs in the row's prompt and images column"
@@ -292,7 +352,9 @@ class EpisodeRunner:
         ``prompts[i]``: row ``i`` as tokenized (needed by a vision-language policy, for its images)."""
         r = self.rollout
         starts = prompts if prompts is not None else [None] * len(rows)
-        episodes = [self.start(*a) for a in zip(rows, seeds, starts, strict=True)]
+        # what the environment raises on one rank stops every rank here, together (they then checkpoint)
+        who = f"environment {self.spec!r}"
+        episodes = agreed(lambda: [self.start(*a) for a in zip(rows, seeds, starts, strict=True)], who)
         budget = r.max_episode_tokens
         for turn in range(r.max_turns):
             running = [e for e in episodes if not e.done]
@@ -312,12 +374,15 @@ class EpisodeRunner:
                 greedy,
                 None if self.images is None else [e.vision for e in batch],
             )
-            for e, c in zip(running, completions, strict=False):
-                self.take_turn(e, c, turn)
+            agreed(partial(self.take_turns, running, completions, turn), who)
         for e in episodes:
             if not e.done:
                 e.done, e.truncated = True, "max_turns"
         return episodes
+
+    def take_turns(self, running: list[Episode], completions: list[Completion], turn: int) -> None:
+        for e, c in zip(running, completions, strict=False):
+            self.take_turn(e, c, turn)
 
     def take_turn(self, e: Episode, c: Completion, turn: int) -> None:
         """Append the sampled turn; unless the episode ends, ask the environment and append its answer."""
@@ -399,11 +464,71 @@ class EpisodeRunner:
         e.text += appended
 
 
+EXAMPLE_ARGUMENT: dict[str | None, Any] = {"string": "a", "integer": 1, "number": 1.5, "boolean": True}
+
+
+def _as_object(arguments: Any) -> Any:
+    """A call's arguments as a mapping when a parser gave them as JSON text."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
 def same_vision(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
     """Whether two image inputs are the same images (same keys, equal tensors)."""
     if not a or not b:
         return not a and not b
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class EpisodeSampler(Sampler):
+    """Samples multi-turn episodes through ``runner``: ``group`` per prompt (a prompt's consecutive), each
+    built from the prompt's data row, read again from ``specs`` (the data sets the prompts came from)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rollout: Any,
+        runner: EpisodeRunner,
+        specs: Sequence[str],
+        images: ImageInputs | None = None,
+    ):
+        super().__init__(engine, rollout, images)
+        self.runner, self.specs = runner, list(specs)
+        self.rows: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def sample(self, request: Request) -> list[Sample]:
+        """Logs how many episodes were truncated and why (they are masked unless mask_truncated is off)."""
+        started = time.perf_counter()
+        self.engine.sync_weights()
+        prompts, group = request.prompts, request.group
+        rows = [self.row_of(p) for p in prompts for _ in range(group)]
+        seeds = [row_seed(s, k) for s in request.seeds for k in range(group)]
+        starts = [p for p in prompts for _ in range(group)]
+        episodes = self.runner.run(self.engine, rows, seeds, request.greedy, starts)
+        cut = Counter(e.truncated for e in episodes if e.truncated is not None)
+        if cut:
+            what = "masked from the loss" if self.rollout.mask_truncated else "trained (mask_truncated off)"
+            reasons = ", ".join(f"{n} by {why}" for why, n in sorted(cut.items()))
+            log.warning(
+                "rollout: %d of %d episodes truncated (%s); %s", cut.total(), len(episodes), reasons, what
+            )
+        seconds = time.perf_counter() - started
+        return [
+            self.record(e.completion(request.greedy), prompts[j // group], request.greedy, seconds)
+            for j, e in enumerate(episodes)
+        ]
+
+    def row_of(self, prompt: PromptExample) -> dict[str, Any]:
+        """The data row a prompt was read from, as the environment receives it."""
+        key = (prompt.source, prompt.row)
+        if key not in self.rows:
+            for spec in self.specs:
+                self.rows.update({(r.source, r.index): r.data for r in load_rows(spec)})
+        return self.rows[key]
 
 
 def make_runner(
@@ -413,9 +538,9 @@ def make_runner(
 
     response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
     env_cls = load_environment(rollout.environment)
-    tools = Tools([*rollout.tools, *getattr(env_cls, "tools", ())], response_template)
     spec = rollout.environment or "tools"
+    tools = Tools(rollout.tools, response_template, (spec, getattr(env_cls, "tools", ())))
     return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
 
 
-__all__ = ["Environment", "Episode", "EpisodeRunner", "make_runner"]
+__all__ = ["Environment", "Episode", "EpisodeRunner", "EpisodeSampler", "make_runner"]

@@ -37,6 +37,10 @@ from typing import Any
 
 import torch
 
+from padless.data import given
+from padless.errors import InputError, UserExit
+from padless.run.interrupts import bounded
+
 __all__ = [
     "BUNDLED",
     "RewardComposer",
@@ -54,8 +58,9 @@ _SIGNATURE = "def f(prompts, completions, **fields)"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-class RewardError(ValueError):
-    """A reward function that cannot be loaded or called, or that returned something unusable."""
+class RewardError(InputError):
+    """A reward function that cannot be loaded or called, or that returned something unusable (the user's
+    to fix: exit code 2, and a run names the step it stopped at)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +179,7 @@ def _load_file(spec: str, target: str, kind: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up here
     try:
-        module_spec.loader.exec_module(module)
+        bounded(module_spec.loader.exec_module, module)
     except Exception as e:
         del sys.modules[name]
         raise _error(
@@ -250,6 +255,8 @@ def load_callable(spec: str, kind: str, bundled: Mapping[str, Any]) -> Any:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(f"{kind} spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}")
     spec = spec.strip()
+    if given.is_given(spec):  # handed to padless.api as a Python object
+        return given.lookup(spec, kind)
     noun = "reward" if kind == "reward function" else kind
     thing = "class" if kind == "environment" else "function"
     if spec in bundled:
@@ -441,14 +448,14 @@ class RewardComposer:
                     f"end the parameters with **fields ({_SIGNATURE})"
                 ) from None
         try:
-            result = fn(prompts=prompts, completions=completions, **kwargs)
+            result = bounded(fn, prompts=prompts, completions=completions, **kwargs)
+        except UserExit as e:  # sys.exit() in user code must not end the run as if it had finished
+            raise RewardError(
+                f"reward function {name!r} {e}, which would end the run; fix: return scores (None for 'not "
+                "applicable'), or raise an exception to stop"
+            ) from None
         except Exception as e:
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-        except SystemExit as e:  # sys.exit() in user code must not end the run as if it had finished
-            raise RewardError(
-                f"reward function {name!r} called sys.exit({e.code!r}), which would end the run; fix: return "
-                "scores (None for 'not applicable'), or raise an exception to stop"
-            ) from None
         result = _as_list(result)
         n = len(completions)
         fix = "return a list with one float (or None for 'not applicable') per completion"

@@ -8,9 +8,9 @@ Layout of ``checkpoint-N/``:
 - ``state/``: per rank, the optimizer state as it lives on that rank (FSDP2 and ZeRO shards, not
   gathered) in ``optimizer-<rank>.safetensors`` with its structure in ``optimizer-<rank>.json``, the RNG
   states in ``rng-<rank>.safetensors`` / ``.json``, and the learning-rate schedule in ``scheduler.json``;
-- ``plan.json``: the current epoch's planned data when the recipe's plan cannot be recomputed (a rollout
-  saved mid-way); ``state/ahead-<rank>.json``: each rank's data prepared ahead of the plan and not yet
-  trained on (rollouts sampled ahead with ``rollout.max_staleness``);
+- ``state/recipe-<rank>.json``: what each rank's recipe keeps for the run to continue on the same data
+  (:meth:`padless.run.loop.Recipe.state`): a rollout trained half-way, rollouts sampled ahead with
+  ``rollout.max_staleness``; absent when there is nothing;
 - ``trainer_state.json`` with the step, data position, strategy and world size, the resume terms (see
   :mod:`padless.run.contract`) and the list of the checkpoint's files, written last. A checkpoint
   loads exactly the files it lists: a stray ``*.safetensors`` dropped beside them is never read.
@@ -22,7 +22,9 @@ of failure it was (see :mod:`padless.faults`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -36,13 +38,19 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from padless.errors import InputError
-from padless.faults import doing
+from padless.faults import ChangedFile, doing
 from padless.forward.engine import inner_engine
 from padless.forward.vision import model_keys
 from padless.run.runfiles import own
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"
-PLAN_FILE = "plan.json"
+
+
+def recipe_file(path: Path, rank: int) -> Path:
+    """Where checkpoint ``path`` keeps rank ``rank``'s recipe state."""
+    return path / "state" / f"recipe-{rank}.json"
 
 
 @dataclass
@@ -57,6 +65,43 @@ class TrainState:
     world_size: int = 1
     terms: dict[str, Any] = field(default_factory=dict)  # what the checkpoint belongs to (contract.py)
     files: list[str] = field(default_factory=list)  # the checkpoint's files, relative; [] before they were
+    digests: dict[str, list[Any]] = field(default_factory=dict)  # file -> [size, sha256] when written
+
+
+def file_digest(file: Path) -> list[Any]:
+    """A file's size and sha256, as a checkpoint records them."""
+    sha = hashlib.sha256()
+    with file.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            sha.update(chunk)
+    return [file.stat().st_size, sha.hexdigest()]
+
+
+def _checksum(record: dict[str, Any]) -> str:
+    """The sha256 of a ``trainer_state.json`` record without its checksum: an edit of the record shows."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def verify_files(path: Path) -> None:
+    """Every file checkpoint ``path`` lists has the size and sha256 it was written with, and its
+    ``trainer_state.json`` its checksum: a file changed in a well-formed way (a plan with half its samples,
+    a queue of rollouts replaced by ``[]``) is refused as surely as a truncated one, naming it. A
+    checkpoint without the record (an older padless) is said in the log and checked by format only."""
+    record = json.loads((path / STATE_FILE).read_text())
+    checksum = record.pop("checksum", None) if isinstance(record, dict) else None
+    if checksum is None:
+        log.warning("%s records no file digests (an older padless wrote it): formats are checked only", path)
+        return
+    if checksum != _checksum(record):
+        raise ChangedFile(f"{STATE_FILE} was changed after the checkpoint was written (its checksum differs)")
+    for name, (size, sha) in record.get("digests", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise ChangedFile(f"{name} is missing (the checkpoint lists it)")
+        found = file_digest(file)
+        if found != [size, sha]:
+            how = f"{found[0]} bytes, {size} then" if found[0] != size else "same size, other bytes"
+            raise ChangedFile(f"{name} was changed after the checkpoint was written ({how})")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,14 +282,14 @@ def save_checkpoint(
     tokenizer: Any,
     state: TrainState,
     output_dir: str | Path,
-    plan: Any = None,
-    ahead: Any = None,
+    recipe: Any = None,
 ) -> Path:
+    """``recipe``: this rank's recipe state (JSON data), None when there is none."""
     root = Path(output_dir)
     tmp = root / f".tmp-checkpoint-{state.step}"
     with doing(f"writing checkpoint {state.step}", tmp, setting="train.output_dir"):
         try:
-            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, plan, ahead)
+            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, recipe)
         except BaseException:
             if accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted write leaves nothing
@@ -259,8 +304,7 @@ def _save(
     tokenizer: Any,
     state: TrainState,
     root: Path,
-    plan: Any,
-    ahead: Any,
+    recipe: Any,
 ) -> Path:
     final = root / f"checkpoint-{state.step}"
     tmp = root / f".tmp-checkpoint-{state.step}"
@@ -273,16 +317,16 @@ def _save(
     export_model(accelerator, model, tokenizer, tmp)
     save_tree(optimizer_state(optimizer), tmp / "state" / f"optimizer-{rank}")
     save_tree(rng_state(), tmp / "state" / f"rng-{rank}")
-    if ahead is not None:
-        (tmp / "state" / f"ahead-{rank}.json").write_text(json.dumps(ahead))
+    if recipe is not None:
+        recipe_file(tmp, rank).write_text(json.dumps(recipe))
     if accelerator.is_main_process:
         (tmp / "state" / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
-        if plan is not None:
-            (tmp / PLAN_FILE).write_text(json.dumps(plan))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        state.digests = {name: file_digest(tmp / name) for name in state.files}
+        record = asdict(state)
+        (tmp / STATE_FILE).write_text(json.dumps({**record, "checksum": _checksum(record)}, indent=2))
         if final.exists():  # a re-run reached the same step: replace it whole
             trash = root / f".old-checkpoint-{state.step}"
             os.replace(final, trash)
@@ -310,11 +354,12 @@ def load_checkpoint(
     scheduler: Any,
     path: Path,
     strategy: str,
-) -> tuple[TrainState, Any]:
-    """Restore weights, optimizer, schedule and RNG; return the train state and the saved plan (``None``
-    if there is none). Sharded state resumes only on the strategy and world size that wrote it."""
+) -> TrainState:
+    """Restore weights, optimizer, schedule and RNG; return the train state. Sharded state resumes only on
+    the strategy and world size that wrote it."""
     fix = f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {path}"
     with doing(f"reading checkpoint {path}", path, corrupt_fix=fix):
+        verify_files(path)
         return _load(accelerator, model, optimizer, scheduler, path, strategy)
 
 
@@ -325,9 +370,19 @@ def read_state(path: Path) -> TrainState:
     return TrainState(**{k: v for k, v in saved.items() if k in known})
 
 
-def read_ahead(path: Path, rank: int) -> Any | None:
-    """Rank ``rank``'s data prepared ahead of the plan in checkpoint ``path`` (None: there is none)."""
-    file = path / "state" / f"ahead-{rank}.json"
+def written_terms(path: Path) -> dict[str, Any]:
+    """The resume terms checkpoint ``path`` records, read before it is verified (to name another trainer
+    rather than the files it lacks); empty when unreadable, which verification then reports."""
+    try:
+        terms = json.loads((path / STATE_FILE).read_text()).get("terms")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return terms if isinstance(terms, dict) else {}
+
+
+def read_recipe_state(path: Path, rank: int) -> Any | None:
+    """Rank ``rank``'s recipe state in checkpoint ``path`` (None: there is none)."""
+    file = recipe_file(path, rank)
     if not file.exists():
         return None
     with reading(file):
@@ -341,7 +396,7 @@ def _load(
     scheduler: Any,
     path: Path,
     strategy: str,
-) -> tuple[TrainState, Any]:
+) -> TrainState:
     state = read_state(path)
     world = accelerator.num_processes
     sharded = {"fsdp2", "zero2", "zero3"}
@@ -359,9 +414,7 @@ def _load(
     with reading(path / "state" / "scheduler.json"):
         scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
     restore_rng(load_tree(path / "state" / f"rng-{source}"))
-    with reading(path / PLAN_FILE):
-        plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
-    return state, plan
+    return state
 
 
 def load_weights(

@@ -8,7 +8,7 @@ optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 Every hook the loop calls is declared on :class:`Recipe`, with what it does where a recipe does not
 override it: a recipe that runs passes outside ``loss`` (reference precompute, rollouts) overrides ``bind``;
 one whose plan is costly and not reproducible from a seed (a sampled rollout) overrides
-``steps_per_epoch``, ``plan_state``, ``restore_plan`` and ``plan_metrics``.
+``steps_per_epoch``, ``state`` / ``restore`` and ``plan_metrics``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
+from padless.errors import DivergenceError, InputError, Terminated, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
 from padless.forward import sequence_parallel
 from padless.forward.engine import EngineSettings, ModelEngine
@@ -37,14 +37,16 @@ from padless.run import contract
 from padless.run.checkpoint import (
     TrainState,
     load_checkpoint,
-    read_ahead,
+    read_recipe_state,
     read_state,
+    recipe_file,
     save_checkpoint,
+    written_terms,
 )
 from padless.run.guard import DivergenceGuard
-from padless.run.interrupts import deferred
+from padless.run.interrupts import deferred, take_held
 from padless.run.reporting import Reporter
-from padless.run.rundir import branch, end_run, resume_checkpoint, rotate_checkpoints
+from padless.run.rundir import branch, checkpoints, end_run, resume_checkpoint, rotate_checkpoints
 from padless.run.strategy import expected_strategy, verify_strategy
 from padless.run.verify import verify_checkpoint
 
@@ -101,28 +103,21 @@ class Recipe:
         the loop counts them on the plans."""
         return None
 
-    def plan_state(self, epoch: int) -> Any | None:
-        """The planned data of ``epoch``, saved (``torch.save``) in a checkpoint taken mid-epoch; None:
-        the plan is rebuilt from its seed on resume."""
+    def state(self, epoch: int, mid_epoch: bool) -> Any | None:
+        """What a checkpoint at ``epoch`` (``mid_epoch``: some of its steps trained) must keep for the run
+        to continue on the same data, as JSON data saved by each rank: a plan that cannot be rebuilt from
+        its seed (a sampled rollout), data prepared ahead and not yet trained (rollouts sampled ahead).
+        None: nothing, the plan is rebuilt from its seed."""
         return None
 
-    def restore_plan(self, epoch: int, state: Any) -> None:
-        """Take back what :meth:`plan_state` saved, so a run resumed mid-epoch continues on the same data."""
-        raise NotImplementedError(f"{type(self).__name__} saves no plan to restore")
+    def restore(self, epoch: int, state: Any) -> None:
+        """Take back what :meth:`state` saved, so a resumed run continues on the same data."""
+        raise NotImplementedError(f"{type(self).__name__} saves no state to restore")
 
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         """Metrics of the epoch's planning (what a rollout measured), logged once per epoch; none by
         default."""
         return {}
-
-    def ahead_state(self) -> Any | None:
-        """Data prepared ahead of the plan and not yet trained on (rollouts sampled ahead), saved by each
-        rank in every checkpoint (JSON); None: nothing."""
-        return None
-
-    def restore_ahead(self, state: Any) -> None:
-        """Take back what :meth:`ahead_state` saved, so a resumed run trains on the same data."""
-        raise NotImplementedError(f"{type(self).__name__} prepares nothing ahead to restore")
 
     def plan_settings(self) -> dict[str, Any]:
         """Settings beyond ``train``'s that the plan is built from (RL: rollout, reward and loss keys); the
@@ -221,7 +216,8 @@ class Trainer:
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
+        float16 = any(p.dtype == torch.float16 for p in model.parameters())
+        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator, float16)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
         recipe.bind(self.model)
@@ -322,26 +318,28 @@ class Trainer:
             with doing(
                 f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
             ):
+                contract.check_trainer(resume, written_terms(resume), self.terms)  # named before its files
                 verify_checkpoint(resume, self.model)
             saved = read_state(resume)
             applied = contract.check(
                 resume, saved.terms, self.terms, saved.step, self.total_steps, saved.step_in_epoch > 0
             )
-            state, plan = load_checkpoint(
-                acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
-            )
+            state = load_checkpoint(acc, self.model, self.optimizer, self.scheduler, resume, self.strategy)
             contract.rescale_learning_rates(self.optimizer, self.scheduler, saved.terms, self.terms)
             for change in applied:
                 log.warning("resuming %s with a change: %s", resume, change)
-            self._restore_ahead(resume, saved)
+            self._restore_recipe(resume, saved)
             state.strategy, state.world_size = self.strategy, acc.num_processes
-            if plan is not None and state.step_in_epoch > 0:
-                self.recipe.restore_plan(state.epoch, plan)
             if acc.is_main_process:
                 with doing("setting newer checkpoints aside", cfg.output_dir, setting="train.output_dir"):
                     branch(cfg.output_dir, resume)
         reporter = Reporter(
-            cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
+            cfg.output_dir,
+            cfg.report_to,
+            acc.is_main_process,
+            state.step if resume else None,
+            cfg.run_name,
+            cfg.project,
         )
         bar = tqdm(
             total=self.total_steps,
@@ -356,10 +354,17 @@ class Trainer:
         state.terms = self.terms
         self.model.train()
         self._saved_step, self._in_step = state.step, False
+        # several processes: a signal waits for a step boundary every rank reaches (see _stop_together)
+        held = deferred() if acc.num_processes > 1 else contextlib.nullcontext()
         try:
-            self._loop(state, reporter, bar, window, counts, last)
+            with held:
+                self._loop(state, reporter, bar, window, counts, last)
         except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
+            if isinstance(e, KeyboardInterrupt):  # resume advice only where a checkpoint exists
+                found = checkpoints(cfg.output_dir)
+                e.checkpoint = found[-1] if found else None  # type: ignore[attr-defined]
+            reporter.close(failed=True)
             raise
         bar.close()
         reporter.plot()
@@ -367,11 +372,13 @@ class Trainer:
         end_run(cfg.output_dir)
         return last
 
-    def _restore_ahead(self, resume: Path, saved: TrainState) -> None:
-        """The checkpoint's data prepared ahead (rollouts sampled ahead) back into the recipe, unless what it
-        was prepared for changed (then it is dropped, said in the log, and prepared again)."""
-        ahead = read_ahead(resume, self.acc.process_index)
-        if ahead is None:
+    def _restore_recipe(self, resume: Path, saved: TrainState) -> None:
+        """The recipe's state in the checkpoint back into the recipe, unless it was saved for another world
+        size or other settings: then (only at an epoch boundary: mid-epoch the contract refused it) it can
+        only hold data prepared ahead (rollouts sampled ahead), which is dropped, said in the log, and
+        prepared again from the checkpoint's weights."""
+        kept = read_recipe_state(resume, self.acc.process_index)
+        if kept is None:
             return
         if saved.world_size != self.acc.num_processes or saved.terms.get("plan_settings") != self.terms.get(
             "plan_settings"
@@ -382,7 +389,29 @@ class Trainer:
                 resume,
             )
             return
-        self.recipe.restore_ahead(ahead)
+        try:
+            self.recipe.restore(saved.epoch, kept)
+        except (ValueError, KeyError, TypeError) as e:  # the file is whole, its contents do not fit this run
+            file = recipe_file(resume, self.acc.process_index)
+            raise InputError(
+                f"{file}: {e}; fix: resume from another checkpoint (train.resume_from_checkpoint=<its path>) "
+                f"or delete {resume}"
+            ) from None
+
+    def _stop_together(self) -> None:
+        """With several processes a signal is held until here, a step boundary every rank reaches (the loop
+        runs inside :func:`~padless.run.interrupts.deferred`): the ranks agree whether any of them received
+        one, and if so all stop, together, so that they checkpoint the trained steps first, as one process
+        does wherever a signal arrives. A rank that received none stops with the others' signal."""
+        if self.acc.num_processes == 1:
+            return
+        held = take_held()
+        kind = 0 if held is None else 2 if isinstance(held, Terminated) else 1
+        agreed = int(self.acc.gather(torch.tensor([kind], device=self.acc.device)).max().item())
+        if agreed:
+            error = held or (Terminated() if agreed == 2 else KeyboardInterrupt())
+            error.every_rank = True  # type: ignore[attr-defined]
+            raise error
 
     def _stop_on(self, error: BaseException, state: TrainState) -> None:
         """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
@@ -404,14 +433,14 @@ class Trainer:
                 log.error("could not checkpoint the trained steps before stopping: %s", e)
         elif state.step > self._saved_step:
             log.warning("the steps after %d are not checkpointed", self._saved_step)
-        if isinstance(error, (UserCodeError, InputError)) or type(error).__name__ in ("RewardError",):
+        if isinstance(error, (UserCodeError, InputError)):
             if error.args and isinstance(error.args[0], str):
                 error.args = (f"at step {state.step + 1}: {error.args[0]}{saved}", *error.args[1:])
         elif saved:
             log.warning("stopping on %s%s", type(error).__name__, saved)
 
     def _save(self, state: TrainState) -> None:
-        plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
+        kept = self.recipe.state(state.epoch, mid_epoch=state.step_in_epoch > 0)
         self.guard.check_weights(self.model)
         with deferred():  # Ctrl-C / SIGTERM now: the checkpoint is finished first, then the run stops
             save_checkpoint(
@@ -422,8 +451,7 @@ class Trainer:
                 self.tokenizer,
                 state,
                 self.cfg.output_dir,
-                plan,
-                self.recipe.ahead_state(),
+                kept,
             )
             self._saved_step = state.step
             if self.acc.is_main_process:
@@ -441,7 +469,9 @@ class Trainer:
         cfg = self.cfg
         window_tokens, window_time = 0, 0.0
         while state.step < self.total_steps:
+            self._stop_together()
             steps = self.steps_of(state.epoch)
+            self._stop_together()  # a signal during a rollout: its samples are drawn again on resume
             if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
                 reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
             started = time.perf_counter()

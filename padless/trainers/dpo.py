@@ -12,8 +12,7 @@ from padless.data import PairExample
 from padless.data.images import ImageInputs
 from padless.data.sources import stop_token_ids
 from padless.forward.engine import reference_engine
-from padless.forward.packing import budget_batches
-from padless.forward.ranks import shared_pass
+from padless.forward.passes import lockstep_pass
 from padless.losses import dpo_loss
 from padless.proof.load import pad_token_id
 from padless.run.loop import MicroBatch, Trainer
@@ -53,19 +52,26 @@ class DPORecipe(PairRecipe):
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
         The pass is split between ranks (each runs its share of the packed batches) and summed once."""
+        super().bind(model)
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
         for pairs in (self.pairs, self.eval_pairs):
             if not pairs:
                 continue
-            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
 
             def run(group: list[int], pairs=pairs) -> torch.Tensor:
                 chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
-            ref = shared_pass(groups, run, len(pairs), 2, self.cfg.sequence_parallel).tolist()
-            pairs.set_meta("ref_logps", [tuple(r) for r in ref])  # pairs are read from disk when used
+            indices, budget, degree = (
+                range(len(pairs)),
+                self.cfg.max_tokens_per_batch,
+                self.cfg.sequence_parallel,
+            )
+            ref = lockstep_pass(indices, self.lengths(pairs), run, budget, share=degree)
+            pairs.set_meta(
+                "ref_logps", [tuple(r.tolist()) for r in ref]
+            )  # pairs are read from disk when used
         self.ref_model = None
 
     def loss(

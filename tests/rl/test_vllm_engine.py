@@ -29,7 +29,7 @@ from padless.forward.packing import Example, pack
 from padless.proof.load import load_model
 from padless.rl.generate import HFEngine
 from padless.rl.vllm_engine import inference_weights, to_completions
-from padless.run.checkpoint import PLAN_FILE
+from padless.run.checkpoint import recipe_file
 from padless.trainers.grpo import run_grpo
 from padless.trainers.ppo import run_ppo
 
@@ -369,7 +369,7 @@ def test_rl_with_vllm_trains_and_resumes_mid_rollout(tmp_path, run, config, extr
     trains on its saved samples, and the next rollout, sampled by a fresh engine, is the same."""
     need_vllm()
     straight = run(load_config(config, None, rl_overrides(tmp_path, "a", *extra)))
-    assert (tmp_path / "a" / "checkpoint-3" / PLAN_FILE).exists()
+    assert json.loads(recipe_file(tmp_path / "a" / "checkpoint-3", 0).read_text())["rollout"]
     shutil.copytree(tmp_path / "a" / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
     resumed = run(
         load_config(config, None, rl_overrides(tmp_path, "b", *extra, "train.resume_from_checkpoint=latest"))

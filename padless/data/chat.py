@@ -22,8 +22,8 @@ trained turn holds exactly one stop token; one that cannot end in a stop is refu
 part in order, not a serialised list), every tool call's name and arguments, and its reasoning (a reasoning
 field or thinking parts). What a template writes is found by rendering: the message is rendered again with a
 sentinel in place of every value, and each sentinel must land in the turn's trained text (see
-:mod:`padless.data.messages`); a template that drops, renames or moves a field is refused naming the turn, the
-field and what it did.
+:mod:`padless.data.sentinels`); a template that drops, renames or moves a field is refused naming the turn,
+the field and what it did.
 
 Rendering those prefixes for every row costs 2k+1 renders for k assistant turns. Instead, for rows whose
 contents are strings, the prefixes are rendered once per conversation *shape* (roles and every field but the
@@ -47,8 +47,8 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from padless.data.messages import REASONING_KEYS, SENTINEL, Leaf, has_fields, with_sentinels
-from padless.data.records import DataError, Row
+from padless.data.records import REASONING_KEYS, DataError, Row
+from padless.data.sentinels import SENTINEL, Leaf, with_sentinels
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -225,6 +225,13 @@ def _what_changed(content: str, rendered: str) -> str:
         if content[:p] in rendered:
             return f"dropped the text after {_short(content[:p])}: {_short(content[p:])}"
     return f"rendered it as {_short(rendered)}"
+
+
+def has_fields(message: dict[str, Any]) -> bool:
+    """Whether a message carries more than a string content (parts, tool calls, reasoning)."""
+    return not isinstance(message.get("content", ""), str) or any(
+        k in message for k in ("tool_calls", *REASONING_KEYS)
+    )
 
 
 def _texts(message: dict[str, Any]) -> list[str]:

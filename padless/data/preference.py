@@ -35,14 +35,15 @@ import pyarrow.compute as pc
 
 from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
-from padless.data.messages import chat_messages, nonempty_str
 from padless.data.records import (
     DataError,
     RawRows,
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
     good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
     type_name,

@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from padless.data.chat import ChatEncoder, trained_turns
 from padless.data.images import ImageInputs
-from padless.data.messages import chat_messages, nonempty_str, turn_flags
 from padless.data.records import (
     RawRows,
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
     good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
+    turn_flags,
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature

@@ -18,8 +18,7 @@ from padless import tiny
 from padless.data import sources
 from padless.data.chat import ChatTemplateError
 from padless.data.images import ImageInputs
-from padless.data.messages import REASONING_KEYS, TRAIN_FLAGS
-from padless.data.records import DataError, Row, load_rows
+from padless.data.records import REASONING_KEYS, TRAIN_FLAGS, DataError, Row, load_rows
 from padless.data.sft import SftEncoder, SftFormat, sft_examples, sft_format
 from padless.errors import InputError
 from padless.forward.vision import is_vision_config

@@ -48,8 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, common_prefix
-from padless.data.messages import chat_messages
-from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
+from padless.data.records import IMAGE_COLUMNS, DataError, Row, chat_messages, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
 from padless.forward.ranks import agreed, common_count

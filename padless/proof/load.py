@@ -14,6 +14,7 @@ from padless.data import sources
 from padless.forward import hybrid
 from padless.forward.attention import assert_attention, hf_name, require_backend
 from padless.forward.engine import pinned_kernel
+from padless.forward.tree import resolve_tree
 from padless.proof import reuse
 
 Task = Literal["causal-lm", "score"]
@@ -51,6 +52,7 @@ def load_model(
     pad_id: int | None = None,
     trust_remote_code: bool = False,
     varlen_kernel: str | None = None,
+    tree_packing: str = "off",
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
@@ -60,6 +62,8 @@ def load_model(
     scores are read at the last token that is not it, as transformers' sequence classifiers read them.
     ``varlen_kernel`` is the kernel the model's engine will pin
     (:class:`padless.forward.engine.EngineSettings`): it is checked and proven here with that pin.
+    ``tree_packing`` (``train.tree_packing``): where the engine will run tree rows
+    (:func:`padless.forward.engine.resolve_tree`), the probe proves that layout too.
     """
     with pinned_kernel(varlen_kernel):  # the kernel the engine pins is the one checked and proven
         require_backend(attn_implementation, device, training)
@@ -75,7 +79,8 @@ def load_model(
         model.train(training)
         model.padless_attention = attn_implementation
         if probe:
-            model.padless_probe = reuse.prove(model, attn_implementation)  # what ran: the run log says it
+            tree = resolve_tree(model, attn_implementation, tree_packing)
+            model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
         else:
             hybrid.require_packing(model)  # what the probe refuses first, without it
             assert_attention(model, attn_implementation)

@@ -51,6 +51,7 @@ class DPORecipe(PairRecipe):
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
         The pass is split between ranks (each runs its share of the packed batches) and summed once."""
+        super().bind(model)
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
         for pairs in (self.pairs, self.eval_pairs):
@@ -66,7 +67,7 @@ class DPORecipe(PairRecipe):
                 self.cfg.max_tokens_per_batch,
                 self.cfg.sequence_parallel,
             )
-            ref = lockstep_pass(indices, pairs.lengths, run, budget, share=degree)
+            ref = lockstep_pass(indices, self.lengths(pairs), run, budget, share=degree)
             pairs.set_meta(
                 "ref_logps", [tuple(r.tolist()) for r in ref]
             )  # pairs are read from disk when used

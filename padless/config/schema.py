@@ -373,6 +373,26 @@ class PreferenceDataSettings(ConfigModel):
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
 
 
+REF_MODEL_APPLIES = Applies(
+    ("ref_model",),
+    ("reference",),
+    lambda s: s.reference == "model",
+    "reference 'adapters' uses the policy itself with adapters disabled",
+    "set ref_model to null, or reference to model",
+)
+
+
+def _adapters_need_lora(section: str, reference: str, model: ModelSettings) -> None:
+    """A reference of 'adapters' is the policy with its LoRA adapters off: there must be adapters."""
+    if reference == "adapters" and model.lora is None:
+        raise invalid(
+            (f"{section}.reference", "model.lora"),
+            "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+            "not set, so there are no adapters",
+            f"add a model.lora section (e.g. model.lora.r=16), or set {section}.reference to model",
+        )
+
+
 class DPOSettings(ConfigModel):
     """The DPO loss and its reference."""
 
@@ -403,13 +423,7 @@ class DPOSettings(ConfigModel):
             "simpo is reference-free (it scores length-normalized policy log-probs only)",
             "unset {key}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
         ),
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
+        REF_MODEL_APPLIES,
         Applies(
             ("label_smoothing",),
             ("loss_type",),
@@ -454,13 +468,7 @@ class DPOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.dpo.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("dpo.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set dpo.reference to model",
-            )
+        _adapters_need_lora("dpo", self.dpo.reference, self.model)
 
 
 class RMSettings(ConfigModel):
@@ -542,15 +550,7 @@ class KTOSettings(ConfigModel):
     """reference log-probs (of completions and of the KL pairs) computed once before training, the
     reference then freed"""
 
-    applies = (
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
-    )
+    applies = (REF_MODEL_APPLIES,)
 
     def _check(self) -> None:
         if self.ref_model == "":
@@ -575,13 +575,7 @@ class KTOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.kto.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("kto.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set kto.reference to model",
-            )
+        _adapters_need_lora("kto", self.kto.reference, self.model)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from padless.data import load_rows
 from padless.data.images import ImageInputs
 from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
+from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.faults import doing
 from padless.forward.engine import BatchLayout
@@ -164,6 +165,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the model's stop tokens
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
         layout = SFTLayout(
@@ -173,6 +175,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
             completion_only_loss=data.completion_only_loss,
             per_turn=data.per_turn,
             skip_bad_rows=data.skip_bad_rows,
+            stop_ids=stop_ids,
         )
         examples, stats = load_set(
             spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc

@@ -32,6 +32,7 @@ from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
 from padless.rl.setup import RolloutSetup
 from padless.run.interrupts import handled
+from padless.testing.templates import TEMPLATES
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -151,6 +152,58 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     turns = ['<call>{"name": "add", "arguments": {"a": 2, "b": 3}}</call>', "5"]
     with pytest.raises(ChatTemplateError, match="cannot append an environment turn"):
         runner(tok).run(Scripted(tok, turns), [{"prompt": "q"}], [0], False)
+
+
+# The call syntax of the json-calls test template: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
+JSON_CALLS = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"close": "<tool_call>", "content": "text"},
+        "tool_calls": {
+            "open": "<tool_call>\n",
+            "close": "\n</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+SPACED = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "says"),
+    [
+        ("json-calls", SPACED, None),
+        ("json-calls", SPACED.replace(": ", ":").replace(", ", ","), "re-serialises it: it writes"),
+        ("drops-calls", SPACED, "did not render messages[1].tool_calls[0]"),
+    ],
+)
+def test_a_call_the_template_would_render_otherwise_marks_the_episode(tokenizer, name, call, says, caplog):
+    """The sampled call read back as the message it parses to and proven under the template: kept as
+    sampled either way, the episode marked (and the log says why, once) where the template would write it
+    otherwise: dropped or re-serialised."""
+    tok = TEMPLATES[name].tokenizer(tokenizer)
+    run = EpisodeRunner(
+        tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id}
+    )
+    episodes = run.run(Scripted(tok, [call, "5"]), [{"prompt": "q"}, {"prompt": "r"}], [0, 1], False)
+    sampled = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for e in episodes:
+        assert e.ids[: len(sampled)] == sampled and e.calls == 1 and e.failed_calls == 0
+        assert (e.template_differs is None) == (says is None)
+        assert says is None or says in e.template_differs
+        assert e.completion(False).episode.template_differs == (says is not None)
+    told = [r.getMessage() for r in caplog.records if "template_differs" in r.getMessage()]
+    assert len(told) == (says is not None) and (says is None or says in told[0])
+
+
+def test_a_template_that_names_calls_by_their_id_is_refused_before_any_rollout(tokenizer):
+    """Kimi-style: the template writes the call id where the function name belongs; a parsed call has no id,
+    so the template cannot write the model's call at all: refused at start, naming what it raised."""
+    tok = TEMPLATES["id-as-name"].tokenizer(tokenizer)
+    with pytest.raises(ChatTemplateError, match=r"cannot render the episode's messages \(UndefinedError"):
+        EpisodeRunner(tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id})
 
 
 class Raises(Environment):
@@ -305,7 +358,11 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     """A planted check: the gradient of GRPO's loss reaches the last hidden state (after the final norm, one
     row per position, read by the head alone) only at positions that predict a model token."""
     model, recipe, examples = sampled
-    recipe.process(examples, torch.tensor([e.scored.reward for e in examples]) + torch.arange(6.0), 0)
+    examples = copy.deepcopy(examples)
+    for k, e in enumerate(examples):  # distinct rewards: no advantage is 0 (GRPO reads them from the samples)
+        e.scored.reward += k
+    recipe.process(examples, torch.tensor([e.scored.reward for e in examples]), 0)
+    assert all(a != 0 for e in examples for a in e.algorithm.advantages)
     held = {}
     hook = model.model.norm.register_forward_hook(lambda m, i, out: held.setdefault("h", out).retain_grad())
     try:

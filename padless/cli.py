@@ -272,6 +272,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_serve(args: argparse.Namespace) -> int:
+    from padless.rl.vllm_server import serve
+
+    serve(
+        args.model, args.host, args.port, args.dtype, args.max_model_len, args.logprobs_mode, args.kv_cache_mb
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padless", description="Post-training in which padding never changes a number."
@@ -336,6 +345,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["cpu", "cuda"])
     gen.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser(
+        "vllm-serve",
+        help="run vLLM as a server for RL runs to sample from (rollout.vllm_mode: server)",
+    )
+    serve.add_argument(
+        "--model", required=True, help="the policy's model: embedded name, folder or cached id"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto", help="auto: bf16 on cuda")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence, prompt included")
+    serve.add_argument(
+        "--logprobs-mode",
+        choices=["processed_logprobs", "raw_logprobs"],
+        default="processed_logprobs",
+        help="processed_logprobs for rollouts with top_p 1, raw_logprobs for temperature 1",
+    )
+    serve.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache on vLLM's CPU build")
+    serve.set_defaults(func=_vllm_serve)
 
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
     doctor.set_defaults(func=_doctor)

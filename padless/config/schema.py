@@ -613,7 +613,15 @@ class RolloutSettings(ConfigModel):
     episodes."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """vllm: colocated, needs vLLM and CUDA (checked at start)"""
+    """vllm: needs vLLM (a CUDA build with a GPU, or the CPU build; checked at start), colocated or a
+    server (vllm_mode)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """engine vllm: colocate (an engine in the training process) or server (a `padless vllm-serve` process
+    at vllm_server_url, sent the policy's weights before every rollout)"""
+    vllm_server_url: str = "http://127.0.0.1:8000"
+    """vllm_mode server: where `padless vllm-serve` listens"""
+    vllm_server_timeout: PositiveFloat = 600.0
+    """vllm_mode server: seconds one request (a rollout's generation, a weight push) may take"""
     prompts_per_step: PositiveInt = 16
     """prompts per rollout batch"""
     num_generations: PositiveInt = 4
@@ -700,10 +708,24 @@ class RolloutSettings(ConfigModel):
         ),
         Applies(
             ("vllm_gpu_memory_utilization",),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "colocate",
+            "it sizes the colocated vLLM engine's share of the GPU (a server sizes its own)",
+            "set rollout.engine: vllm (vllm_mode colocate), or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_mode",),
             ("engine",),
             lambda s: s.engine == "vllm",
-            "it sizes vLLM's share of the GPU, and the engine is not vllm",
+            "it says where vLLM runs, and the engine is not vllm",
             "set rollout.engine: vllm, or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_server_url", "vllm_server_timeout"),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "server",
+            "it reaches a vLLM server, and rollout.vllm_mode is not server",
+            "set rollout.engine: vllm and rollout.vllm_mode: server, or remove rollout.{key}",
         ),
         Applies(
             ("generation_batch_size",),

@@ -163,3 +163,20 @@ def test_the_api_example_trains_from_an_in_memory_dataset(tmp_path, monkeypatch,
     assert (tmp_path / "run" / "checkpoint-4").is_dir()
     saved = load_config(_load(TRAINERS["sft"][0]), tmp_path / "run" / "config.yaml")
     assert saved.data.train == "python:data.train" and (Path(saved.model.name) / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_the_reasoning_gym_example_learns(tmp_path):
+    """examples/grpo_reasoning_gym_tiny.yaml: GRPO on 16 reasoning-gym questions made offline, scored by
+    the task's own scorer. Greedy eval on them rises from step 10 to step 40 (on this CPU, deterministic:
+    total reward 0.675 -> 0.898, the task's scorer 3/16 -> 4.5/16)."""
+    from padless.cli import main
+
+    example = Path(__file__).parent.parent / "examples" / "grpo_reasoning_gym_tiny.yaml"
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.save_steps=40"]
+    assert main(["grpo", str(example), *overrides]) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30, 40]
+    assert evals[-1]["eval/reward"] - evals[0]["eval/reward"] > 0.15
+    assert evals[-1]["eval/reward/reasoning_gym"] > evals[0]["eval/reward/reasoning_gym"]

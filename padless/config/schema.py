@@ -373,6 +373,26 @@ class PreferenceDataSettings(ConfigModel):
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
 
 
+REF_MODEL_APPLIES = Applies(
+    ("ref_model",),
+    ("reference",),
+    lambda s: s.reference == "model",
+    "reference 'adapters' uses the policy itself with adapters disabled",
+    "set ref_model to null, or reference to model",
+)
+
+
+def _adapters_need_lora(section: str, reference: str, model: ModelSettings) -> None:
+    """A reference of 'adapters' is the policy with its LoRA adapters off: there must be adapters."""
+    if reference == "adapters" and model.lora is None:
+        raise invalid(
+            (f"{section}.reference", "model.lora"),
+            "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+            "not set, so there are no adapters",
+            f"add a model.lora section (e.g. model.lora.r=16), or set {section}.reference to model",
+        )
+
+
 class DPOSettings(ConfigModel):
     """The DPO loss and its reference."""
 
@@ -403,13 +423,7 @@ class DPOSettings(ConfigModel):
             "simpo is reference-free (it scores length-normalized policy log-probs only)",
             "unset {key}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
         ),
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
+        REF_MODEL_APPLIES,
         Applies(
             ("label_smoothing",),
             ("loss_type",),
@@ -429,17 +443,6 @@ class DPOSettings(ConfigModel):
     def _check(self) -> None:
         if self.ref_model == "":
             raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
-
-
-def _check_adapters(section: str, reference: str, lora: LoraSettings | None) -> None:
-    """``reference: adapters`` (DPO, KTO) is the policy with its LoRA adapters off: there must be some."""
-    if reference == "adapters" and lora is None:
-        raise invalid(
-            (f"{section}.reference", "model.lora"),
-            "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-            "not set, so there are no adapters",
-            f"add a model.lora section (e.g. model.lora.r=16), or set {section}.reference to model",
-        )
 
 
 PREFERENCE_RUN = (
@@ -465,7 +468,7 @@ class DPOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        _check_adapters("dpo", self.dpo.reference, self.model.lora)
+        _adapters_need_lora("dpo", self.dpo.reference, self.model)
 
 
 class RMSettings(ConfigModel):
@@ -547,15 +550,7 @@ class KTOSettings(ConfigModel):
     """reference log-probs (of completions and of the KL pairs) computed once before training, the
     reference then freed"""
 
-    applies = (
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
-    )
+    applies = (REF_MODEL_APPLIES,)
 
     def _check(self) -> None:
         if self.ref_model == "":
@@ -580,7 +575,7 @@ class KTOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        _check_adapters("kto", self.kto.reference, self.model.lora)
+        _adapters_need_lora("kto", self.kto.reference, self.model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -618,7 +613,15 @@ class RolloutSettings(ConfigModel):
     episodes."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """vllm: colocated, needs vLLM and CUDA (checked at start)"""
+    """vllm: needs vLLM (a CUDA build with a GPU, or the CPU build; checked at start), colocated or a
+    server (vllm_mode)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """engine vllm: colocate (an engine in the training process) or server (a `padless vllm-serve` process
+    at vllm_server_url, sent the policy's weights before every rollout)"""
+    vllm_server_url: str = "http://127.0.0.1:8000"
+    """vllm_mode server: where `padless vllm-serve` listens"""
+    vllm_server_timeout: PositiveFloat = 600.0
+    """vllm_mode server: seconds one request (a rollout's generation, a weight push) may take"""
     prompts_per_step: PositiveInt = 16
     """prompts per rollout batch"""
     num_generations: PositiveInt = 4
@@ -705,10 +708,24 @@ class RolloutSettings(ConfigModel):
         ),
         Applies(
             ("vllm_gpu_memory_utilization",),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "colocate",
+            "it sizes the colocated vLLM engine's share of the GPU (a server sizes its own)",
+            "set rollout.engine: vllm (vllm_mode colocate), or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_mode",),
             ("engine",),
             lambda s: s.engine == "vllm",
-            "it sizes vLLM's share of the GPU, and the engine is not vllm",
+            "it says where vLLM runs, and the engine is not vllm",
             "set rollout.engine: vllm, or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_server_url", "vllm_server_timeout"),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "server",
+            "it reaches a vLLM server, and rollout.vllm_mode is not server",
+            "set rollout.engine: vllm and rollout.vllm_mode: server, or remove rollout.{key}",
         ),
         Applies(
             ("generation_batch_size",),

@@ -147,12 +147,21 @@ class Tools:
     def parse(self, text: str, prefix: str) -> tuple[list[dict[str, Any]], str | None]:
         """The calls in a model turn (``{"name", "arguments"}`` each) and, when the turn's call syntax is
         broken, why (the calls then are none and the reason goes back to the model as a tool message)."""
+        message, problem = self.read(text, prefix)
+        return ([], problem) if message is None else self.calls(message)
+
+    def read(self, text: str, prefix: str) -> tuple[dict[str, Any] | None, str | None]:
+        """A model turn as the message it is (content, tool calls...), or why its syntax is broken."""
         from transformers.utils.chat_parsing import parse_response
 
         try:
-            message = parse_response(text, self.response_template, prefix=prefix, tools=self.schemas)
+            return parse_response(text, self.response_template, prefix=prefix, tools=self.schemas), None
         except Exception as e:
-            return [], f"error: the tool call could not be parsed ({type(e).__name__}: {first_line(e)})"
+            return None, f"error: the tool call could not be parsed ({type(e).__name__}: {first_line(e)})"
+
+    @staticmethod
+    def calls(message: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+        """A parsed turn's calls (``{"name", "arguments"}`` each), or why one is not a call."""
         calls = []
         for call in message.get("tool_calls") or []:
             inner = call.get("function", call) if isinstance(call, dict) else None

@@ -28,6 +28,7 @@ import torch
 
 from padless.config.schema import DistillConfig, DistillSettings, RolloutSettings, TrainSettings
 from padless.data.images import ImageInputs
+from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set
 from padless.errors import InputError
 from padless.forward.distill import Distillation
@@ -302,8 +303,10 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         )
     teacher, vocab = load_teacher(session, cfg.distill, cfg.model.name)
 
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the student's stop tokens
+
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir)
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, stop_ids)
 
     recipe = DistillRecipe(
         tokenize(data.train, "train"),

@@ -15,6 +15,7 @@ from padless.data import load_rows
 from padless.data.images import ImageInputs
 from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
+from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.faults import doing
 from padless.forward.engine import BatchLayout
@@ -160,9 +161,16 @@ def eval_prompt_ids(rows: list[Any], tokenizer: Any) -> list[list[int]]:
 
 
 def load_examples(
-    spec: str, role: str, data: Any, tokenizer: Any, output_dir: str, images: ImageInputs | None = None
+    spec: str,
+    role: str,
+    data: Any,
+    tokenizer: Any,
+    output_dir: str,
+    stop_ids: Sequence[int],
+    images: ImageInputs | None = None,
 ) -> ExampleSet[Example]:
-    """The tokenized SFT examples of ``data.<role>`` (``spec``), as ``data`` says; skips reported."""
+    """The tokenized SFT examples of ``data.<role>`` (``spec``), as ``data`` says, each turn ended by one of
+    the model's ``stop_ids``; skips reported."""
     layout = SFTLayout(
         max_length=data.max_length,
         format=data.format,
@@ -170,6 +178,7 @@ def load_examples(
         completion_only_loss=data.completion_only_loss,
         per_turn=data.per_turn,
         skip_bad_rows=data.skip_bad_rows,
+        stop_ids=stop_ids,
     )
     examples, stats = load_set(
         spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
@@ -183,9 +192,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
     images = ImageInputs.for_model(cfg.model.name, session.model)
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the model's stop tokens
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, images)
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, stop_ids, images)
 
     examples = tokenize(data.train, "train")
     eval_examples, eval_prompts, eval_vision = None, None, None

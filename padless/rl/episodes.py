@@ -15,9 +15,12 @@ show it another turn.
 
 Appending an environment turn asks the template to render the conversation twice: up to the model's turn,
 and with the new messages after it (plus the generation prompt). Everything the second rendering writes
-after the model turn's end-of-turn token is the environment turn. A template whose second rendering changes
-what comes before that point (it rewrites earlier turns once later ones exist) cannot be appended to without
-changing tokens already sampled, and is refused with the place where the renderings differ.
+after the model turn's stop token (the first after the turn's start) is the environment turn; a model that
+stops by writing the next role header (a template without an end-of-turn token) wrote the header the second
+rendering writes right after its turn, and the environment turn is what follows that header. A template
+whose second rendering changes what comes before that point (it rewrites earlier turns once later ones
+exist) cannot be appended to without changing tokens already sampled, and is refused with the place where
+the renderings differ.
 
 Episodes run batched across those still going, turn by turn, through the rollout's :class:`Engine` (token
 ids in, token ids out): every turn is one ``complete`` call for the running episodes, each seeded by its
@@ -221,14 +224,19 @@ class EpisodeRunner:
         messages and the next generation prompt; refused when it would change what came before."""
         before = self.render(messages, False)
         after = self.render(messages + new, True)
-        end = before.rfind(eos)
-        if end < 0:
+        # the sampled turn starts where its generation prompt ends (or where the rendering parts from it)
+        end = before.find(eos, common_prefix(self.render(messages[:-1], True), before))
+        if end >= 0:
+            end += len(eos)
+        elif after.startswith(before + eos):  # the stop token is the header the template writes next
+            before, end = before + eos, len(before) + len(eos)
+        else:
             raise ChatTemplateError(
                 f"the chat template does not close an assistant turn with {eos!r}, the token the model "
-                "stopped at, so padless cannot tell where the sampled turn ends in its rendering; fix: use a "
-                "template that ends assistant turns with the end-of-turn token generation stops at"
+                "stopped at, nor write it next for the environment's messages, so padless cannot tell where "
+                "the sampled turn ends in its rendering; fix: use a template that ends assistant turns with "
+                "the end-of-turn token generation stops at"
             )
-        end += len(eos)
         if not after.startswith(before[:end]):
             k = next(
                 (i for i, (a, b) in enumerate(zip(after, before[:end], strict=False)) if a != b),

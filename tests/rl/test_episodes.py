@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from types import SimpleNamespace
@@ -80,13 +81,14 @@ def settings(**kw) -> SimpleNamespace:
 class Scripted:
     """An engine that answers each episode's turns with fixed texts (log-prob -1 per token)."""
 
-    def __init__(self, tok, turns: list[str]):
+    def __init__(self, tok, turns: list[str], stop: int | None = None):
         self.tok, self.turns, self.calls = tok, turns, 0
+        self.stop = tok.eos_token_id if stop is None else stop  # the token each turn ends with
 
     def complete(self, prompts, n, seeds, greedy=False, vision=None):
         self.calls += 1
         text = self.turns[min(self.calls, len(self.turns)) - 1]
-        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.stop]
         return [Completion(p, list(ids), True, [-1.0] * len(ids)) for p in prompts]
 
 
@@ -204,6 +206,63 @@ def test_a_template_that_names_calls_by_their_id_is_refused_before_any_rollout(t
     tok = TEMPLATES["id-as-name"].tokenizer(tokenizer)
     with pytest.raises(ChatTemplateError, match=r"cannot render the episode's messages \(UndefinedError"):
         EpisodeRunner(tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id})
+
+
+class AskAgain(Environment):
+    """Answers every turn with another question."""
+
+    def step(self, turn: Turn) -> Step:
+        return Step(messages=[{"role": "user", "content": "And again?"}], done=turn.index == 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "stop", "says"),
+    [
+        # the answer ends in <|return|> as the last turn and <|end|> once a turn follows
+        ("harmony", None, "cannot append an environment turn to a sampled episode without changing"),
+        # reasoning kept after the last user message only: appending a user message cuts it out
+        ("prefill-think", None, "cannot append an environment turn to a sampled episode without changing"),
+        # the model stops by writing a role header other than the one the template writes next
+        ("headers", "<|observation|>", "does not close an assistant turn with '<|observation|>'"),
+    ],
+)
+def test_an_episode_whose_sampled_turn_the_template_would_render_otherwise_is_refused(
+    tokenizer, name, stop, says
+):
+    """Templates whose history differs from what the model wrote (a history-only closing token, reasoning cut
+    from earlier turns, a turn ended by another header than the one the environment's answer opens with):
+    appending an environment turn would change the sampled ids, so the episode is refused with the reason,
+    never trained on other tokens."""
+    template = TEMPLATES[name]
+    tok = template.tokenizer(tokenizer)
+    stops = {tok.eos_token_id, *template.stop_ids(tok)}
+    run = EpisodeRunner(tok, settings(), AskAgain, "test-env", None, stops)
+    stop_id = None if stop is None else tok.convert_tokens_to_ids(stop)
+    with pytest.raises(ChatTemplateError, match=re.escape(says)):
+        run.run(Scripted(tok, ["Reasoning.\n</think>\n\n5."], stop_id), [{"prompt": "q"}], [0], False)
+
+
+def test_a_turn_that_stops_at_the_next_role_header_is_followed_by_the_environment_turn(tokenizer):
+    """GLM-style: no end-of-turn token; the model stops by writing <|user|> (a generation-config stop id),
+    the header the template writes for the environment's answer. The episode is the template's rendering of
+    the whole conversation, the sampled ids (each through its header) as sampled, the header never twice."""
+    template = TEMPLATES["headers"]
+    tok = template.tokenizer(tokenizer)
+    user = tok.convert_tokens_to_ids("<|user|>")
+    run = EpisodeRunner(tok, settings(), AskAgain, "test-env", None, {tok.eos_token_id, user})
+    [e] = run.run(Scripted(tok, ["5.", "6."], user), [{"prompt": "q"}], [0], False)
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "5."},
+        {"role": "user", "content": "And again?"},
+        {"role": "assistant", "content": "6."},
+    ]
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    assert tok.decode(e.prompt_ids + e.ids) == whole + "<|user|>"
+    sampled = [tok(t, add_special_tokens=False)["input_ids"] + [user] for t in ("5.", "6.")]
+    assert e.ids[: len(sampled[0])] == sampled[0] and e.ids[-len(sampled[1]) :] == sampled[1]
+    assert [t for t, m in zip(e.ids, e.model, strict=True) if m] == sampled[0] + sampled[1]
+    assert e.ids.count(user) == 2  # the header the model wrote is not written again by the environment turn
 
 
 class Raises(Environment):

@@ -659,7 +659,8 @@ class RolloutSettings(ConfigModel):
     """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
-    tools: the plain tool loop); max_new_tokens is then per model turn"""
+    bundled: tools, the plain tool loop; calculator; verifiers, a verifiers task per row of data.train:
+    verifiers:...); max_new_tokens is then per model turn"""
     tools: list[str] = Field(default_factory=list)
     """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
     template's tools"""
@@ -802,12 +803,6 @@ class RewardSettings(ConfigModel):
     )
 
     def _check(self) -> None:
-        if not self.functions and self.model is None:
-            raise invalid(
-                ("functions", "model"),
-                "no reward: functions is empty and model is not set",
-                "list reward functions (e.g. [arithmetic]) or set model to a reward model checkpoint",
-            )
         for i, spec in enumerate(self.functions):
             if not spec.strip():
                 raise invalid(
@@ -1004,6 +999,13 @@ def _check_rl_run(
     n_mini: int,
 ) -> None:
     """Cross-section checks shared by GRPO and PPO configs."""
+    if not reward.functions and reward.model is None and rollout.environment is None:
+        raise invalid(
+            ("reward.functions", "reward.model", "rollout.environment"),
+            "no reward: functions is empty, and neither model nor an environment is set",
+            "list reward functions (e.g. [arithmetic]), set reward.model to a reward model checkpoint, or "
+            "set rollout.environment to one whose steps give rewards",
+        )
     if train.batching == "padded":
         raise invalid(
             "train.batching",

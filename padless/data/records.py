@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 ACCEPTED_FORMATS = (
-    "'tiny:<name>' (embedded data), 'reasoning_gym:<task>' (rows a library makes), a .jsonl file (one JSON "
-    'object per line), a .json file (a list of objects, or {"data": [...]}), a .parquet file, a directory '
-    "written by datasets' save_to_disk, or (from Python) a datasets.Dataset / DatasetDict / IterableDataset "
-    "or a list of dicts"
+    "'tiny:<name>' (embedded data), 'reasoning_gym:<task>' or 'verifiers:<module>:<taskset>' (rows a library "
+    "makes), a .jsonl file (one JSON object per line), a .json file (a list of objects, or "
+    '{"data": [...]}), a .parquet file, a directory written by datasets\' save_to_disk, or (from Python) a '
+    "datasets.Dataset / DatasetDict / IterableDataset or a list of dicts"
 )
 SKIP_FIX = "Fix the row or set data.skip_bad_rows: true to skip it."
 SKIP_CLAUSE = re.compile(r",? or set data\.skip_bad_rows: true to skip (?:it|the row)(?=\.)")
@@ -655,7 +655,7 @@ def open_source(spec: str | Path | datasets.Dataset | datasets.DatasetDict, spli
     if not isinstance(spec, (str, Path)):
         name = name or _dataset_name(spec)
         return Source(name, "datasets", dataset=_split_of(spec, name, split))
-    if isinstance(spec, str) and spec.startswith("reasoning_gym:"):  # rows a library makes
+    if isinstance(spec, str) and spec.startswith(("reasoning_gym:", "verifiers:")):  # rows a library makes
         from padless.data import procedural
 
         return Source(spec, "json", items=procedural.rows(spec))

@@ -202,7 +202,7 @@ def load_environment(spec: str | None) -> type:
     """The environment class a spec names (None: the plain tool loop, :class:`Environment`)."""
     if spec is None:
         return Environment
-    cls = load_callable(spec, "environment", BUNDLED_ENVIRONMENTS)
+    cls = load_callable(BUNDLED_ELSEWHERE.get(spec, spec), "environment", BUNDLED_ENVIRONMENTS)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise InputError(
             f"rollout.environment: {spec!r} is not a class with a step(turn) method; fix: subclass "
@@ -318,4 +318,6 @@ class Calculator(Environment):
 
 
 BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment, "calculator": Calculator}
+# bundled environments in modules of their own (they build on this one): a verifiers task per episode
+BUNDLED_ELSEWHERE = {"verifiers": "padless.rl.verifiers_env:VerifiersEnvironment"}
 BUNDLED_TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate}

@@ -15,6 +15,7 @@ the backbone's hidden states, the LM head's chunked / fused log-probs (:class:`L
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -268,6 +269,18 @@ def lm_head(model: PreTrainedModel) -> torch.nn.Module:
 MULTIPLIER_KEYS = ("logit_scale", "output_multiplier")
 
 
+def own_multipliers(model: PreTrainedModel) -> list[str]:
+    """The :data:`MULTIPLIER_KEYS` the model's own forward reads: a composite model whose text config
+    carries a factor its forward does not apply (Aya Vision's Cohere 2 ``logit_scale``) applies none. Code
+    that cannot be read applies none, and the probe compares the result with the model's own logits."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        code = inspect.getsource(type(inner).forward)
+    except (OSError, TypeError):
+        return []
+    return [key for key in MULTIPLIER_KEYS if key in code]
+
+
 @dataclass(frozen=True)
 class LogitsHead:
     """How a causal LM turns hidden states into the logits its log-probs are taken from:
@@ -290,7 +303,7 @@ class LogitsHead:
         turns hidden states into logits around them (BERT's and RoBERTa's prediction transform)."""
         text = model.config.get_text_config()
         multiplier = 1.0
-        for key in MULTIPLIER_KEYS:
+        for key in own_multipliers(model):
             multiplier *= getattr(text, key, None) or 1.0
         head, out = lm_head(model), model.get_output_embeddings()
         return cls(

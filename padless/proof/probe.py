@@ -522,7 +522,8 @@ def _compare_losses(
     if not (delta <= limit and delta_aux <= limit):
         term = f" + {router.configured:g} x the router load-balancing loss" if router is not None else ""
         raise AttentionError(
-            f"{model_name(model)}: its own loss for labels adds a term padless does not reproduce: "
+            f"{model_name(model)}: its own loss for labels is not padless's (a term padless does not "
+            "reproduce, or labels read another way): "
             f"forward(labels=...).loss on each sequence alone differs from padless's (mean NLL{term}) by "
             f"{delta:.3g}{f' (the router loss alone by {delta_aux:.3g})' if router is not None else ''} > "
             f"bound {limit:.3g}, while its per-token log-probs agree; padless refuses to train an objective "

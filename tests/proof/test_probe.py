@@ -255,7 +255,7 @@ def test_a_term_the_models_own_loss_adds_is_refused(models):
     planted = ZLossForCausalLM(plain.config)
     planted.load_state_dict(plain.state_dict())
     planted.padless_attention = "varlen"
-    with pytest.raises(AttentionError, match="its own loss for labels adds a term padless does not"):
+    with pytest.raises(AttentionError, match="its own loss for labels is not padless's"):
         probe_attention(planted, "varlen")
 
 

@@ -94,6 +94,10 @@ class Recipe:
         """Evaluation beyond the loss metrics (e.g. generation), run on every rank; none by default."""
         return {}
 
+    def plan_with(self, model: torch.nn.Module) -> None:
+        """Learn from the engine how it lays out packed rows (flat or tree rows), before the first plan: a
+        plan counts the tokens its micro-batches will compute."""
+
     def bind(self, model: torch.nn.Module) -> None:
         """Hand the recipe the prepared engine, once, before training: the only model object every pass
         outside ``loss`` (reference precompute, rollouts) may go through."""
@@ -200,6 +204,7 @@ class Trainer:
         self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
         self.degree = self.engine_settings.degree
         self.planned: tuple[int, list[Step]] | None = None
+        recipe.plan_with(model)
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.

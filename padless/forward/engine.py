@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from padless.config.choices import VARLEN_KERNELS
 from padless.config.schema import TrainSettings
 from padless.errors import AttentionError
-from padless.forward import hybrid, sequence_parallel
+from padless.forward import hybrid, ranks, sequence_parallel
 from padless.forward.attention import (
     assert_attention,
     attention_in_use,
@@ -37,7 +37,7 @@ from padless.forward.attention import (
     varlen_kernel_choice,
 )
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
-from padless.forward.sequence_parallel import SequenceParallel
+from padless.forward.ranks import Topology
 from padless.forward.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
@@ -52,17 +52,13 @@ class EngineSettings:
     ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
     and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
-    runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
-    packed row over (:mod:`padless.forward.sequence_parallel`)."""
+    runs in chunks. ``topology`` is where this process stands among the run's (made at run start: its
+    data-parallel rank and the sequence-parallel group every packed row is split over,
+    :mod:`padless.forward.sequence_parallel`); the loop and the recipes read it here."""
 
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
-    sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
-
-    @property
-    def degree(self) -> int:
-        """The sequence-parallel degree (1: rows run whole); data is dealt by data-parallel rank for it."""
-        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
+    topology: Topology = field(default_factory=ranks.start)
 
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
@@ -484,7 +480,7 @@ class ModelEngine(torch.nn.Module):
             if m is not None:
                 hybrid.require_packing(unwrap(m))
         # the group every packed forward is split over (None: rows run whole)
-        self.sequence_parallel = self.settings.sequence_parallel
+        self.sequence_parallel = self.settings.topology.sequence_parallel
         if self.sequence_parallel is not None:
             for m in (model, value):
                 if m is not None:
@@ -533,6 +529,11 @@ class ModelEngine(torch.nn.Module):
             if self.sequence_parallel is None:
                 return self._forward(batch, logp_weights=logp_weights, **kw)
             return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+
+    @property
+    def topology(self) -> Topology:
+        """Where this process stands among the run's: what data it holds and which rows it splits."""
+        return self.settings.topology
 
     @property
     def scorer(self) -> torch.nn.Module:

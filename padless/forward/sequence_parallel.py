@@ -1,8 +1,8 @@
 """Sequence parallelism on packed rows (Ulysses): one packed row split over the N ranks of a group.
 
 The world's W processes form W / N data-parallel groups of N consecutive ranks. Every rank of a group
-holds the same packed row (the data is dealt by data-parallel rank, :func:`data_parallel`). The group is
-the engine's (``EngineSettings.sequence_parallel``, started by the session), not the process's. Its labels
+holds the same packed row (the data is dealt by data-parallel rank: :class:`padless.forward.ranks.Topology`,
+made at run start). The group is the engine's (its topology's), not the process's. Its labels
 were shifted per sequence when it was packed (:func:`padless.forward.packing.pack`), before any split, so no
 prediction crosses a sequence or a chunk. The row is padded at its end to a multiple of N with tokens
 that form a sequence of their own and carry no label, then cut into N equal contiguous chunks; each rank
@@ -227,7 +227,7 @@ class _Sum(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Groups and the data-parallel layout
+# Groups
 # ----------------------------------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple[int, int], Any] = {}  # (world, degree) -> this process's group; made once per process
@@ -248,8 +248,8 @@ def attach(model: torch.nn.Module, sp: SequenceParallel) -> None:
 
 def start(degree: int) -> SequenceParallel | None:
     """This process's sequence-parallel group for ``degree`` (``None`` for 1), for the engines that split
-    their rows over it (``EngineSettings.sequence_parallel``, put on their models' attention layers by
-    :func:`attach`). Every process must call it (groups are collective)."""
+    their rows over it (part of the run's :class:`padless.forward.ranks.Topology`, put on their models'
+    attention layers by :func:`attach`). Every process must call it (groups are collective)."""
     state = PartialState()
     world = state.num_processes
     if degree > 1 and world % degree:
@@ -267,18 +267,6 @@ def start(degree: int) -> SequenceParallel | None:
             if first <= state.process_index < first + degree:
                 _GROUPS[key] = group
     return SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
-
-
-def data_parallel(degree: int) -> tuple[int, int]:
-    """``(rank, world)`` of data parallelism under sequence parallelism of ``degree`` (the engine's,
-    ``EngineSettings.degree``): processes of one sequence-parallel group share a rank."""
-    state = PartialState()
-    return state.process_index // degree, state.num_processes // degree
-
-
-def leads_group(degree: int) -> bool:
-    """Whether this process is its group's first: the one whose results count once in sums over ranks."""
-    return PartialState().process_index % degree == 0
 
 
 def check_model(model: torch.nn.Module, degree: int) -> None:

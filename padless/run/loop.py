@@ -30,7 +30,6 @@ from transformers import get_scheduler
 
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
-from padless.forward import sequence_parallel
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import balance_ranks
 from padless.run import contract
@@ -203,7 +202,7 @@ class Trainer:
         )
         # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
         self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
-        self.degree = self.engine_settings.degree
+        self.topology = self.engine_settings.topology  # which share of each step this process trains
         self.planned: tuple[int, list[Step]] | None = None
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
@@ -215,9 +214,8 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
-        world = sequence_parallel.data_parallel(self.degree)[1]  # a sequence-parallel group reads one share
         self.terms = contract.terms(
-            recipe, getattr(model, "model", model), settings, world, digest, configured
+            recipe, getattr(model, "model", model), settings, self.topology.world, digest, configured
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
@@ -230,7 +228,7 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            rank, world = sequence_parallel.data_parallel(self.degree)  # a sequence-parallel group shares it
+            rank, world = self.topology.rank, self.topology.world  # a sequence-parallel group shares one
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
@@ -311,7 +309,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= sequence_parallel.data_parallel(self.degree)[1]
+            metrics["grad_norm"] /= self.topology.world
         return metrics
 
     def train(self) -> dict[str, float]:
@@ -491,7 +489,7 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        rank, world = sequence_parallel.data_parallel(self.degree)
+        rank, world = self.topology.rank, self.topology.world
         step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
@@ -504,7 +502,7 @@ class Trainer:
         """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
         the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        mine = [sums[k] if sequence_parallel.leads_group(self.degree) else 0.0 for k in keys]
+        mine = [sums[k] if self.topology.leads else 0.0 for k in keys]
         totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 

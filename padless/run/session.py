@@ -13,7 +13,7 @@ from accelerate.utils import set_seed
 
 from padless.config.schema import ModelSettings
 from padless.errors import InputError
-from padless.forward import hybrid, sequence_parallel
+from padless.forward import hybrid, ranks
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
@@ -29,7 +29,7 @@ class Session:
     tokenizer: Any
     model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
-    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, SP group)
+    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, topology)
 
     def companion(
         self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
@@ -74,8 +74,8 @@ def start_session(
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
-    group = sequence_parallel.start(config.train.sequence_parallel)  # this run's engines split rows over it
-    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb, group)
+    topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
+    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb, topology)
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)

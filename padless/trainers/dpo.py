@@ -10,7 +10,7 @@ import torch
 from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.data.images import ImageInputs
-from padless.forward.engine import reference_engine
+from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.packing import budget_batches
 from padless.forward.ranks import shared_pass
 from padless.losses import dpo_loss
@@ -63,7 +63,7 @@ class DPORecipe(PairRecipe):
                 chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
-            ref = shared_pass(groups, run, len(pairs), 2, self.cfg.sequence_parallel).tolist()
+            ref = shared_pass(groups, run, len(pairs), 2, inner_engine(model).topology).tolist()
             pairs.set_meta("ref_logps", [tuple(r) for r in ref])  # pairs are read from disk when used
         self.ref_model = None
 

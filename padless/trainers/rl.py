@@ -31,7 +31,6 @@ from padless.errors import InputError
 from padless.forward.engine import as_engine, inner_engine, reference_engine, unwrap
 from padless.forward.packing import Example, PackedBatch, budget_batches, concat_vision, pack
 from padless.forward.ranks import agreed, equal_share, gather_shares, lockstep
-from padless.forward.sequence_parallel import data_parallel
 from padless.forward.vision import require_same_inputs
 from padless.losses import soft_overlong_penalty
 from padless.proof.load import disable_dropout, load_model, load_tokenizer, pad_token_id
@@ -130,7 +129,7 @@ class RolloutRecipe(Recipe):
         the engine gives them) the sampler's per-target log-probs ``sampler_logps``; targets are the
         completion, or nothing when it was truncated and ``rollout.mask_truncated`` is set.
         """
-        mine, real = equal_share(prompts, self.cfg.train.sequence_parallel)
+        mine, real = equal_share(prompts, inner_engine(self.policy).topology)
         seeds = self.prompt_seeds(len(mine), seed)
         vision = [p.vision for p in mine] if self.images is not None else None
         if epoch is not None and self.cfg.rollout.max_staleness > 0:
@@ -178,7 +177,7 @@ class RolloutRecipe(Recipe):
             if "sampler_logps" in filler.meta:  # the trainer's side of the mismatch, at sampling time
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
             self.store(examples, passes, filler)
-        return gather_shares(examples, self.cfg.train.sequence_parallel)
+        return gather_shares(examples, inner_engine(self.policy).topology)
 
     def run_episodes(
         self, prompts: list[PromptExample], group: int, seeds: list[int], greedy: bool
@@ -212,7 +211,7 @@ class RolloutRecipe(Recipe):
 
     def prompt_seeds(self, count: int, seed: int) -> list[int]:
         """This rank's prompts' sampling seeds: a function of each prompt's place in the rollout."""
-        first = data_parallel(self.cfg.train.sequence_parallel)[0] * count  # this rank's first prompt
+        first = inner_engine(self.policy).topology.rank * count  # this rank's first prompt
         return [seed + 104_729 * (first + i) for i in range(count)]
 
     def rollout_seed(self, epoch: int) -> int:
@@ -237,7 +236,7 @@ class RolloutRecipe(Recipe):
         last = math.ceil(steps / self.steps_per_epoch()) - 1 if steps else epoch + k
         for later in range(epoch + 1, min(epoch + k, last) + 1):
             if not self.ahead.queued(later):
-                share, _ = equal_share(self.prompts_for(later), self.cfg.train.sequence_parallel)
+                share, _ = equal_share(self.prompts_for(later), inner_engine(self.policy).topology)
                 self.ahead.queue(
                     later,
                     epoch,

@@ -17,7 +17,7 @@ from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.faults import doing
-from padless.forward.engine import BatchLayout
+from padless.forward.engine import BatchLayout, inner_engine
 from padless.forward.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.forward.ranks import equal_share, gather_shares
 from padless.losses import sft_token_weights
@@ -111,9 +111,8 @@ class SFTRecipe(Recipe):
         """Greedy completions of the eval prompts, each rank on an equal share (sharded engines decode in
         lockstep), written by the main process."""
         vision = self.eval_vision or [None] * len(self.eval_prompts)
-        mine, real = equal_share(
-            list(zip(self.eval_prompts, vision, strict=True)), self.cfg.sequence_parallel
-        )
+        topology = inner_engine(model).topology
+        mine, real = equal_share(list(zip(self.eval_prompts, vision, strict=True)), topology)
         completions = generate(
             model,
             self.tokenizer,
@@ -122,7 +121,7 @@ class SFTRecipe(Recipe):
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_shares(completions[:real], self.cfg.sequence_parallel)
+        completions = gather_shares(completions[:real], topology)
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"

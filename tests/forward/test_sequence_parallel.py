@@ -27,6 +27,7 @@ from padless.forward import sequence_parallel
 from padless.forward.attention import VARLEN_NAME
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
+from padless.forward.ranks import Topology
 from padless.forward.sequence_parallel import SequenceParallel, SequenceParallelError
 from padless.proof.load import load_model
 from padless.proof.tolerance import bound
@@ -130,7 +131,7 @@ def test_each_model_splits_over_the_group_its_engine_put_on_it():
     own degree."""
     first, second = load_model("tiny-llama", probe=False), load_model("tiny-llama", probe=False)
     two, four = SequenceParallel(2, 0, group=None), SequenceParallel(4, 1, group=None)
-    ModelEngine(first, settings=EngineSettings(sequence_parallel=two))
+    ModelEngine(first, settings=EngineSettings(topology=Topology(0, 1, two)))
     sequence_parallel.attach(second, four)  # what an engine of degree 4 does (tiny-llama's heads allow 2)
     layers = first.model.layers[0].self_attn, second.model.layers[0].self_attn
     assert [getattr(layer, sequence_parallel.ATTRIBUTE) for layer in layers] == [two, four]

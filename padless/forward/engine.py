@@ -24,17 +24,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless.config.choices import VARLEN_KERNELS
 from padless.config.schema import TrainSettings
-from padless.errors import AttentionError
 from padless.forward import hybrid, ranks, sequence_parallel
 from padless.forward.attention import (
     assert_attention,
     attention_in_use,
     hf_name,
+    pin_kernel,
     runtime_context,
-    set_varlen_kernel,
-    varlen_kernel_choice,
+    validate_kernel_name,
 )
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.ranks import Topology
@@ -49,8 +47,9 @@ DEFAULT_LOGITS_MEMORY_MB = 1024
 class EngineSettings:
     """What every pass of one engine runs with; it travels with the engine, never in process state.
 
-    ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
-    and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
+    ``varlen_kernel`` (``model.varlen_kernel``) is pinned on the engine's models, whose layers run it in
+    every pass and the backward of its loss (:func:`padless.forward.attention.pin_kernel`); ``None`` leaves
+    the models' own pin (the one they were loaded and proven with). ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
     runs in chunks. ``topology`` is where this process stands among the run's (made at run start: its
     data-parallel rank and the sequence-parallel group every packed row is split over,
@@ -63,28 +62,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
             raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
-        if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
-            raise AttentionError(
-                f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
-            )
-
-    def pinned(self) -> contextlib.AbstractContextManager:
-        """The kernel pin in force inside the block, the previous choice back after it."""
-        return pinned_kernel(self.varlen_kernel)
-
-
-@contextlib.contextmanager
-def pinned_kernel(kernel: str | None) -> Iterator[None]:
-    """``kernel`` behind ``varlen`` inside the block (``None``: as it is), the previous choice after it."""
-    if kernel is None:
-        yield
-        return
-    before = varlen_kernel_choice()
-    set_varlen_kernel(kernel)
-    try:
-        yield
-    finally:
-        set_varlen_kernel(before)
+        if self.varlen_kernel is not None:
+            validate_kernel_name(self.varlen_kernel)
 
 
 @dataclass(frozen=True)
@@ -479,6 +458,8 @@ class ModelEngine(torch.nn.Module):
         for m in (model, value):  # the models' structure, checked once here, not before each forward
             if m is not None:
                 hybrid.require_packing(unwrap(m))
+        if self.settings.varlen_kernel is not None:  # its layers run it in any pass, in any thread
+            pin_kernel(self, self.settings.varlen_kernel)
         # the group every packed forward is split over (None: rows run whole)
         self.sequence_parallel = self.settings.topology.sequence_parallel
         if self.sequence_parallel is not None:
@@ -510,25 +491,24 @@ class ModelEngine(torch.nn.Module):
 
         Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
         :mod:`padless.forward.sequence_parallel`) and every rank returns the whole row's results."""
-        with self.settings.pinned():
-            if generate is not None:
-                return self.model.generate(**generate)
-            if not isinstance(batch, PackedBatch):
-                raise ValueError(
-                    f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
-                    "passes the packed batch with layout=BatchLayout(side, pad_id)"
+        if generate is not None:
+            return self.model.generate(**generate)
+        if not isinstance(batch, PackedBatch):
+            raise ValueError(
+                f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
+                "passes the packed batch with layout=BatchLayout(side, pad_id)"
+            )
+        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        if layout.side is not None:
+            if self.sequence_parallel is not None:
+                raise sequence_parallel.SequenceParallelError(
+                    "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                    "or packing"
                 )
-            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
-            if layout.side is not None:
-                if self.sequence_parallel is not None:
-                    raise sequence_parallel.SequenceParallelError(
-                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
-                        "or packing"
-                    )
-                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
-            if self.sequence_parallel is None:
-                return self._forward(batch, logp_weights=logp_weights, **kw)
-            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+            return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+        if self.sequence_parallel is None:
+            return self._forward(batch, logp_weights=logp_weights, **kw)
+        return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
 
     @property
     def topology(self) -> Topology:

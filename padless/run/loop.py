@@ -30,7 +30,8 @@ from transformers import get_scheduler
 
 from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
-from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward import ranks
+from padless.forward.engine import ModelEngine
 from padless.forward.packing import balance_ranks
 from padless.run import contract
 from padless.run.checkpoint import (
@@ -200,9 +201,8 @@ class Trainer:
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
-        # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
-        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
-        self.topology = self.engine_settings.topology  # which share of each step this process trains
+        # which share of each step this process trains: the engine's (made at run start)
+        self.topology = model.topology if isinstance(model, ModelEngine) else ranks.start()
         self.planned: tuple[int, list[Step]] | None = None
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
@@ -293,8 +293,7 @@ class Trainer:
                 # Ranks average gradients; the normaliser is already global, so undo the mean. Under
                 # sequence parallelism each rank's gradient is its chunk's share: the sum over all
                 # processes is then the sum over data-parallel groups of whole-row gradients.
-                with self.engine_settings.pinned():
-                    self.acc.backward(loss * (micro.scale * world))
+                self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:

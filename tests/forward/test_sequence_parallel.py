@@ -29,6 +29,7 @@ from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.forward.ranks import Topology
 from padless.forward.sequence_parallel import SequenceParallel, SequenceParallelError
+from padless.forward.varlen import varlen_attention_forward
 from padless.proof.load import load_model
 from padless.proof.tolerance import bound
 from padless.proof.zoo import build_zoo_model
@@ -141,7 +142,7 @@ def test_each_model_splits_over_the_group_its_engine_put_on_it():
         with pytest.raises(
             SequenceParallelError, match=f"3 queries of a 10-token row under sequence_parallel={degree}"
         ):
-            sequence_parallel._ulysses(layer, query, query, query, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+            varlen_attention_forward(layer, query, query, query, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_models_the_split_cannot_run_are_refused():

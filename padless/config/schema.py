@@ -29,8 +29,11 @@ class LoraSettings(ConfigModel):
     """LoRA adapters; present (even as ``lora: {}``) means train adapters instead of all weights."""
 
     r: PositiveInt = 16
+    """rank of each adapter"""
     alpha: PositiveInt = 32
+    """scaling numerator: adapters are scaled by alpha / r"""
     dropout: Fraction = 0.05
+    """dropout on the adapters' input (RL runs switch it off)"""
     target_modules: list[str] | str = "all-linear"
     """module names, or all-linear"""
 
@@ -44,13 +47,20 @@ class LoraSettings(ConfigModel):
 
 
 class ModelSettings(ConfigModel):
+    """The model trained: where it comes from, its attention backend, precision, LoRA and checkpointing."""
+
     name: str = "tiny-qwen2"
     """embedded name, local dir or cached HF id"""
     attn_implementation: Backend = "varlen"
+    """attention backend; varlen (default) isolates packed sequences by their boundaries; sdpa, eager,
+    flex_attention by per-sequence masks; every backend is proven at load"""
     varlen_kernel: VarlenKernel = "auto"
+    """varlen's kernel; auto: flash_attn (if installed), else torch's varlen_attn on CUDA in bf16/fp16, sdpa
+    (exact) elsewhere; a kernel named here that cannot run is an error, never a fallback"""
     dtype: ModelDType = "auto"
     """auto: bf16 on CUDA, fp32 on CPU"""
     gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
     lora: LoraSettings | None = None
     seed: int = 0
     """init seed for embedded tiny models"""
@@ -70,18 +80,25 @@ class ModelSettings(ConfigModel):
 
 
 class DataSettings(ConfigModel):
+    """The SFT data: where rows come from, their format and how they become examples."""
+
     train: str = "tiny:sft"
     """jsonl/json/parquet path, a datasets dir (save_to_disk), or tiny:<name>"""
     eval: str | None = None
+    """eval rows, same sources as train; null: no evaluation"""
     format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
+    """auto: detected from the first row (messages, prompt/completion or text)"""
     max_length: PositiveInt = 2048
+    """tokens per example; a longer one follows truncation"""
     truncation: Literal["error", "truncate"] = "error"
     """what to do with a sequence longer than max_length"""
     completion_only_loss: bool = True
+    """prompt/completion rows: loss on the completion only (false: on the whole text)"""
     per_turn: bool = False
     """each assistant turn of a chat its own example (context as rendered for generation, loss on that turn):
     for templates that show earlier turns differently from the last one (e.g. Qwen3 strips their reasoning)"""
     skip_bad_rows: bool = False
+    """skip and count rows that cannot be used (reported per reason) instead of stopping"""
     cache_dir: str | None = None
     """tokenized sets are cached here; null: padless/ in the datasets cache"""
     num_proc: PositiveInt | None = None
@@ -93,24 +110,39 @@ class DataSettings(ConfigModel):
 
 
 class TrainSettings(ConfigModel):
+    """The shared training loop: optimizer, schedule, batching, evaluation, checkpoints and logging."""
+
     output_dir: str = "runs/sft"
+    """the run folder: checkpoints, metrics, TensorBoard logs, log.txt (a new or empty folder)"""
     seed: int = 42
+    """seed of data order, dropout and sampling"""
     num_epochs: NonNegativeFloat = 1.0
+    """passes over the training data (fractions allowed); max_steps > 0 overrides it"""
     max_steps: int = -1
     """>0 overrides num_epochs"""
     learning_rate: PositiveFloat = 1e-4
+    """peak learning rate of AdamW"""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """learning-rate schedule after warm-up"""
     warmup_ratio: Fraction = 0.0
+    """share of the steps spent warming up linearly"""
     warmup_steps: NonNegativeInt = 0
     """>0 overrides warmup_ratio"""
     weight_decay: NonNegativeFloat = 0.0
+    """AdamW decoupled weight decay"""
     adam_beta1: Fraction = 0.9
+    """AdamW beta1"""
     adam_beta2: Fraction = 0.999
+    """AdamW beta2"""
     adam_epsilon: PositiveFloat = 1e-8
+    """AdamW epsilon"""
     max_grad_norm: float = 1.0
     """<=0 disables clipping"""
     gradient_accumulation_steps: PositiveInt = 1
+    """micro-batches per optimizer step on each process"""
     batching: Literal["tokens", "packing", "padded"] = "tokens"
+    """tokens: token-budget micro-batches (best-fit decreasing, re-planned each epoch); packing: bins packed
+    once; padded: padded rows, for comparisons"""
     max_tokens_per_batch: PositiveInt = 4096
     """tokens per micro-batch for batching tokens, and bin size for packing"""
     batch_size: PositiveInt = 8
@@ -122,11 +154,15 @@ class TrainSettings(ConfigModel):
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
     logging_steps: PositiveInt = 10
+    """optimizer steps between metrics records"""
     eval_steps: NonNegativeInt = 0
     """0: evaluate only at the end (if data.eval is set)"""
     eval_generate: bool = False
+    """SFT: also sample completions for the eval prompts and save them (predictions-step*.jsonl)"""
     eval_max_new_tokens: PositiveInt = 64
+    """eval_generate: tokens per completion"""
     eval_batch_size: PositiveInt = 8
+    """eval_generate: prompts per generate() call"""
     save_steps: NonNegativeInt = 0
     """0: save only at the end"""
     save_total_limit: NonNegativeInt = 0
@@ -138,7 +174,9 @@ class TrainSettings(ConfigModel):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """a NaN/inf loss or grad norm: stop, or skip the step"""
     report_to: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """where metrics go: tensorboard, jsonl ([] for neither; log.txt is always written)"""
     progress_bar: bool = True
+    """show a progress bar on the console (main process)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console and output_dir/log.txt"""
 
@@ -193,8 +231,11 @@ class SFTConfig(ConfigModel):
     """Supervised fine-tuning: the loss on completions (or assistant turns) of packed examples."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the model trained"""
     data: DataSettings = Field(default_factory=DataSettings)
+    """the training (and eval) data"""
     train: TrainSettings = Field(default_factory=TrainSettings)
+    """the training loop"""
 
     def _check(self) -> None:
         _check_eval_set(self.data.eval, self.train, "an eval data set")
@@ -211,14 +252,18 @@ class SFTConfig(ConfigModel):
 
 
 class PreferenceDataSettings(ConfigModel):
+    """Preference pairs (prompt, chosen, rejected) for DPO and reward models."""
+
     train: str = "tiny:preference"
     """same sources as DataSettings.train"""
     eval: str | None = None
+    """eval pairs, same sources as train; null: no evaluation"""
     max_length: PositiveInt = 2048
     """per side: prompt + chosen, and prompt + rejected"""
     truncation: Literal["error", "truncate"] = "error"
     """truncate cuts the completion, never the prompt"""
     skip_bad_rows: bool = False
+    """skip and count rows that cannot be used (reported per reason) instead of stopping"""
     cache_dir: str | None = None
     """tokenized sets are cached here; null: padless/ in the datasets cache"""
     num_proc: PositiveInt | None = None
@@ -230,8 +275,12 @@ class PreferenceDataSettings(ConfigModel):
 
 
 class DPOSettings(ConfigModel):
+    """The DPO loss and its reference."""
+
     beta: PositiveFloat = 0.1
+    """strength of the implicit KL constraint (the logits' temperature in the loss)"""
     loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, hinge, or simpo (reference-free, length-normalised)"""
     label_smoothing: float = 0.0
     """sigmoid only, in [0, 0.5): conservative DPO for noisy labels"""
     rpo_alpha: float | None = None
@@ -243,6 +292,7 @@ class DPOSettings(ConfigModel):
     ref_model: str | None = None
     """null: a frozen copy of model.name"""
     precompute_ref_logps: bool = False
+    """compute the reference log-probs once before training, then free the reference model"""
 
     def _check(self) -> None:
         if not 0 <= self.label_smoothing < 0.5:
@@ -306,11 +356,15 @@ class DPOConfig(ConfigModel):
     """Direct preference optimisation (sigmoid, IPO, hinge, SimPO; optional RPO term) on preference pairs."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
     data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """preference pairs"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/dpo", learning_rate=5e-6)
     )
+    """the training loop"""
     dpo: DPOSettings = Field(default_factory=DPOSettings)
+    """the DPO loss and its reference"""
 
     def _check(self) -> None:
         _check_preference_run(self.data, self.train)
@@ -324,6 +378,8 @@ class DPOConfig(ConfigModel):
 
 
 class RMSettings(ConfigModel):
+    """The reward-model loss."""
+
     margin: bool = False
     """add each row's "margin" field to the Bradley-Terry loss (every row must have one)"""
 
@@ -332,11 +388,15 @@ class RMConfig(ConfigModel):
     """A reward model: a scalar head trained with the Bradley-Terry loss on chosen/rejected pairs."""
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the model that gets a score head"""
     data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """preference pairs"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/rm", learning_rate=1e-4)
     )
+    """the training loop"""
     rm: RMSettings = Field(default_factory=RMSettings)
+    """the Bradley-Terry loss"""
 
     def _check(self) -> None:
         _check_preference_run(self.data, self.train)
@@ -347,14 +407,18 @@ class RMConfig(ConfigModel):
 
 
 class RLDataSettings(ConfigModel):
+    """RL prompt rows and how they are tokenized."""
+
     train: str = "tiny:rl"
     """rows {"prompt": str | messages, ...}; other columns go to the reward functions"""
     eval: str | None = None
+    """eval prompts, same sources as train; null: no evaluation"""
     max_prompt_length: PositiveInt = 512
     """prompts are never truncated: a longer one is a bad row"""
     chat_template: bool | None = None
     """string prompts as a user message; None: when the tokenizer has one"""
     skip_bad_rows: bool = False
+    """skip and count rows that cannot be used (reported per reason) instead of stopping"""
     cache_dir: str | None = None
     """tokenized sets are cached here; null: padless/ in the datasets cache"""
     num_proc: PositiveInt | None = None
@@ -369,6 +433,9 @@ ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_trunc
 
 
 class RolloutSettings(ConfigModel):
+    """How rollouts are sampled: engine, sizes, temperature, the sampler correction and multi-turn
+    episodes."""
+
     engine: Literal["hf", "vllm"] = "hf"
     """vllm: colocated, needs vLLM and CUDA (checked at start)"""
     prompts_per_step: PositiveInt = 16
@@ -376,8 +443,11 @@ class RolloutSettings(ConfigModel):
     num_generations: PositiveInt = 4
     """samples per prompt (GRPO group size; PPO usually 1)"""
     max_new_tokens: PositiveInt = 64
+    """tokens per completion (per model turn in episodes)"""
     temperature: float = 1.0
+    """sampling temperature; log-probs are taken at it too"""
     top_p: float = Field(1.0, gt=0, le=1)
+    """nucleus sampling; the recorded log-probs are those before top-p renormalisation"""
     generation_batch_size: PositiveInt = 32
     """sequences per generate() call"""
     mask_truncated: bool = True
@@ -493,6 +563,7 @@ class RewardSettings(ConfigModel):
     model: str | None = None
     """a padless reward model checkpoint (score at each sequence's last token)"""
     model_weight: float = 1.0
+    """weight of the reward model's score in the sum"""
     overlong_buffer: NonNegativeInt = 0
     """DAPO soft overlong penalty: from rollout.max_new_tokens - overlong_buffer tokens on, a penalty falling
     linearly to -overlong_penalty at max_new_tokens is added to the reward; 0 = off"""
@@ -555,6 +626,8 @@ class RewardSettings(ConfigModel):
 
 
 class GRPOSettings(ConfigModel):
+    """The GRPO family: loss, clipping, advantages, KL and how a rollout is cut into steps."""
+
     beta: NonNegativeFloat = 0.04
     """KL (k3) coefficient; 0 disables the reference model"""
     epsilon: float = 0.2
@@ -633,20 +706,30 @@ class GRPOSettings(ConfigModel):
 
 
 class PPOSettings(ConfigModel):
+    """PPO: value model, GAE, clipping and the per-token KL penalty."""
+
     value_model: str | None = None
     """default: model.name with a fresh scalar head"""
     gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount"""
     lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda"""
     kl_coef: NonNegativeFloat = 0.05
     """per-token KL penalty folded into the reward"""
     cliprange: float = Field(0.2, gt=0, lt=1)
+    """policy ratio clipped to [1 - cliprange, 1 + cliprange]"""
     cliprange_value: float = Field(0.2, gt=0, lt=1)
+    """value predictions clipped to old value +- cliprange_value"""
     vf_coef: PositiveFloat = 0.1
+    """weight of the value loss beside the policy loss"""
     whiten_advantages: bool = True
+    """normalise advantages over the rollout to mean 0, std 1"""
     critic_warmup_steps: NonNegativeInt = 0
     """rollouts that update only the value model first"""
     updates_per_rollout: PositiveInt = 1
+    """policy passes over each rollout batch (ratios from stored old log-probs)"""
     mini_batches_per_rollout: PositiveInt = 1
+    """optimizer steps per pass"""
     value_learning_rate: float | None = None
     """default: train.learning_rate"""
 
@@ -718,13 +801,19 @@ class GRPOConfig(ConfigModel):
     """
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
     data: RLDataSettings = Field(default_factory=RLDataSettings)
+    """prompt rows"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/grpo", learning_rate=1e-5, max_steps=100)
     )
+    """the training loop; max_steps counts optimizer steps"""
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    """sampling"""
     reward: RewardSettings = Field(default_factory=RewardSettings)
+    """reward functions and reward model"""
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    """the GRPO loss and advantages"""
 
     def _check(self) -> None:
         if self.rollout.num_generations < 2:
@@ -746,13 +835,19 @@ class PPOConfig(ConfigModel):
     """
 
     model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
     data: RLDataSettings = Field(default_factory=RLDataSettings)
+    """prompt rows"""
     train: TrainSettings = field(
         default_factory=lambda: TrainSettings(output_dir="runs/ppo", learning_rate=1e-5, max_steps=100)
     )
+    """the training loop; max_steps counts optimizer steps"""
     rollout: RolloutSettings = Field(default_factory=lambda: RolloutSettings(num_generations=1))
+    """sampling"""
     reward: RewardSettings = Field(default_factory=RewardSettings)
+    """reward functions and reward model"""
     ppo: PPOSettings = Field(default_factory=PPOSettings)
+    """the PPO losses and value model"""
 
     def _check(self) -> None:
         n = self.ppo.mini_batches_per_rollout

@@ -26,7 +26,7 @@ def test_bound_values_where_real_models_live():
     assert bound(torch.bfloat16, 30.0) == pytest.approx(3.75)
 
 
-def test_readme_states_the_formula_in_use():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert f"bound = {ROUNDING_FACTOR:g} · eps(dtype) · max(M, 1)" in readme
+def test_docs_state_the_formula_in_use():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "proof.md").read_text()
+    assert f"bound = {ROUNDING_FACTOR:g} · eps(dtype) · max(M, 1)" in page
     assert FORMULA.startswith(f"bound = {ROUNDING_FACTOR:g} * eps(dtype) * max(M, 1)")

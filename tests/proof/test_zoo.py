@@ -138,7 +138,7 @@ def test_zoo_configs_exercise_what_they_claim():
 
 @pytest.fixture(scope="module")
 def zoo_seqs(tokenizer) -> list[list[int]]:
-    """The sequences `padless check --zoo` runs (lengths 4 to 160), so README's table can be compared."""
+    """The sequences `padless check --zoo` runs (lengths 4 to 160), so the docs' zoo table can be compared."""
     return probe_sequences(tokenizer)
 
 
@@ -246,16 +246,16 @@ def test_architecture_matrix_bf16(name, probe_seqs, pad_id):
             assert row.ran and all(c.ok for c in row.cells), row
 
 
-def _readme_table() -> str:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def _docs_table() -> str:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "zoo.md").read_text()
     start = "<!-- zoo table: padless check --zoo --backends varlen --markdown -->"
     end = "<!-- end zoo table -->"
-    assert start in readme and end in readme
-    return readme.split(start)[1].split(end)[0].strip()
+    assert start in page and end in page
+    return page.split(start)[1].split(end)[0].strip()
 
 
 def _on_varlen(result: ZooResult) -> ZooResult:
-    """The result as `--backends varlen` reports it (README's table: the backend padless trains on)."""
+    """The result as `--backends varlen` reports it (the docs' table: the backend padless trains on)."""
     return dataclasses.replace(result, rows=[r for r in result.rows if r.backend == "varlen"])
 
 
@@ -264,11 +264,11 @@ def _without_numbers(table: str) -> list[str]:
     return [re.sub(r"\d+\.\d+(e[-+]\d+)?|\[\d+\]", "#", line) for line in table.splitlines()]
 
 
-def test_readme_support_table_is_generated(zoo_results):
-    """README's table is `padless check --zoo --backends varlen --markdown`, pasted: it lists
+def test_docs_support_table_is_generated(zoo_results):
+    """docs/zoo.md's table is `padless check --zoo --backends varlen --markdown`, pasted: it lists
     every architecture of the zoo with the count per verdict, and CI's rows are what CI computes now
     (regenerate it when the zoo, transformers or a result changes; `zoo_full` compares every row)."""
-    pasted = _readme_table()
+    pasted = _docs_table()
     rows = {
         line.split(" | ")[0].removeprefix("| "): line for line in pasted.splitlines() if line.startswith("| ")
     }
@@ -351,13 +351,13 @@ def full_results(zoo_seqs, pad_id) -> list[ZooResult]:
 
 
 @pytest.mark.zoo_full
-def test_full_zoo_has_a_verdict_for_every_architecture_and_matches_readme(full_results):
+def test_full_zoo_has_a_verdict_for_every_architecture_and_matches_the_docs(full_results):
     assert [z.name for z in full_results] == zoo_names()
     assert all(z.verdict in VERDICTS[:3] for z in full_results), [
         (z.name, z.verdict) for z in full_results if z.verdict not in VERDICTS[:3]
     ]
     generated = format_zoo(full_results, markdown=True)
-    assert _without_numbers(_readme_table()) == _without_numbers(generated.strip())
+    assert _without_numbers(_docs_table()) == _without_numbers(generated.strip())
 
 
 @pytest.mark.zoo_full

@@ -1,4 +1,4 @@
-"""Every data-parallel strategy the README names, really in use, on 2 CPU processes over gloo, each
+"""Every data-parallel strategy the scaling guide names, really in use, on 2 CPU processes over gloo, each
 launched with its config from ``examples/accelerate/``: each of SFT (text, the embedded hybrid (not
 under ZeRO-3: ``NOT_UNDER``) and the embedded VLM), DPO
 (frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the

@@ -80,9 +80,8 @@ class Layout(ABC, Generic[T]):
     """
 
     name: ClassVar[str]
-    read_options: ClassVar[
-        tuple[str, ...]
-    ] = ()  # options that change how a set is read back, not its content
+    # options that change how a set is read back, not its content (left out of its fingerprint)
+    read_options: ClassVar[tuple[str, ...]] = ()
     skip_bad_rows: bool
 
     def settings(self) -> dict[str, Any]:

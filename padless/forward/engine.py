@@ -460,13 +460,12 @@ class ModelEngine(torch.nn.Module):
                 hybrid.require_packing(unwrap(m))
         if self.settings.varlen_kernel is not None:  # its layers run it in any pass, in any thread
             pin_kernel(self, self.settings.varlen_kernel)
-        # the group every packed forward is split over (None: rows run whole)
-        self.sequence_parallel = self.settings.topology.sequence_parallel
-        if self.sequence_parallel is not None:
+        split = self.topology.sequence_parallel  # the group every packed forward is split over
+        if split is not None:
             for m in (model, value):
                 if m is not None:
-                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
-                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
+                    sequence_parallel.check_model(m, split.degree)
+                    sequence_parallel.attach(m, split)  # its layers split over this group
 
     def forward(
         self,
@@ -499,16 +498,17 @@ class ModelEngine(torch.nn.Module):
                 "passes the packed batch with layout=BatchLayout(side, pad_id)"
             )
         kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        split = self.topology.sequence_parallel
         if layout.side is not None:
-            if self.sequence_parallel is not None:
+            if split is not None:
                 raise sequence_parallel.SequenceParallelError(
                     "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
                     "or packing"
                 )
             return self._padded(batch, layout, logp_weights=logp_weights, **kw)
-        if self.sequence_parallel is None:
+        if split is None:
             return self._forward(batch, logp_weights=logp_weights, **kw)
-        return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+        return split.run(self._forward, batch, logp_weights, **kw)
 
     @property
     def topology(self) -> Topology:

@@ -18,7 +18,6 @@ def _as_rank(monkeypatch, rank: int, world: int, others: list[torch.Tensor], lon
     monkeypatch.setattr(sequence_parallel, "PartialState", lambda: state)
     monkeypatch.setattr(sequence_parallel, "_GROUPS", {})
     monkeypatch.setattr(sequence_parallel.dist, "new_group", lambda members: tuple(members))
-    monkeypatch.setattr(sequence_parallel.AttentionInterface, "register", lambda name, fn: None)
     monkeypatch.setattr(ranks, "common_count", lambda count: max(count, longest))
     monkeypatch.setattr(ranks, "reduce", lambda t, reduction: t + sum(others))
     return ranks.start()

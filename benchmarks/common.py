@@ -305,8 +305,7 @@ def padless_settings(spec: dict[str, Any], output_dir: str, batching: str) -> tu
         max_grad_norm=o["max_grad_norm"],
         batching=batching,
         max_tokens_per_batch=spec["max_tokens_per_batch"],
-        batch_size=spec["batch_size"],
-        padding_side="right",
+        **({"batch_size": spec["batch_size"]} if batching == "padded" else {}),  # right padding
         report_to=[],
         progress_bar=False,
     )

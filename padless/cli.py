@@ -116,6 +116,8 @@ TRAINERS = {
     "sft": (SCHEMA + "SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
     "dpo": (SCHEMA + "DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
     "rm": (SCHEMA + "RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
+    "kto": (SCHEMA + "KTOConfig", "padless.trainers.kto:run_kto", "KTO on completions labelled good or bad"),
+    "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
     "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
     "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
 }
@@ -138,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
             f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
             "or give the path of a YAML config"
         )
-    metrics = _load(run_target)(load_config(_load(config_target), config, overrides))
+    metrics = _load(run_target)(load_config(_load(config_target), config, overrides, once=True))
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0
 

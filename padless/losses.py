@@ -76,6 +76,59 @@ def dpo_loss(
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0`` without cancellation: ``log(-expm1(x))`` near 0, ``log1p(-exp(x))``
+    below ``-log 2`` (Maechler 2012, "Accurately computing log(1 - exp(-|a|))")."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(
+    chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term per pair ``-beta log sigmoid(log odds(chosen) - log odds(rejected))``, where
+    ``odds(y) = P(y) / (1 - P(y))`` of the completion's mean per-token log-prob; returns it and the log
+    odds ratio. The SFT term (the chosen completion's NLL) is added by the recipe.
+
+    Source: Hong et al. 2024, "ORPO" (arXiv:2403.07691) Eq. 4-7; ``beta`` is the paper's lambda (TRL's
+    ``beta``)."""
+    chosen, rejected = chosen_mean_logps.float(), rejected_mean_logps.float()
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds), log_odds.detach()
+
+
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-completion KTO losses and implicit rewards ``beta (log pi - log pi_ref)`` from summed completion
+    log-probs ``[N]`` and which completions are desirable ``[N]`` (bool).
+
+    ``kto``: desirable ``w_d (1 - sigmoid(beta (r - z)))``, undesirable ``w_u (1 - sigmoid(beta (z - r)))``
+    with ``r`` the log-ratio and ``z`` the KL baseline (taken without gradient; the recipe estimates it on
+    mismatched prompt / completion pairs). ``apo_zero_unpaired``: the same without ``z``, undesirable
+    ``w_u sigmoid(beta r)``.
+
+    Source: Ethayarajh et al. 2024, "KTO" (arXiv:2402.01306) Eq. 7-8; APO-zero: D'Oosterlinck et al. 2024
+    (arXiv:2408.06266), the unpaired form TRL 1.16 ships."""
+    ratio = logps - ref_logps
+    if loss_type == "kto":
+        z = torch.as_tensor(kl, dtype=ratio.dtype, device=ratio.device).detach()
+        good, bad = 1 - torch.sigmoid(beta * (ratio - z)), 1 - torch.sigmoid(beta * (z - ratio))
+    elif loss_type == "apo_zero_unpaired":
+        good, bad = 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}; choose kto or apo_zero_unpaired")
+    losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
+    return losses, beta * ratio.detach()
+
+
 def bradley_terry_loss(
     chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_example_runs(path, tmp_path):
     if kind == "sft":
         overrides += ["train.eval_steps=2", "train.eval_max_new_tokens=4"]
         overrides += [] if images else ["data.train=tiny:sft_eval"]
-    elif kind in ("dpo", "rm"):
+    elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
     else:  # online RL: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
@@ -84,3 +84,36 @@ def test_the_grpo_example_learns(tmp_path):
     assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.3, rewards
     final = [r for r in records if "eval/reward/arithmetic" in r][-1]
     assert final["eval/reward/arithmetic"] > 5 / 16
+
+
+def test_the_reward_function_example_scores_as_the_rl_guide_says(tmp_path):
+    """examples/rewards.py (shown in docs/guides/rl.md), loaded as reward.functions loads it, with the
+    guide's command-line override."""
+    from padless.config.schema import GRPOConfig
+    from padless.rl.rewards import load_reward_function
+
+    spec = "examples/rewards.py:bare_answer"
+    fn = load_reward_function(str(Path(__file__).parent.parent / spec))
+    completions = ["12", " 12.", "12 apples", "13"]
+    assert fn(prompts=["p"] * 4, completions=completions, answer=["12"] * 4, level=[1] * 4) == [1, 1, 0, 0]
+    example = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
+    config = load_config(GRPOConfig, example, [f"reward.functions=[arithmetic, {spec}]"])
+    assert config.reward.functions == ["arithmetic", spec]
+
+
+def test_the_environment_example_plays_as_the_episodes_guide_says():
+    """examples/environments.py (shown in docs/guides/episodes.md), loaded as rollout.environment loads
+    it: its tool's schema is readable, tool results go back, a wrong answer gets one retry."""
+    from padless.rl.environments import Step, Turn, load_environment, tool_schema
+
+    cls = load_environment(str(Path(__file__).parent.parent / "examples/environments.py:Quiz"))
+    assert tool_schema("multiply", cls.tools[0])["function"]["parameters"]["required"] == ["a", "b"]
+    row = {"prompt": "What is 6 x 7?", "answer": "42"}
+    env = cls(row)
+    assert env.reset() == [{"role": "user", "content": "What is 6 x 7?"}]
+    called = [{"role": "tool", "content": "42"}]
+    assert env.step(Turn(0, "<call>...</call>", [1], [{"name": "multiply"}], called)) == Step(called)
+    assert not env.step(Turn(1, "41", [2])).done
+    assert env.step(Turn(2, "42.", [3])) == Step(reward=0.5, done=True)
+    retried = cls(row)
+    assert retried.step(Turn(0, "1", [2])).messages and retried.step(Turn(1, "2", [2])) == Step(done=True)

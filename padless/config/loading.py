@@ -13,13 +13,14 @@ This module imports no torch, so configs can be checked quickly.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -32,6 +33,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
+
+from padless.config import meanings
 
 T = TypeVar("T", bound="ConfigModel")
 
@@ -68,6 +71,78 @@ def invalid(keys: str | Sequence[str], problem: str, fix: str) -> ConfigError:
     """
     names = (keys,) if isinstance(keys, str) else tuple(keys)
     return ConfigError(_format(names, "", problem, fix), keys=names, problem=problem, fix=fix)
+
+
+@dataclass(frozen=True)
+class Applies:
+    """Keys that change nothing unless a choice is made: the one place a section says when its keys apply.
+
+    ``keys`` are the section's own (or, on a whole config, dotted keys of its sections); ``when`` reads
+    the section (or config) and says whether they apply; ``choices`` are the keys it reads. A key set to
+    anything but its default while ``when`` is false is refused (``refuse``), naming it, why it has no
+    effect (``because``) and what to set instead (``fix``, where ``{key}`` is the key); with ``refuse``
+    false the other key takes precedence by design (``max_steps`` over ``num_epochs``) and the run's log
+    says so (:func:`precedence_notes`)."""
+
+    keys: tuple[str, ...]
+    choices: tuple[str, ...]
+    when: Callable[[Any], bool]
+    because: str
+    fix: str = "remove {key}"
+    refuse: bool = True
+
+    def inert(self, section: ConfigModel) -> list[tuple[str, Any]]:
+        """The keys set to something other than their default while they change nothing, with values."""
+        if self.when(section):
+            return []
+        found = []
+        for key in self.keys:
+            value = _get(section, key)
+            if value != _default(type(section), key):
+                found.append((key, value))
+        return found
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why a key's bounds are what they are: said with the bound when a value falls outside it
+    (``Annotated[float, Field(gt=0), Why("...")]``)."""
+
+    text: str
+
+
+def shown(value: Any) -> str:
+    """A value as YAML writes it: true, null, 3.0, 'text'."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return repr(value)
+
+
+def _get(section: Any, key: str) -> Any:
+    for part in key.split("."):
+        section = getattr(section, part)
+    return section
+
+
+def _default(cls: type[BaseModel], key: str) -> Any:
+    """A dotted key's default in ``cls``: the default of its section as ``cls`` builds it (a trainer's
+    section may have defaults of its own), then attribute by attribute."""
+    first, _, rest = key.partition(".")
+    value = cls.model_fields[first].get_default(call_default_factory=True)
+    return _get(value, rest) if rest else value
+
+
+def precedence_notes(cfg: ConfigModel) -> list[str]:
+    """One line per key that another key overrides by design (``Applies(refuse=False)``), for the log."""
+    notes = []
+    for rule in type(cfg).applies:
+        for key, value in rule.inert(cfg) if not rule.refuse else ():
+            notes.append(f"{key}={shown(value)} has no effect: {rule.because} ({rule.fix.format(key=key)})")
+    for name in type(cfg).model_fields:
+        child = getattr(cfg, name)
+        if isinstance(child, ConfigModel):
+            notes += [f"{name}.{note}" for note in precedence_notes(child)]
+    return notes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,16 +333,33 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
+def _set_path(data: dict[str, Any], key: str, value: Any, origin: _Origin, item: str) -> None:
+    """Put an override's value under its dotted key; a section that is absent or null (``model.lora:
+    null``) starts empty, one of another type is refused: the override would silently replace it."""
     node = data
     parts = key.split(".")
-    for part in parts[:-1]:
+    for n, part in enumerate(parts[:-1]):
         child = node.get(part)
-        if not isinstance(child, dict):  # absent, null (e.g. model.lora: null) or a scalar: start a section
+        if child is not None and not isinstance(child, dict):
+            section = ".".join(parts[: n + 1])
+            where = origin.where(section) + origin.line(section)
+            raise ConfigError(
+                f"{section}{where} is {_got(child)}, not a section, so the override {item!r} on the command "
+                f"line has nowhere to go; fix: write {section} as a mapping of keys (or leave it out)",
+                keys=[section],
+            )
+        if child is None:
             child = {}
             node[part] = child
         node = child
     node[parts[-1]] = value
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    """The dotted keys an override sets: its own, or each key of a mapping it gives (none for ``{}``)."""
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(_join(key, str(k)), v)]
+    return [key]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -322,8 +414,17 @@ class _Origin:
 # Models and their errors
 
 
-def _members(tp: Any) -> tuple[Any, ...]:
+def _annotated_members(tp: Any) -> tuple[Any, ...]:
     return get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+
+
+def _strip_annotated(tp: Any) -> Any:
+    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The types a union allows, each without its ``Annotated`` constraints."""
+    return tuple(_strip_annotated(m) for m in _annotated_members(tp))
 
 
 def _optional(tp: Any) -> bool:
@@ -352,6 +453,8 @@ class ConfigModel(BaseModel):
     value raises the same :class:`ConfigError` as from a file."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+    applies: ClassVar[tuple[Applies, ...]] = ()
+    """When the section's keys apply (see :class:`Applies`); checked before ``_check``."""
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -380,6 +483,13 @@ class ConfigModel(BaseModel):
 
     @model_validator(mode="after")
     def _checked(self) -> ConfigModel:
+        for rule in self.applies:
+            for key, value in rule.inert(self)[:1] if rule.refuse else ():
+                raise invalid(
+                    (key, *rule.choices),
+                    f"{key.rpartition('.')[2]}={shown(value)} has no effect: {rule.because}",
+                    rule.fix.format(key=key),
+                )
         self._check()
         return self
 
@@ -405,19 +515,45 @@ def _walk(cls: type, loc: Sequence[str | int]) -> tuple[str, Any, int, FieldInfo
     return key, tp, len(loc), spec
 
 
-def _bounds(spec: FieldInfo) -> str:
-    """A field's bounds in words: '> 0', 'in [0, 1)'."""
-    b = {
+def _metadata(spec: FieldInfo) -> list[Any]:
+    """A field's constraints and notes, also those inside an optional type (``PositiveFloat | None``)."""
+    found = list(spec.metadata)
+    for member in _annotated_members(spec.annotation):
+        if get_origin(member) is Annotated:
+            for item in get_args(member)[1:]:
+                found += list(getattr(item, "metadata", ())) or [item]
+    return found
+
+
+def bounds(spec: FieldInfo) -> dict[str, float]:
+    """A field's bounds: ``{"gt": 0}``, ``{"ge": 0, "lt": 1}``; empty when it has none."""
+    return {
         k: getattr(m, k)
-        for m in spec.metadata
+        for m in _metadata(spec)
         for k in ("gt", "ge", "lt", "le")
         if getattr(m, k, None) is not None
     }
+
+
+def _bounds(spec: FieldInfo) -> str:
+    """A field's bounds in words: '> 0', 'in [0, 1)'."""
+    b = bounds(spec)
     low = f"({b['gt']}" if "gt" in b else f"[{b['ge']}" if "ge" in b else ""
     high = f"{b['lt']})" if "lt" in b else f"{b['le']}]" if "le" in b else ""
     if low and high:
         return f"in {low}, {high}"
     return next(f"{op} {b[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if k in b)
+
+
+def _inside(spec: FieldInfo) -> Any:
+    """A value within a field's bounds to show in a fix: its default, or a round number inside."""
+    if spec.default is not None and not callable(spec.default_factory):
+        return spec.default
+    b = bounds(spec)
+    low = b.get("ge", b.get("gt", 0))
+    high = b.get("le", b.get("lt", math.inf))
+    value = low + 1 if high - low > 1 else (low + high) / 2
+    return int(value) if int in _members(spec.annotation) else value
 
 
 def _describe(tp: Any) -> str:
@@ -460,7 +596,10 @@ def _fix(tp: Any, value: Any, key: str) -> str:
     one = _strip_none(tp)
     if _is_model(one):
         return f"write a mapping with keys from: {', '.join(one.model_fields)}" + ", or null" * _optional(tp)
-    if get_origin(one) is Literal:
+    meaning = meanings.value(key.rpartition(".")[2], value)
+    if meaning is not None:
+        fix = f"did you mean {meaning.to[0]!r}? ({meaning.note})" if meaning.to else meaning.note
+    elif get_origin(one) is Literal:
         names, text = [str(a) for a in get_args(one)], str(value)
         close = [a for a in names if a.lower() == text.lower()] or difflib.get_close_matches(
             text, names, 1, 0.5
@@ -495,6 +634,33 @@ def _present(data: Any, dotted: str) -> bool:
     return True
 
 
+def _meant(name: str, names: list[str], root: type, prefix: str) -> str:
+    """What an unknown key is likely meant to be, with a trailing "; ", or "": a name other trainers use
+    (:mod:`padless.config.meanings`), a key of another section, then a key spelled like it."""
+
+    def locate(target: str) -> str | None:
+        if target in names:
+            return target
+        for section, spec in root.model_fields.items():
+            tp = _strip_none(spec.annotation)
+            if _is_model(tp) and target in tp.model_fields:
+                return _join(prefix, f"{section}.{target}")
+        return None
+
+    meaning = meanings.KEYS.get(name)
+    if meaning is not None:
+        found = next((k for t in meaning.to if (k := locate(t))), None)
+        if found:
+            return f"did you mean '{found}'? ({meaning.note}); "
+        if not meaning.to:
+            return f"{meaning.note}; "
+    found = locate(name)
+    if found:
+        return f"did you mean '{found}'? ({name} is a key of that section); "
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
 def _explain(error: ValidationError, cls: type, data: Any, origin: _Origin, prefix: str = "") -> ConfigError:
     """pydantic's first error (an unknown key first) as one line: key, source, expected, got, fix.
 
@@ -509,13 +675,12 @@ def _explain(error: ValidationError, cls: type, data: Any, origin: _Origin, pref
     if kind == "extra_forbidden":
         unknown = _join(key, str(loc[-1]))
         names = list(_strip_none(tp).model_fields)
-        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ";"
+        hint = _meant(str(loc[-1]), names, cls, prefix)
         section = f"valid keys under '{_join(prefix, key)}'" if prefix or key else "valid top-level keys"
         where = origin.where(unknown) + origin.line(unknown)
         unknown = _join(prefix, unknown)
         return ConfigError(
-            f"unknown key '{unknown}'{where}{hint} {section}: {', '.join(names)}", keys=[unknown]
+            f"unknown key '{unknown}'{where}; {hint}{section}: {', '.join(names)}", keys=[unknown]
         )
     if kind == "missing":
         section, _, name = _join(prefix, key).rpartition(".")
@@ -538,9 +703,13 @@ def _explain(error: ValidationError, cls: type, data: Any, origin: _Origin, pref
         problem = f"expected a finite number, got {_got(value)}"
         fix = "write a finite number, e.g. 3e-4 or 0.5"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal") and spec:
-        bounds = _bounds(spec)
-        problem = f"must be {bounds}, got {value!r}"
-        fix = f"set {key.rpartition('.')[2]} to a value {bounds}, e.g. {spec.default!r}"
+        text = _bounds(spec)
+        why = "".join(f" ({m.text})" for m in _metadata(spec) if isinstance(m, Why))
+        problem = f"must be {text}, got {value!r}{why}"
+        fix = (
+            f"set {key.rpartition('.')[2]} to a value {text}, e.g. {_inside(spec)!r}"
+            + ", or null" * _optional(spec.annotation)
+        )
     else:
         problem, fix = f"expected {_describe(tp)}, got {_got(value)}", _fix(tp, value, key)
     message = _format([_join(prefix, key)], origin.where(key), problem, fix, origin.line(key))
@@ -565,19 +734,33 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "", *, 
     return _build(cls, data, _Origin(where), prefix)
 
 
-def load_config(cls: type[T], path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> T:
+def load_config(
+    cls: type[T], path: str | os.PathLike[str] | None, overrides: Sequence[str] = (), *, once: bool = False
+) -> T:
     """Read YAML at ``path`` (defaults when None), apply ``key=value`` overrides, build and check ``cls``.
 
-    Overrides are applied in order (later wins); ``model.lora.r=8`` on a config with no LoRA section
-    creates one with defaults for the other keys, and ``model.lora=null`` removes it. An override of a
-    text key keeps its text as written: ``train.output_dir=007`` is the string ``"007"``.
+    Overrides are applied in order (later wins); with ``once`` (the command line, where a repeated key is a
+    slip, not a composition) an override that would replace another's value is refused. ``model.lora.r=8``
+    on a config with no LoRA section creates one with defaults for the other keys, and ``model.lora=null``
+    removes it; a section of another type in the file (``train: 5``) is refused, not replaced. An override
+    of a text key keeps its text as written: ``train.output_dir=007`` is the string ``"007"``.
     """
     if isinstance(overrides, str):  # a lone "a=b" would otherwise be read one character at a time
         overrides = [overrides]
     data, lines = _read(path) if path is not None else ({}, {})
     origin = _Origin(str(path) if path is not None else "", lines)
+    given: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
         key, value = parse_override(item)
+        for leaf in _leaves(key, value) if once else ():
+            earlier = next((i for k, i in given.items() if _below(k, leaf) or _below(leaf, k)), None)
+            if earlier is not None:
+                raise ConfigError(
+                    f"{key} on the command line ({item.strip()!r}) sets again what {earlier!r} set, and the "
+                    "first value would be silently lost; fix: give each key once",
+                    keys=[key],
+                )
+            given[leaf] = item.strip()
         parts = key.split(".")
         _, tp, named, _ = _walk(cls, parts)
         if named == len(parts) and _takes_text(tp) and isinstance(value, (bool, int, float)):
@@ -585,7 +768,7 @@ def load_config(cls: type[T], path: str | os.PathLike[str] | None, overrides: Se
         for table in (origin.lines, origin.overrides):
             for k in [k for k in table if _below(k, key)]:
                 del table[k]
-        _set_path(data, key, value)
+        _set_path(data, key, value, origin, item.strip())
         origin.overrides[key] = item.strip()
     return _build(cls, data, origin)
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from padless.config.choices import Backend, ModelDType, VarlenKernel
-from padless.config.loading import ConfigModel, invalid
+from padless.config.loading import Applies, ConfigModel, Why, invalid
 
 REPORTERS = ("tensorboard", "jsonl")
 
@@ -23,6 +23,7 @@ REPORTERS = ("tensorboard", "jsonl")
 # JSON Schema carries them and editors check them too; rules that need a reason or a fix of their own
 # go in the section's _check.
 Fraction = Annotated[float, Field(ge=0, lt=1)]
+Seed = Annotated[int, Field(ge=0, lt=2**32), Why("seeds are 32-bit: numpy takes no other")]
 
 
 class LoraSettings(ConfigModel):
@@ -62,21 +63,24 @@ class ModelSettings(ConfigModel):
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     lora: LoraSettings | None = None
-    seed: int = 0
+    seed: Seed = 0
     """init seed for embedded tiny models"""
     trust_remote_code: bool = False
     """run Python code shipped in a model folder (auto_map); never a prompt"""
 
+    applies = (
+        Applies(
+            ("varlen_kernel",),
+            ("attn_implementation",),
+            lambda s: s.attn_implementation == "varlen",
+            "it picks the kernel of attn_implementation varlen, and another backend is set",
+            "set attn_implementation to varlen, or varlen_kernel to auto",
+        ),
+    )
+
     def _check(self) -> None:
         if not self.name:
             raise invalid("name", "is empty", "give an embedded model name, a local directory or a HF id")
-        if self.varlen_kernel != "auto" and self.attn_implementation != "varlen":
-            raise invalid(
-                ("varlen_kernel", "attn_implementation"),
-                f"varlen_kernel={self.varlen_kernel!r} only applies to attn_implementation 'varlen', "
-                f"but attn_implementation is {self.attn_implementation!r}, so it would be ignored",
-                "set attn_implementation to varlen, or varlen_kernel to auto",
-            )
 
 
 class DataSettings(ConfigModel):
@@ -104,6 +108,24 @@ class DataSettings(ConfigModel):
     num_proc: PositiveInt | None = None
     """processes that tokenize on a cache miss; null: one per core, at most 8"""
 
+    applies = (
+        Applies(
+            ("completion_only_loss",),
+            ("format",),
+            lambda s: s.format in ("auto", "prompt_completion"),
+            "it chooses between the completion and the whole prompt + completion of prompt_completion rows; "
+            "text rows train every token and conversations their assistant turns",
+            "set format: prompt_completion (or auto), or remove {key}",
+        ),
+        Applies(
+            ("per_turn",),
+            ("format",),
+            lambda s: s.format in ("auto", "messages"),
+            "it splits conversations (format messages) into one example per assistant turn",
+            "set format: messages (or auto), or remove {key}",
+        ),
+    )
+
     def _check(self) -> None:
         if not self.train:
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
@@ -114,11 +136,11 @@ class TrainSettings(ConfigModel):
 
     output_dir: str = "runs/sft"
     """the run folder: checkpoints, metrics, TensorBoard logs, log.txt (a new or empty folder)"""
-    seed: int = 42
+    seed: Seed = 42
     """seed of data order, dropout and sampling"""
     num_epochs: NonNegativeFloat = 1.0
     """passes over the training data (fractions allowed); max_steps > 0 overrides it"""
-    max_steps: int = -1
+    max_steps: Annotated[int, Field(ge=-1)] = -1
     """>0 overrides num_epochs"""
     learning_rate: PositiveFloat = 1e-4
     """peak learning rate of AdamW"""
@@ -180,6 +202,40 @@ class TrainSettings(ConfigModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console and output_dir/log.txt"""
 
+    applies = (
+        Applies(
+            ("num_epochs",),
+            ("max_steps",),
+            lambda s: s.max_steps <= 0,
+            "max_steps > 0 sets the length of the run",
+            "set max_steps: -1 to train num_epochs epochs",
+            refuse=False,
+        ),
+        Applies(
+            ("warmup_ratio",),
+            ("warmup_steps",),
+            lambda s: s.warmup_steps == 0,
+            "warmup_steps > 0 sets the warm-up",
+            "set warmup_steps: 0 to warm up over warmup_ratio of the steps",
+            refuse=False,
+        ),
+        Applies(
+            ("batch_size", "padding_side"),
+            ("batching",),
+            lambda s: s.batching == "padded",
+            "it shapes the padded batches of batching padded; packed batches hold max_tokens_per_batch "
+            "tokens and have no padding",
+            "set train.batching: padded to compare with padding, or remove train.{key}",
+        ),
+        Applies(
+            ("eval_max_new_tokens", "eval_batch_size"),
+            ("eval_generate",),
+            lambda s: s.eval_generate,
+            "it shapes the completions eval_generate samples, and eval_generate is off",
+            "set train.eval_generate: true (SFT), or remove train.{key}",
+        ),
+    )
+
     def _check(self) -> None:
         if not self.output_dir:
             raise invalid("output_dir", "is empty", "give a directory for checkpoints and logs, e.g. runs/x")
@@ -218,13 +274,26 @@ class TrainSettings(ConfigModel):
             )
 
 
-def _check_eval_set(eval_data: str | None, train: TrainSettings, what: str) -> None:
-    if eval_data is None and train.eval_steps > 0:
-        raise invalid(
-            ("train.eval_steps", "data.eval"),
-            f"eval_steps={train.eval_steps} asks for evaluation but data.eval is not set",
-            f"set data.eval to {what}, or train.eval_steps to 0",
-        )
+def _eval_needs_data(what: str) -> Applies:
+    """``train.eval_steps`` of any trainer: when to evaluate on ``data.eval``, which must be set."""
+    return Applies(
+        ("train.eval_steps",),
+        ("data.eval",),
+        lambda c: c.data.eval is not None,
+        "it says when to evaluate on data.eval, and data.eval is not set",
+        f"set data.eval to {what}, or train.eval_steps to 0",
+    )
+
+
+def _not_for(task: str, instead: str) -> Applies:
+    """``train.eval_generate``: SFT's generation eval; other trainers evaluate otherwise (``instead``)."""
+    return Applies(
+        ("train.eval_generate",),
+        (),
+        lambda c: False,
+        f"eval_generate is an SFT option ({task} evaluation {instead})",
+        "set train.eval_generate to false",
+    )
 
 
 class SFTConfig(ConfigModel):
@@ -237,14 +306,16 @@ class SFTConfig(ConfigModel):
     train: TrainSettings = Field(default_factory=TrainSettings)
     """the training loop"""
 
-    def _check(self) -> None:
-        _check_eval_set(self.data.eval, self.train, "an eval data set")
-        if self.data.eval is None and self.train.eval_generate:
-            raise invalid(
-                ("train.eval_generate", "data.eval"),
-                "eval_generate samples completions for eval prompts, but data.eval is not set",
-                "set data.eval, or train.eval_generate to false",
-            )
+    applies = (
+        _eval_needs_data("an eval data set"),
+        Applies(
+            ("train.eval_generate",),
+            ("data.eval",),
+            lambda c: c.data.eval is not None,
+            "eval_generate samples completions for eval prompts, but data.eval is not set",
+            "set data.eval, or train.eval_generate to false",
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,9 +352,11 @@ class DPOSettings(ConfigModel):
     """strength of the implicit KL constraint (the logits' temperature in the loss)"""
     loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
     """sigmoid (DPO), ipo, hinge, or simpo (reference-free, length-normalised)"""
-    label_smoothing: float = 0.0
-    """sigmoid only, in [0, 0.5): conservative DPO for noisy labels"""
-    rpo_alpha: float | None = None
+    label_smoothing: Annotated[
+        float, Field(ge=0, lt=0.5), Why("0.5 would make chosen and rejected interchangeable")
+    ] = 0.0
+    """sigmoid and simpo: conservative DPO for noisy labels"""
+    rpo_alpha: NonNegativeFloat | None = None
     """weight of an NLL term on chosen (RPO); null: none"""
     simpo_gamma: NonNegativeFloat = 0.5
     """SimPO target reward margin; used as gamma / beta inside the sigmoid, like TRL"""
@@ -294,62 +367,46 @@ class DPOSettings(ConfigModel):
     precompute_ref_logps: bool = False
     """compute the reference log-probs once before training, then free the reference model"""
 
+    applies = (
+        Applies(
+            ("ref_model", "reference", "precompute_ref_logps"),
+            ("loss_type",),
+            lambda s: s.loss_type != "simpo",
+            "simpo is reference-free (it scores length-normalized policy log-probs only)",
+            "unset {key}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
+        ),
+        Applies(
+            ("ref_model",),
+            ("reference",),
+            lambda s: s.reference == "model",
+            "reference 'adapters' uses the policy itself with adapters disabled",
+            "set ref_model to null, or reference to model",
+        ),
+        Applies(
+            ("label_smoothing",),
+            ("loss_type",),
+            lambda s: s.loss_type in ("sigmoid", "simpo"),
+            "it smooths the sigmoid of loss_type sigmoid and simpo",
+            "set label_smoothing to 0, or loss_type to sigmoid",
+        ),
+        Applies(
+            ("simpo_gamma",),
+            ("loss_type",),
+            lambda s: s.loss_type == "simpo",
+            "it is the target reward margin of loss_type simpo",
+            "set loss_type: simpo, or remove {key}",
+        ),
+    )
+
     def _check(self) -> None:
-        if not 0 <= self.label_smoothing < 0.5:
-            raise invalid(
-                "label_smoothing",
-                f"must be in [0, 0.5), got {self.label_smoothing!r} (0.5 would make chosen and rejected "
-                "interchangeable)",
-                "set label_smoothing to at least 0 and below 0.5, e.g. 0.1",
-            )
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise invalid(
-                ("label_smoothing", "loss_type"),
-                f"label_smoothing={self.label_smoothing} only applies to loss_type 'sigmoid', but loss_type "
-                f"is {self.loss_type!r}, so it would be ignored",
-                "set label_smoothing to 0, or loss_type to sigmoid",
-            )
-        if self.rpo_alpha is not None and not self.rpo_alpha >= 0:
-            raise invalid("rpo_alpha", f"must be >= 0, got {self.rpo_alpha!r}", "set rpo_alpha >= 0, or null")
         if self.ref_model == "":
             raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
-        if self.ref_model is not None and self.reference == "adapters":
-            raise invalid(
-                ("ref_model", "reference"),
-                f"reference 'adapters' uses the policy itself with adapters disabled, so ref_model="
-                f"{self.ref_model!r} would be ignored",
-                "set ref_model to null, or reference to model",
-            )
-        if self.loss_type == "simpo":
-            given = [
-                (name, text)
-                for name, text, used in (
-                    ("ref_model", f"ref_model={self.ref_model!r}", self.ref_model is not None),
-                    ("reference", "reference='adapters'", self.reference == "adapters"),
-                    ("precompute_ref_logps", "precompute_ref_logps=true", self.precompute_ref_logps),
-                )
-                if used
-            ]
-            if given:
-                name, text = given[0]
-                raise invalid(
-                    (name, "loss_type"),
-                    f"simpo is reference-free (it scores length-normalized policy log-probs only), so "
-                    f"{text} would be ignored",
-                    f"unset {name}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
-                )
 
 
-def _check_preference_run(data: PreferenceDataSettings, train: TrainSettings) -> None:
-    """Cross-section checks shared by DPO and reward-model configs."""
-    if train.eval_generate:
-        raise invalid(
-            "train.eval_generate",
-            "eval_generate is an SFT option (DPO and reward-model evaluation report preference metrics on "
-            "data.eval instead)",
-            "set train.eval_generate to false",
-        )
-    _check_eval_set(data.eval, train, "an eval data set (e.g. tiny:preference_eval)")
+PREFERENCE_RUN = (
+    _not_for("DPO and reward-model", "reports preference metrics on data.eval instead"),
+    _eval_needs_data("an eval data set (e.g. tiny:preference_eval)"),
+)
 
 
 class DPOConfig(ConfigModel):
@@ -366,8 +423,9 @@ class DPOConfig(ConfigModel):
     dpo: DPOSettings = Field(default_factory=DPOSettings)
     """the DPO loss and its reference"""
 
+    applies = PREFERENCE_RUN
+
     def _check(self) -> None:
-        _check_preference_run(self.data, self.train)
         if self.dpo.reference == "adapters" and self.model.lora is None:
             raise invalid(
                 ("dpo.reference", "model.lora"),
@@ -398,8 +456,104 @@ class RMConfig(ConfigModel):
     rm: RMSettings = Field(default_factory=RMSettings)
     """the Bradley-Terry loss"""
 
+    applies = (
+        *PREFERENCE_RUN,
+        Applies(
+            ("train.logits_memory_mb",),
+            (),
+            lambda c: False,
+            "a reward model scores with a scalar head, and no language-model logits are computed",
+            "remove train.logits_memory_mb",
+        ),
+    )
+
+
+class ORPOSettings(ConfigModel):
+    """The ORPO loss."""
+
+    beta: PositiveFloat = 0.1
+    """weight of the odds-ratio term beside the chosen completion's NLL (the paper's lambda, TRL's beta)"""
+
+
+class ORPOConfig(ConfigModel):
+    """Odds-ratio preference optimisation: the chosen completion's NLL plus an odds-ratio term on preference
+    pairs, with no reference model."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """preference pairs"""
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/orpo", learning_rate=8e-6)
+    )
+    """the training loop"""
+    orpo: ORPOSettings = Field(default_factory=ORPOSettings)
+    """the ORPO loss"""
+
+    applies = PREFERENCE_RUN
+
+
+class KTOSettings(ConfigModel):
+    """The KTO loss and its reference."""
+
+    beta: PositiveFloat = 0.1
+    """scale of the implicit reward beta (log pi - log pi_ref) inside the sigmoid"""
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto: against the KL baseline estimated on mismatched prompt / completion pairs; apo_zero_unpaired:
+    without the baseline (no KL pass)"""
+    desirable_weight: PositiveFloat = 1.0
+    """weight of a desirable completion's loss"""
+    undesirable_weight: PositiveFloat = 1.0
+    """weight of an undesirable completion's loss (KTO's Eq. 8: keep desirable_weight x desirable count
+    about 1 to 1.33 x undesirable_weight x undesirable count)"""
+    reference: Literal["model", "adapters"] = "model"
+    """adapters: the policy with its LoRA adapters disabled"""
+    ref_model: str | None = None
+    """null: a frozen copy of model.name"""
+    precompute_ref_logps: bool = False
+    """reference log-probs (of completions and of the KL pairs) computed once before training, the
+    reference then freed"""
+
+    applies = (
+        Applies(
+            ("ref_model",),
+            ("reference",),
+            lambda s: s.reference == "model",
+            "reference 'adapters' uses the policy itself with adapters disabled",
+            "set ref_model to null, or reference to model",
+        ),
+    )
+
     def _check(self) -> None:
-        _check_preference_run(self.data, self.train)
+        if self.ref_model == "":
+            raise invalid("ref_model", "is an empty string", "name a model, or null for a copy of model.name")
+
+
+class KTOConfig(ConfigModel):
+    """Kahneman-Tversky optimisation on unpaired completions labelled desirable or undesirable (rows with
+    ``prompt``, ``completion``, ``label``; preference pairs are read as one of each)."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy"""
+    data: PreferenceDataSettings = Field(default_factory=PreferenceDataSettings)
+    """completions labelled desirable or undesirable (unpaired rows, or preference pairs)"""
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/kto", learning_rate=5e-6)
+    )
+    """the training loop"""
+    kto: KTOSettings = Field(default_factory=KTOSettings)
+    """the KTO loss and its reference"""
+
+    applies = PREFERENCE_RUN
+
+    def _check(self) -> None:
+        if self.kto.reference == "adapters" and self.model.lora is None:
+            raise invalid(
+                ("kto.reference", "model.lora"),
+                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+                "not set, so there are no adapters",
+                "add a model.lora section (e.g. model.lora.r=16), or set kto.reference to model",
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,7 +598,11 @@ class RolloutSettings(ConfigModel):
     """samples per prompt (GRPO group size; PPO usually 1)"""
     max_new_tokens: PositiveInt = 64
     """tokens per completion (per model turn in episodes)"""
-    temperature: float = 1.0
+    temperature: Annotated[
+        float,
+        Field(gt=0),
+        Why("RL samples completions, and greedy decoding would give every sample of a prompt the same one"),
+    ] = 1.0
     """sampling temperature; log-probs are taken at it too"""
     top_p: float = Field(1.0, gt=0, le=1)
     """nucleus sampling; the recorded log-probs are those before top-p renormalisation"""
@@ -452,7 +610,11 @@ class RolloutSettings(ConfigModel):
     """sequences per generate() call"""
     mask_truncated: bool = True
     """completions that hit max_new_tokens without EOS: out of the loss, or kept"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[
+        float,
+        Field(gt=0, lt=1),
+        Why("the rest of the GPU holds the policy, its gradients and optimizer state"),
+    ] = 0.3
     """engine vllm: share of GPU memory for its weights + KV cache"""
     importance_sampling_correction: bool | None = None
     """weight the policy loss by trainer / sampler probability; default: on when the sampler is not the
@@ -498,15 +660,39 @@ class RolloutSettings(ConfigModel):
         most = self.max_turns * self.max_new_tokens
         return most if self.max_episode_tokens is None else min(most, self.max_episode_tokens)
 
+    applies = (
+        Applies(
+            ("max_turns", "max_episode_tokens", "response_template"),
+            ("environment", "tools"),
+            episodes,
+            "it shapes multi-turn episodes, but neither an environment nor tools are set (a single "
+            "completion is one turn of max_new_tokens)",
+            "set rollout.environment (or rollout.tools), or remove rollout.{key}",
+        ),
+        Applies(
+            ("importance_sampling_mode", "importance_sampling_clip_max", "importance_sampling_clip_min"),
+            ("importance_sampling_correction", "engine", "max_staleness"),
+            correction,
+            "the importance-sampling correction is off (on by default with engine vllm or max_staleness > 0)",
+            "set rollout.importance_sampling_correction: true, or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_gpu_memory_utilization",),
+            ("engine",),
+            lambda s: s.engine == "vllm",
+            "it sizes vLLM's share of the GPU, and the engine is not vllm",
+            "set rollout.engine: vllm, or remove rollout.{key}",
+        ),
+        Applies(
+            ("generation_batch_size",),
+            ("engine",),
+            lambda s: s.engine == "hf",
+            "it batches the hf engine's generate calls; vLLM schedules its own batches",
+            "remove rollout.{key}",
+        ),
+    )
+
     def _check(self) -> None:
-        if not self.episodes():
-            for key in ("max_episode_tokens", "response_template"):
-                if getattr(self, key) is not None:
-                    raise invalid(
-                        (key, "environment", "tools"),
-                        f"{key} shapes multi-turn episodes, but neither an environment nor tools are set",
-                        "set rollout.environment (or rollout.tools), or remove the key",
-                    )
         if self.episodes() and self.engine == "vllm" and self.max_episode_tokens is None:
             raise invalid(
                 ("max_episode_tokens", "engine"),
@@ -536,19 +722,16 @@ class RolloutSettings(ConfigModel):
                 f"clip_min={low!r} is not below clip_max={high!r}: no ratio would pass",
                 "set e.g. importance_sampling_clip_min: null, importance_sampling_clip_max: 3.0",
             )
-        if not 0 < self.vllm_gpu_memory_utilization < 1:
+        if (
+            self.correction()
+            and self.importance_sampling_mode.endswith("truncate")
+            and low is None
+            and high is None
+        ):
             raise invalid(
-                "vllm_gpu_memory_utilization",
-                f"must be in (0, 1), got {self.vllm_gpu_memory_utilization!r}: the rest of the GPU holds the "
-                "policy, its gradients and optimizer state",
-                "set it to e.g. 0.3",
-            )
-        if not self.temperature > 0:
-            raise invalid(
-                "temperature",
-                f"must be > 0, got {self.temperature!r}: RL samples completions, and greedy decoding would "
-                "give every sample of a prompt the same completion",
-                "set temperature to e.g. 1.0 (or 0.7 for less random samples)",
+                ("importance_sampling_mode", "importance_sampling_clip_max", "importance_sampling_clip_min"),
+                f"{self.importance_sampling_mode} clamps the ratio to its bounds, and neither bound is set",
+                "set importance_sampling_clip_max (e.g. 3.0), or a *_mask mode",
             )
 
 
@@ -567,8 +750,25 @@ class RewardSettings(ConfigModel):
     overlong_buffer: NonNegativeInt = 0
     """DAPO soft overlong penalty: from rollout.max_new_tokens - overlong_buffer tokens on, a penalty falling
     linearly to -overlong_penalty at max_new_tokens is added to the reward; 0 = off"""
-    overlong_penalty: float | None = None
+    overlong_penalty: PositiveFloat | None = None
     """the penalty at max_new_tokens (default 1.0)"""
+
+    applies = (
+        Applies(
+            ("model_weight",),
+            ("model",),
+            lambda s: s.model is not None,
+            "it weights a reward model's score, and model is not set",
+            "set model to a reward model checkpoint, or leave model_weight at 1.0",
+        ),
+        Applies(
+            ("overlong_penalty",),
+            ("overlong_buffer",),
+            lambda s: s.overlong_buffer > 0,
+            "it scales the soft overlong penalty, which is off (overlong_buffer: 0)",
+            "set overlong_buffer to the length of the penalised zone (e.g. a quarter of max_new_tokens)",
+        ),
+    )
 
     def _check(self) -> None:
         if not self.functions and self.model is None:
@@ -599,25 +799,6 @@ class RewardSettings(ConfigModel):
             )
         if self.model == "":
             raise invalid("model", "is an empty string", "give a reward model checkpoint, or null for none")
-        if self.model is None and self.model_weight != 1.0:
-            raise invalid(
-                ("model_weight", "model"),
-                f"model_weight={self.model_weight} weights a reward model's score, but model is not set, so "
-                "it would be ignored",
-                "set model to a reward model checkpoint, or leave model_weight at 1.0",
-            )
-        if self.overlong_penalty is not None and not self.overlong_penalty > 0:
-            raise invalid(
-                "overlong_penalty",
-                f"must be > 0, got {self.overlong_penalty!r} (it is subtracted from the reward)",
-                "set it to e.g. 1.0, or null for 1.0",
-            )
-        if self.overlong_penalty is not None and self.overlong_buffer == 0:
-            raise invalid(
-                ("overlong_penalty", "overlong_buffer"),
-                "overlong_penalty scales the soft overlong penalty, which is off (overlong_buffer: 0)",
-                "set overlong_buffer to the length of the penalised zone (e.g. a quarter of max_new_tokens)",
-            )
 
     @property
     def overlong_factor(self) -> float:
@@ -630,9 +811,9 @@ class GRPOSettings(ConfigModel):
 
     beta: NonNegativeFloat = 0.04
     """KL (k3) coefficient; 0 disables the reference model"""
-    epsilon: float = 0.2
+    epsilon: Annotated[float, Field(gt=0, lt=1), Why("the lower clip bound 1 - epsilon must stay > 0")] = 0.2
     """clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]"""
-    epsilon_high: float | None = None
+    epsilon_high: PositiveFloat | None = None
     """asymmetric upper clip (DAPO); default = epsilon"""
     scale_rewards: bool | None = None
     """advantage grpo: divide group-centred rewards by the group std (default true; false = Dr.GRPO)"""
@@ -642,7 +823,7 @@ class GRPOSettings(ConfigModel):
     stop-gradient IS weight times log-prob, token-mean"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: GSPO, one length-normalised ratio per sequence (use small epsilons, e.g. 3e-4 / 4e-4)"""
-    cispo_max_ratio: float | None = None
+    cispo_max_ratio: PositiveFloat | None = None
     """loss_type cispo: cap on the importance weight (default 5.0, ScaleRL's epsilon_max)"""
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     """grpo: group mean (and std); rloo: leave-one-out group mean; reinforce_pp: group mean, then one
@@ -655,13 +836,32 @@ class GRPOSettings(ConfigModel):
     mini_batches_per_rollout: PositiveInt = 1
     """optimizer steps per pass"""
 
+    applies = (
+        Applies(
+            ("epsilon", "epsilon_high"),
+            ("loss_type",),
+            lambda s: s.loss_type != "cispo",
+            "cispo clips no ratio: it caps the importance weight at cispo_max_ratio (TRL passes that cap as "
+            "epsilon_high)",
+            "set the cap with grpo.cispo_max_ratio, or remove grpo.{key}",
+        ),
+        Applies(
+            ("cispo_max_ratio",),
+            ("loss_type",),
+            lambda s: s.loss_type == "cispo",
+            "it is the cap of loss_type cispo; clipped losses use epsilon / epsilon_high",
+            "set loss_type: cispo, or remove grpo.cispo_max_ratio",
+        ),
+        Applies(
+            ("scale_rewards",),
+            ("advantage",),
+            lambda s: s.advantage == "grpo",
+            "it divides by the group std of advantage grpo",
+            "remove scale_rewards, or set advantage: grpo",
+        ),
+    )
+
     def _check(self) -> None:
-        if not 0 < self.epsilon < 1:
-            raise invalid(
-                "epsilon",
-                f"must be in (0, 1), got {self.epsilon!r} (the lower clip bound 1 - epsilon must stay > 0)",
-                "set epsilon to e.g. 0.2",
-            )
         if self.epsilon_high is not None and not self.epsilon_high >= self.epsilon:
             raise invalid(
                 ("epsilon_high", "epsilon"),
@@ -669,29 +869,11 @@ class GRPOSettings(ConfigModel):
                 "range, meant to be at least as wide as the lower one (DAPO's clip-higher: 0.28 with 0.2)",
                 "set epsilon_high >= epsilon, or null for a symmetric clip",
             )
-        if self.cispo_max_ratio is not None and not self.cispo_max_ratio > 0:
-            raise invalid(
-                "cispo_max_ratio",
-                f"must be > 0, got {self.cispo_max_ratio!r}",
-                "set it to e.g. 5.0, or null for 5.0",
-            )
-        if self.cispo_max_ratio is not None and self.loss_type != "cispo":
-            raise invalid(
-                ("cispo_max_ratio", "loss_type"),
-                f"cispo_max_ratio is the cap of loss_type cispo, but loss_type is {self.loss_type!r}",
-                "set loss_type: cispo, or remove cispo_max_ratio (clipped losses use epsilon / epsilon_high)",
-            )
         if self.loss_type == "cispo" and self.importance_sampling_level == "sequence":
             raise invalid(
                 ("importance_sampling_level", "loss_type"),
                 "a sequence-level ratio (GSPO) is implemented for the clipped losses, not for cispo",
                 "set importance_sampling_level: token, or a clipped loss_type (dapo, grpo, dr_grpo)",
-            )
-        if self.scale_rewards is not None and self.advantage != "grpo":
-            raise invalid(
-                ("scale_rewards", "advantage"),
-                f"scale_rewards divides by the group std of advantage grpo; advantage is {self.advantage!r}",
-                "remove scale_rewards, or set advantage: grpo",
             )
 
     @property
@@ -730,7 +912,7 @@ class PPOSettings(ConfigModel):
     """policy passes over each rollout batch (ratios from stored old log-probs)"""
     mini_batches_per_rollout: PositiveInt = 1
     """optimizer steps per pass"""
-    value_learning_rate: float | None = None
+    value_learning_rate: PositiveFloat | None = None
     """default: train.learning_rate"""
 
     def _check(self) -> None:
@@ -738,16 +920,22 @@ class PPOSettings(ConfigModel):
             raise invalid(
                 "value_model", "is an empty string", "name a model, or null for model.name with a fresh head"
             )
-        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
-            raise invalid(
-                "value_learning_rate",
-                f"must be > 0, got {self.value_learning_rate!r}",
-                "set a positive learning rate, or null to use train.learning_rate",
-            )
+
+
+RL_RUN = (
+    _not_for("RL", "samples completions for data.eval and reports their rewards instead"),
+    _eval_needs_data("a prompt data set"),
+    Applies(
+        ("reward.overlong_buffer",),
+        ("rollout.environment", "rollout.tools"),
+        lambda c: not c.rollout.episodes(),
+        "the soft overlong penalty reads one completion's length, and an episode has several model turns",
+        "set reward.overlong_buffer: 0, or cap episodes with rollout.max_episode_tokens",
+    ),
+)
 
 
 def _check_rl_run(
-    data: RLDataSettings,
     train: TrainSettings,
     rollout: RolloutSettings,
     reward: RewardSettings,
@@ -760,20 +948,6 @@ def _check_rl_run(
             "train.batching",
             "'padded' is a comparison mode for SFT and preference training; RL scoring always runs packed",
             "set train.batching to tokens or packing",
-        )
-    if train.eval_generate:
-        raise invalid(
-            "train.eval_generate",
-            "eval_generate is an SFT option (RL evaluation samples completions for data.eval and reports "
-            "their rewards instead)",
-            "set train.eval_generate to false",
-        )
-    _check_eval_set(data.eval, train, "a prompt data set")
-    if rollout.episodes() and reward.overlong_buffer:
-        raise invalid(
-            ("reward.overlong_buffer", "rollout.environment"),
-            "the soft overlong penalty reads one completion's length, and an episode has several model turns",
-            "set reward.overlong_buffer: 0, or cap episodes with rollout.max_episode_tokens",
         )
     if reward.overlong_buffer > rollout.max_new_tokens:
         raise invalid(
@@ -815,6 +989,8 @@ class GRPOConfig(ConfigModel):
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
     """the GRPO loss and advantages"""
 
+    applies = RL_RUN
+
     def _check(self) -> None:
         if self.rollout.num_generations < 2:
             raise invalid(
@@ -824,7 +1000,7 @@ class GRPOConfig(ConfigModel):
                 "set rollout.num_generations to 2 or more (e.g. 4 or 8)",
             )
         n = self.grpo.mini_batches_per_rollout
-        _check_rl_run(self.data, self.train, self.rollout, self.reward, "grpo.mini_batches_per_rollout", n)
+        _check_rl_run(self.train, self.rollout, self.reward, "grpo.mini_batches_per_rollout", n)
 
 
 class PPOConfig(ConfigModel):
@@ -849,6 +1025,8 @@ class PPOConfig(ConfigModel):
     ppo: PPOSettings = Field(default_factory=PPOSettings)
     """the PPO losses and value model"""
 
+    applies = RL_RUN
+
     def _check(self) -> None:
         n = self.ppo.mini_batches_per_rollout
-        _check_rl_run(self.data, self.train, self.rollout, self.reward, "ppo.mini_batches_per_rollout", n)
+        _check_rl_run(self.train, self.rollout, self.reward, "ppo.mini_batches_per_rollout", n)

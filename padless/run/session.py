@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from padless.config.loading import precedence_notes
 from padless.config.schema import ModelSettings
 from padless.errors import InputError
 from padless.forward import hybrid, ranks
@@ -83,6 +84,8 @@ def start_session(
     if problem:
         raise InputError(problem)
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
+    for note in precedence_notes(config):  # keys another key overrides by design (max_steps, warmup_steps)
+        log.info(note)
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))
     return Session(accelerator, tokenizer, model, model_cfg, settings)

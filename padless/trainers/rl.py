@@ -549,7 +549,8 @@ def make_engine(
                 f"rollout.engine: vllm with {cfg.model.name}, a vision-language model: padless does not hand "
                 "images to vLLM yet, so the samples would ignore them (vLLM's Qwen2-VL / Qwen2.5-VL code "
                 "imports transformers' torchvision image processor, and no CPU build of torchvision installs "
-                "here, so the path could not be tested; README: vLLM on CPU); set rollout.engine: hf"
+                "here, so the path could not be tested; docs/guides/sampling.md: vLLM on CPU); set "
+                "rollout.engine: hf"
             )
         from padless.rl.vllm_engine import VLLMEngine
 

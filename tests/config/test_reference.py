@@ -20,6 +20,11 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def page() -> str:
+    return reference(CONFIGS)
+
+
 def _schema_keys(schema: dict[str, Any], node: dict[str, Any], prefix: str = "") -> list[str]:
     """Every dotted key of a JSON Schema, sections and their keys, read from the schema alone."""
     keys = []
@@ -79,9 +84,9 @@ def test_a_key_without_a_description_is_named():
 
 
 @pytest.mark.parametrize("trainer", list(CONFIGS))
-def test_the_reference_lists_every_key_with_its_default(trainer):
+def test_the_reference_lists_every_key_with_its_default(trainer, page):
     cls = CONFIGS[trainer]
-    rows = _rows(reference(CONFIGS), trainer)
+    rows = _rows(page, trainer)
     schema = json_schema(cls)
     assert sorted(rows) == sorted(_schema_keys(schema, schema))
     for key, default in _flat(cls().model_dump(mode="json")).items():
@@ -91,8 +96,7 @@ def test_the_reference_lists_every_key_with_its_default(trainer):
             assert rows[key][4], key
 
 
-def test_bounds_and_per_trainer_defaults_are_shown():
-    page = reference(CONFIGS)
+def test_bounds_and_per_trainer_defaults_are_shown(page):
     assert _rows(page, "grpo")["rollout.top_p"][2] == "&gt; 0, ≤ 1"
     assert _rows(page, "sft")["train.output_dir"][3] == "`runs/sft`"
     assert _rows(page, "grpo")["train.output_dir"][3] == "`runs/grpo`"

@@ -74,9 +74,32 @@ def test_exponent_floats_from_file_and_quoted_strings(tmp_path: Path) -> None:
     assert all(type(v) is float for v in (train.learning_rate, train.adam_epsilon, train.weight_decay))
 
 
-def test_later_override_wins() -> None:
-    cfg = load_config(SFTConfig, None, ["train.max_steps=5", "train.max_steps=7"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.max_steps=5", "train.max_steps=7"],
+        ["model.lora.r=4", "model.lora=null"],
+        ["model.lora={r: 4}", "model.lora.r=8"],
+    ],
+)
+def test_an_override_that_replaces_another_on_the_command_line_is_refused(overrides, capsys) -> None:
+    assert main(["sft", *overrides]) == 2
+    msg = capsys.readouterr().err
+    assert f"sets again what {overrides[0]!r} set" in msg and repr(overrides[1]) in msg
+    assert "fix: give each key once" in msg
+    cfg = load_config(SFTConfig, None, ["model.lora={}", "model.lora.r=8"], once=True)  # a section, a key
+    assert cfg.model.lora is not None and cfg.model.lora.r == 8
+    cfg = load_config(SFTConfig, None, ["train.max_steps=5", "train.max_steps=7"])  # the API composes lists
     assert cfg.train.max_steps == 7
+
+
+def test_a_section_of_another_type_is_not_replaced_by_an_override(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  name: tiny-llama\ntrain: 5\n")
+    msg = error(SFTConfig, path, "train.max_steps=3")
+    assert msg.startswith(f"train in {path} (line 3) is int 5, not a section")
+    assert "'train.max_steps=3'" in msg and "fix: write train as a mapping" in msg
+    path = write(tmp_path, "model:\n  lora: null\n")  # null is an empty section: the override fills it
+    assert load_config(SFTConfig, path, ["model.lora.r=8"]).model.lora.r == 8
 
 
 def test_nested_override_creates_missing_lora_section(tmp_path: Path) -> None:
@@ -321,7 +344,6 @@ def test_allowed_combinations() -> None:
         SFTConfig,
         None,
         [
-            "model.attn_implementation=flex_attention",
             "model.gradient_checkpointing=true",
             "train.max_tokens_per_batch=16",  # smaller than max_length: checked at batching time
             "train.report_to=[]",
@@ -553,7 +575,7 @@ def test_rm_overrides(tmp_path: Path) -> None:
         (
             ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"],
             "dpo.label_smoothing, dpo.loss_type",
-            "only applies",
+            "has no effect",
         ),
         (["dpo.label_smoothing=0.5"], "dpo.label_smoothing", "[0, 0.5)"),
         (["dpo.beta=0"], "dpo.beta", "must be > 0"),
@@ -563,7 +585,7 @@ def test_rm_overrides(tmp_path: Path) -> None:
         (
             ["model.lora.r=8", "dpo.reference=adapters", "dpo.ref_model=x"],
             "dpo.ref_model, dpo.reference",
-            "ignored",
+            "has no effect",
         ),
         (["dpo.loss_type=orpo"], "dpo.loss_type", "one of 'sigmoid', 'ipo', 'hinge', 'simpo'"),
         (["dpo.betta=0.2"], "unknown key 'dpo.betta'", "did you mean 'beta'"),
@@ -700,7 +722,7 @@ def test_rl_allowed_combinations(tmp_path: Path) -> None:
         (["reward.functions=[arithmetic, arithmetic]"], "reward.functions", "listed more than once"),
         (["reward.functions=[arithmetic, '']"], "reward.functions", "item 1 is an empty string"),
         (["reward.model=''"], "reward.model", "empty string"),
-        (["reward.model_weight=2"], "reward.model_weight, reward.model", "would be ignored"),
+        (["reward.model_weight=2"], "reward.model_weight, reward.model", "has no effect"),
         (["rollout.temperature=0"], "rollout.temperature", "greedy decoding"),
         (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
         (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
@@ -760,7 +782,7 @@ def test_the_old_grpo_normalisation_key_points_to_loss_type() -> None:
         (["ppo.kl_coef=-1"], "ppo.kl_coef", "must be >= 0"),
         (["ppo.vf_coef=0"], "ppo.vf_coef", "must be > 0"),
         (["ppo.critic_warmup_steps=-1"], "ppo.critic_warmup_steps", "must be >= 0"),
-        (["ppo.value_learning_rate=0"], "ppo.value_learning_rate", "null to use train.learning_rate"),
+        (["ppo.value_learning_rate=0"], "ppo.value_learning_rate", "e.g. 1, or null"),
         (["rollout.num_generations=0"], "rollout.num_generations", "must be > 0"),
     ],
 )
@@ -851,3 +873,141 @@ def test_examples_conform_to_their_schema_and_typos_do_not(
     assert [e.validator for e in validator.iter_errors(typo)] == ["additionalProperties"]
     assert not validator.is_valid({**data, "train": {**data.get("train", {}), "learning_rate": 0}})
     assert not validator.is_valid({**data, "model": {**data.get("model", {}), "dtype": "bf16"}})
+
+
+# ---- every numeric key of every trainer, out of range
+
+from padless.config.loading import bounds  # noqa: E402
+
+
+def numeric_keys(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every dotted key under ``cls`` whose value is a number or a list of numbers, with its field."""
+    found = []
+    for name, spec in cls.model_fields.items():
+        key = f"{prefix}{name}"
+        members = [m for m in getattr(spec.annotation, "__args__", (spec.annotation,)) if m is not type(None)]
+        members = [getattr(m, "__origin__", m) if hasattr(m, "__metadata__") else m for m in members]
+        section = next((m for m in members if isinstance(m, type) and issubclass(m, ConfigModel)), None)
+        if section is not None:
+            found += numeric_keys(section, key + ".")
+        elif any(m in (int, float) or getattr(m, "__args__", ()) in ((int,), (float,)) for m in members):
+            found.append((key, spec))
+    return found
+
+
+def out_of_range(spec: Any) -> list[str]:
+    """Values outside a key's type: past each bound, and not finite (a float) or not whole (an int)."""
+    b, text = bounds(spec), str(spec.annotation)
+    values = [str(b[k] - 1) for k in ("gt", "ge") if k in b] + [str(b[k] + 1) for k in ("lt", "le") if k in b]
+    values += [f"{b['gt']}"] if "gt" in b else []
+    if "list" in text:
+        return ["[.inf]", "[.nan]"]
+    if "float" in text:
+        return [*values, ".inf", ".nan"]
+    assert b, f"{spec}: an integer key without bounds has no out-of-range value"
+    return [*values, "1.5"]
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_every_numeric_key_refuses_an_out_of_range_value_naming_the_key(trainer, capsys) -> None:
+    """Walks the whole schema of each trainer (sections inside sections, optional ones too): every number
+    outside its bounds, not finite or not whole exits 2 with one line that starts with the key."""
+    keys = numeric_keys(_load(TRAINERS[trainer][0]))
+    assert len(keys) > 20 and "train.seed" in dict(keys) and "model.lora.r" in dict(keys)
+    for key, spec in keys:
+        for value in out_of_range(spec):
+            assert main([trainer, f"{key}={value}"]) == 2, (key, value)
+            err = capsys.readouterr().err
+            assert err.startswith(f"padless {trainer}: error: {key}"), (key, value, err)
+            assert err.partition(key)[2].startswith((" on the command line", "[0] on the command line"))
+            assert err.count("\n") == 1 and "fix:" in err, err
+
+
+# ---- every key that applies only under a choice is refused where it has no effect
+
+from typing import get_args, get_origin  # noqa: E402
+
+from padless.config.loading import precedence_notes  # noqa: E402
+
+
+def another_value(spec: Any, default: Any) -> Any:
+    """A valid value of a field other than its default."""
+    tp = spec.annotation
+    members = [m for m in get_args(tp) if m is not type(None)] if get_origin(tp) is not Literal else [tp]
+    first = members[0] if members else tp
+    first = get_args(first)[0] if hasattr(first, "__metadata__") else first
+    if get_origin(first) is Literal:
+        return next(v for v in get_args(first) if v != default)
+    if first is bool:
+        return not default
+    if first in (int, float):
+        b = bounds(spec)
+        value = default * 2 if default is not None and default > 0 else 2
+        high = b.get("lt", b.get("le"))
+        low = max(default or 0, b.get("ge", b.get("gt", 0)))
+        return (low + high) / 2 if high and value >= high else value
+    if get_origin(first) is dict:
+        return {"a": "b"}
+    return ["x:y"] if get_origin(first) is list else "x"
+
+
+def choice_values(owner: Any, key: str) -> list[Any]:
+    """The values a choice key may take (its Literal members, both bools, or a stand-in)."""
+    section, _, name = key.rpartition(".")
+    owner = getattr(owner, section) if section else owner
+    spec = type(owner).model_fields[name]
+    candidates = [another_value(spec, getattr(owner, name))]
+    tp = spec.annotation
+    literal = next((m for m in (tp, *get_args(tp)) if get_origin(m) is Literal), None)
+    both = [True, False] if bool in get_args(tp) else []
+    return candidates + (list(get_args(literal)) if literal else []) + both
+
+
+def inert_cases(cls: type) -> list[tuple[list[str], str, bool]]:
+    """For every rule of every section of ``cls`` and each of its keys: the overrides that make the key
+    inert (its choices set so that the rule says it does not apply, and the key to another value)."""
+    root = cls()
+    owners = [("", root)] + [
+        (f"{n}.", getattr(root, n)) for n in cls.model_fields if isinstance(getattr(root, n), ConfigModel)
+    ]
+    cases = []
+    for prefix, owner in owners:
+        for rule in type(owner).applies:
+            for key in rule.keys:
+                tried = [{}] + [{c: v} for c in rule.choices for v in choice_values(owner, c)]
+                for choice in tried:
+                    changed = owner
+                    for c, v in choice.items():  # a choice of this section, or a dotted one of the config
+                        section, _, name = c.rpartition(".")
+                        inner = getattr(owner, section) if section else owner
+                        inner = inner.model_copy(update={name: v})
+                        changed = owner.model_copy(update={section: inner}) if section else inner
+                    if not rule.when(changed):
+                        break
+                else:
+                    raise AssertionError(f"{cls.__name__}: no choice of {rule.choices} makes {key} inert")
+                section, _, name = key.rpartition(".")
+                inner = getattr(owner, section) if section else owner
+                value = another_value(type(inner).model_fields[name], getattr(inner, name))
+                overrides = [f"{prefix}{c}={json.dumps(v)}" for c, v in choice.items()]
+                cases.append(([*overrides, f"{prefix}{key}={json.dumps(value)}"], prefix + key, rule.refuse))
+    return cases
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_every_key_set_where_it_has_no_effect_is_refused_or_logged(trainer, capsys) -> None:
+    """Walks every applicability rule of every section of each trainer: with its choices set so that it
+    does not apply, setting the key exits 2 with one line naming the key, why it does nothing and the fix
+    (or, for a key another key overrides by design, is a note the run logs)."""
+    cls = _load(TRAINERS[trainer][0])
+    cases = inert_cases(cls)
+    assert len(cases) >= 6
+    for overrides, key, refused in cases:
+        if not refused:
+            notes = precedence_notes(load_config(cls, None, overrides, once=True))
+            assert any(n.startswith(f"{key}=") and "has no effect" in n for n in notes), (overrides, notes)
+            continue
+        assert main([trainer, *overrides]) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.startswith(f"padless {trainer}: error: {key}"), (overrides, err)
+        assert "has no effect" in err and "fix:" in err and err.count("\n") == 1, err

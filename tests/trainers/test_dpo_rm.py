@@ -71,7 +71,8 @@ def test_dpo_same_for_any_layout_and_split(pairs, tokenizer, loss_type, step_met
     dpo = DPOSettings(beta=0.5, loss_type=loss_type, rpo_alpha=0.3 if loss_type == "sigmoid" else None)
     reference = None
     for batching, side in [("tokens", "right"), ("padded", "left"), ("padded", "right")]:
-        cfg = TrainSettings(batching=batching, padding_side=side, batch_size=4)
+        padded = {"padding_side": side, "batch_size": 4} if batching == "padded" else {}
+        cfg = TrainSettings(batching=batching, **padded)
         recipe = DPORecipe(pairs, cfg, dpo, tokenizer.pad_token_id, CPU, ref)
         for name, split in SPLITS.items():
             got = step_metrics(recipe, policy, groups_for(split, pairs), pairs)

@@ -75,7 +75,8 @@ def test_vlm_dpo_same_for_any_layout_and_split(pairs, step_metrics):
     everything, one_each = [list(range(len(pairs)))], [[i] for i in range(len(pairs))]
     reference = None
     for batching, side in [("tokens", "right"), ("padded", "left"), ("padded", "right")]:
-        cfg = TrainSettings(batching=batching, padding_side=side, batch_size=3)
+        padded = {"padding_side": side, "batch_size": 3} if batching == "padded" else {}
+        cfg = TrainSettings(batching=batching, **padded)
         recipe = DPORecipe(pairs, cfg, dpo_settings, PAD_TOKEN_ID, CPU, ref)
         for groups in (everything, one_each):
             metrics, grads = step_metrics(recipe, policy, groups, pairs)

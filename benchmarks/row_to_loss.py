@@ -11,8 +11,9 @@ row, in the order a newcomer follows it:
    forward through the model's attention, the head and the loss weights.
 
 Loading the model and tokenizer (setup, not the row's path) runs before tracing starts. The script uses only
-names that exist since 79f82f0 (``SFTLayout``, ``load_set``, ``SFTRecipe``, ``ModelEngine``; ``SFTLayout`` is
-looked up where it sits), so the same command counts any commit of the project from there on::
+names that exist since 79f82f0 (``SFTLayout``, ``load_set``, ``SFTRecipe``, ``ModelEngine``; ``SFTLayout`` and
+the modules that moved into wings at 62703fd are looked up where they sit), so the same command counts any
+commit of the project from there on::
 
 The second count is the whole command: from reading the YAML to the first loss reported, the modules in
 which a function runs while ``padless sft examples/sft_tiny.yaml train.max_steps=1`` (through the CLI's
@@ -68,15 +69,21 @@ def measure() -> list[str]:
     import torch
 
     import padless
-    from padless.config.schema import TrainSettings
     from padless.data.tokenized import load_set
 
     try:
         from padless.data.sft import SFTLayout
     except ImportError:  # before the layouts sat beside their tasks
         from padless.data.tokenized import SFTLayout
-    from padless.forward.engine import ModelEngine
-    from padless.proof.load import load_model, load_tokenizer
+    try:
+        from padless.config.schema import TrainSettings
+        from padless.forward.engine import ModelEngine
+        from padless.proof.load import load_model, load_tokenizer
+    except ImportError:  # before the wings (62703fd): root modules
+        from padless import config, engine, model
+
+        TrainSettings, ModelEngine = config.TrainSettings, engine.ModelEngine
+        load_model, load_tokenizer = model.load_model, model.load_tokenizer
     from padless.tiny import data_path
     from padless.trainers.sft import SFTRecipe
 

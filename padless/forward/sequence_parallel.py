@@ -232,19 +232,17 @@ class _Sum(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple[int, int], Any] = {}  # (world, degree) -> this process's group; made once per process
-# Where an attention layer holds the group its chunks are split over. transformers keeps one attention
-# function per backend name in a process, and layers recomputed in backward (gradient checkpointing) call it
-# outside any engine pass: the group is the layer's own, set by the engine that splits its rows.
-ATTRIBUTE = SPLIT_ATTRIBUTE
 
 
 def attach(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """Give the attention layers of ``model`` the group ``sp`` their chunks are split over: every module
-    that holds a config (transformers picks a layer's attention function from its ``config``). A model
-    attends with the group of the last engine that split its rows; whole rows pass through any group."""
+    that holds a config (transformers picks a layer's attention function from its ``config``). transformers
+    keeps one attention function per backend name in a process, and layers recomputed in backward (gradient
+    checkpointing) call it outside any engine pass: the group is the layer's own. A model attends with the
+    group of the last engine that split its rows; whole rows pass through any group."""
     for module in model.modules():
         if getattr(module, "config", None) is not None:
-            setattr(module, ATTRIBUTE, sp)
+            setattr(module, SPLIT_ATTRIBUTE, sp)
 
 
 def start(degree: int) -> SequenceParallel | None:

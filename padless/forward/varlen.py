@@ -481,9 +481,9 @@ def varlen_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``varlen`` backend as transformers calls it: :func:`attend`, through the sequence-parallel group
-    the layer carries when its rows are split (:meth:`padless.forward.sequence_parallel.SequenceParallel.
-    attend`). Decided from the call and the layer alone, so activations recomputed in backward (gradient
-    checkpointing, outside any engine pass) run exactly as the forward did."""
+    the layer carries when its rows are split (``SequenceParallel.attend`` in
+    :mod:`padless.forward.sequence_parallel`). Decided from the call and the layer alone, so activations
+    recomputed in backward (gradient checkpointing, outside any engine pass) run as the forward did."""
     split = getattr(module, SPLIT_ATTRIBUTE, None)
     if split is None:
         return attend(module, query, key, value, attention_mask, *args, **kwargs)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from padless.forward import sequence_parallel
-from padless.forward.attention import VARLEN_NAME
+from padless.forward.attention import SPLIT_ATTRIBUTE, VARLEN_NAME
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.forward.ranks import Topology
@@ -135,8 +135,8 @@ def test_each_model_splits_over_the_group_its_engine_put_on_it():
     ModelEngine(first, settings=EngineSettings(topology=Topology(0, 1, two)))
     sequence_parallel.attach(second, four)  # what an engine of degree 4 does (tiny-llama's heads allow 2)
     layers = first.model.layers[0].self_attn, second.model.layers[0].self_attn
-    assert [getattr(layer, sequence_parallel.ATTRIBUTE) for layer in layers] == [two, four]
-    assert getattr(copy.deepcopy(first).model.layers[1].self_attn, sequence_parallel.ATTRIBUTE) is two
+    assert [getattr(layer, SPLIT_ATTRIBUTE) for layer in layers] == [two, four]
+    assert getattr(copy.deepcopy(first).model.layers[1].self_attn, SPLIT_ATTRIBUTE) is two
     query, cu = torch.zeros(1, 4, 3, 8), torch.tensor([0, 10], dtype=torch.int32)
     for layer, degree in zip(layers, (2, 4), strict=True):
         with pytest.raises(

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 from padless import tiny
+from padless.data.images import ImageInputs
 from padless.errors import InputError
 from padless.forward import vision
+from padless.forward.engine import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +382,13 @@ def _processor_class(folder: Path) -> str | None:
         if (file := folder / name).exists() and (cls_name := _read_json(file).get("processor_class")):
             return str(cls_name)
     return None
+
+
+def image_inputs(name_or_path: str | Path, model: torch.nn.Module) -> ImageInputs | None:
+    """The image side of the model ``name_or_path`` (its processor, see
+    :class:`padless.data.images.ImageInputs`), or None for a text-only model, which never builds one."""
+    config = unwrap(model).config
+    return ImageInputs(load_processor(name_or_path), config) if vision.is_vision_config(config) else None
 
 
 def load_processor(name_or_path: str | Path) -> Any:

@@ -50,7 +50,7 @@ def start(degree: int = 1) -> Topology:
     """This process's topology for sequence parallelism of ``degree`` (``train.sequence_parallel``). Every
     process must call it (a group is made by all of them)."""
     state = PartialState()
-    group = sequence_parallel.start(degree)
+    group = sequence_parallel.start(degree) if degree > 1 else None  # rows run whole: no group
     return Topology(state.process_index // degree, state.num_processes // degree, group)
 
 

@@ -245,19 +245,17 @@ def attach(model: torch.nn.Module, sp: SequenceParallel) -> None:
             setattr(module, SPLIT_ATTRIBUTE, sp)
 
 
-def start(degree: int) -> SequenceParallel | None:
-    """This process's sequence-parallel group for ``degree`` (``None`` for 1), for the engines that split
-    their rows over it (part of the run's :class:`padless.forward.ranks.Topology`, put on their models'
-    attention layers by :func:`attach`). Every process must call it (groups are collective)."""
+def start(degree: int) -> SequenceParallel:
+    """This process's sequence-parallel group of ``degree`` > 1, for the engines that split their rows over
+    it (part of the run's :class:`padless.forward.ranks.Topology`, put on their models' attention layers
+    by :func:`attach`). Every process must call it (groups are collective)."""
     state = PartialState()
     world = state.num_processes
-    if degree > 1 and world % degree:
+    if world % degree:
         raise SequenceParallelError(
             f"train.sequence_parallel={degree} does not divide the {world} process(es): launch a multiple of "
             f"{degree} processes (data parallel = processes / sequence_parallel)"
         )
-    if degree == 1:
-        return None
     key = (world, degree)
     if key not in _GROUPS:
         for first in range(0, world, degree):  # every process creates every group, in the same order

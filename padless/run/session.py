@@ -1,4 +1,5 @@
-"""What every trainer does before its first step: accelerator, seeds, tokenizer, model, LoRA, saved config."""
+"""What every trainer does before its first step: accelerator, seeds, the topology, tokenizer, model (and
+its image side), LoRA, saved config."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from accelerate.utils import set_seed
 
 from padless.config.loading import precedence_notes
 from padless.config.schema import ModelSettings
+from padless.data.images import ImageInputs
+from padless.data.sources import image_inputs
 from padless.errors import InputError
 from padless.forward import hybrid, ranks
 from padless.forward.engine import EngineSettings, ModelEngine
@@ -31,6 +34,7 @@ class Session:
     model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
     settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, topology)
+    images: ImageInputs | None  # the model's image side (its processor): vision-language models only
 
     def companion(
         self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
@@ -88,7 +92,8 @@ def start_session(
         log.info(note)
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))
-    return Session(accelerator, tokenizer, model, model_cfg, settings)
+    images = image_inputs(model_cfg.name, model)
+    return Session(accelerator, tokenizer, model, model_cfg, settings, images)
 
 
 def load_trainable(

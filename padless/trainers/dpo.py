@@ -9,7 +9,6 @@ import torch
 
 from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
-from padless.data.images import ImageInputs
 from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.packing import budget_batches
 from padless.forward.ranks import shared_pass
@@ -117,7 +116,7 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
         ref_model = session.frozen(session.companion(cfg.dpo.ref_model))
     pad_id = pad_token_id(tokenizer)
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
     recipe = DPORecipe(
         load_pairs(data.train, tokenizer, data, cfg.train, "train", images=images),
         cfg.train,

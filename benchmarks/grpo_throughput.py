@@ -331,9 +331,9 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
         RLDataSettings,
         RolloutSettings,
     )
-    from padless.forward.packing import Example
+    from padless.rl.sample import Sample
+    from padless.rl.setup import start_rl
     from padless.trainers.grpo import GRPORecipe
-    from padless.trainers.rl import start_rl
 
     r = spec["rollout"]
     recorder = RolloutRecorder(spec["warmup"], cuda=spec["device"] == "cuda")
@@ -369,16 +369,16 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
 
             sampler = padless.rl.ahead.AheadSampler
             sampler.take = timed(sampler.take, recorder.generation)
-        recipe = parts.recipe(GRPORecipe)
+        recipe = GRPORecipe(parts)
 
         trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
 
         def count(micro: loop.MicroBatch) -> None:
-            examples: list[Example] = micro.data
+            examples: list[Sample] = micro.data
             real = sum(len(e) for e in examples)
             recorder.tokens(real, real, int(micro.units))
             recorder.completions(len(examples))
-            recorder.completion_tokens(sum(e.meta["length"] for e in examples))
+            recorder.completion_tokens(sum(e.drawn.length for e in examples))
 
         common.train_padless(trainer, run, count)
     return run.result(

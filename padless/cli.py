@@ -8,17 +8,17 @@ adds the traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from padless.api import TRAINERS, offline_run
+from padless.api import load_target as _load
 from padless.config.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
 from padless.forward.attention import backend_problem, validate_backend_name
@@ -111,27 +111,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-SCHEMA = "padless.config.schema:"
-TRAINERS = {
-    "sft": (SCHEMA + "SFTConfig", "padless.trainers.sft:run_sft", "supervised fine-tuning"),
-    "dpo": (SCHEMA + "DPOConfig", "padless.trainers.dpo:run_dpo", "direct preference optimisation"),
-    "rm": (SCHEMA + "RMConfig", "padless.trainers.rm:run_rm", "reward model (Bradley-Terry)"),
-    "kto": (SCHEMA + "KTOConfig", "padless.trainers.kto:run_kto", "KTO on completions labelled good or bad"),
-    "orpo": (SCHEMA + "ORPOConfig", "padless.trainers.orpo:run_orpo", "odds-ratio preference optimisation"),
-    "grpo": (SCHEMA + "GRPOConfig", "padless.trainers.grpo:run_grpo", "GRPO with verifiable rewards"),
-    "ppo": (SCHEMA + "PPOConfig", "padless.trainers.ppo:run_ppo", "PPO with a value model"),
-}
-
-
-def _load(target: str) -> Any:
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _train(args: argparse.Namespace) -> int:
+    """``padless <trainer> CONFIG key=value ...``: the config file read, then trained by the Python API."""
+    from padless.api import trainer
     from padless.config.loading import load_config
 
-    config_target, run_target, _ = TRAINERS[args.command]
+    config_target = TRAINERS[args.command][0]
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `padless sft key=value ...`: no file
         config, overrides = None, [config, *overrides]
@@ -140,7 +125,7 @@ def _train(args: argparse.Namespace) -> int:
             f"{config!r} is neither a config file nor a key=value override; fix: write {config}=<value>, "
             "or give the path of a YAML config"
         )
-    metrics = _load(run_target)(load_config(_load(config_target), config, overrides, once=True))
+    metrics = trainer(args.command, load_config(_load(config_target), config, overrides, once=True)).train()
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     return 0
 
@@ -334,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    offline = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # padless never downloads (peft would ask the hub about LoRA bases)
+    with offline_run():  # padless never downloads; a run that stopped gives back its lock and log file
+        return _command(argv)
+
+
+def _command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -359,14 +347,6 @@ def _main(argv: list[str] | None) -> int:
         print(message, file=sys.stderr)
         log_failure(message)
         return exit_code(e)
-    finally:
-        from padless.run.rundir import end_all_runs
-
-        end_all_runs()  # locks and log files of a run that stopped
-        if offline is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
 
 
 if __name__ == "__main__":

@@ -45,6 +45,21 @@ DIVERGENCE_FIX = (
 )
 
 
+class PadlessError(Exception):
+    """What the Python API (:mod:`padless.api`) raises: the one line the command line prints
+    (``message``), who fixes it (``category``: ``input``, exit code 2, or ``fault``, 1) and the command
+    line's ``exit_code``. The original error is the ``__cause__``."""
+
+    def __init__(self, message: str, category: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.message, self.category, self.exit_code = message, category, exit_code
+
+    @classmethod
+    def of(cls, error: BaseException) -> PadlessError:
+        code = exit_code(error)
+        return cls(describe(error), "input" if code == USAGE else "fault", code)
+
+
 def is_input_error(error: BaseException) -> bool:
     """Config, data, path and backend problems: ``ValueError`` (ConfigError, DataError, InputError, ...),
     the attention backend asked for not running here, and files that are missing or not readable."""
@@ -58,6 +73,8 @@ def is_input_error(error: BaseException) -> bool:
 def exit_code(error: BaseException) -> int:
     from padless.faults import FileFault, translate
 
+    if isinstance(error, PadlessError):
+        return error.exit_code
     if isinstance(error, Terminated):
         return TERMINATED
     if isinstance(error, KeyboardInterrupt):
@@ -72,6 +89,8 @@ def describe(error: BaseException) -> str:
     """One message for ``error``: its own text for input errors, cause and next step for faults."""
     from padless.faults import translate
 
+    if isinstance(error, PadlessError):
+        return error.message
     if isinstance(error, KeyboardInterrupt):
         how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
         return f"{how}; continue from the last checkpoint with train.resume_from_checkpoint=latest"

@@ -7,6 +7,8 @@ into micro-batches or processes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -127,6 +129,34 @@ def kto_loss(
         raise ValueError(f"unknown KTO loss_type {loss_type!r}; choose kto or apo_zero_unpaired")
     losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
     return losses, beta * ratio.detach()
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token generalised Jensen-Shannon divergence ``[n]`` between the student's and the teacher's
+    next-token distributions (logits ``[n, V]``, temperature already applied), summed over the vocabulary:
+    ``beta KL(p_T || m) + (1 - beta) KL(p_S || m)`` with the mixture ``m = beta p_T + (1 - beta) p_S``;
+    ``beta = 0`` is the forward ``KL(p_T || p_S)``, ``beta = 1`` the reverse ``KL(p_S || p_T)``.
+
+    Source: Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD, arXiv:2306.13649)
+    Eq. 1, as TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` computes it (the same mixture weights)."""
+    s = student_logits.float().log_softmax(-1)
+    t = teacher_logits.float().log_softmax(-1)
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    mixture = torch.logsumexp(torch.stack([s + math.log1p(-beta), t + math.log(beta)]), 0)
+    return beta * (t.exp() * (t - mixture)).sum(-1) + (1 - beta) * (s.exp() * (s - mixture)).sum(-1)
+
+
+def top_k_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-token ``KL(q || p_S)`` ``[n]`` where ``q`` is the teacher's distribution restricted to its ``k``
+    most likely tokens and renormalised, against the student's full distribution at those tokens (sparse
+    knowledge distillation: the teacher's tail is dropped, the student's is not)."""
+    top, ids = teacher_logits.float().topk(k, -1)
+    q = top.log_softmax(-1)
+    s = student_logits.float().log_softmax(-1).gather(-1, ids)
+    return (q.exp() * (q - s)).sum(-1)
 
 
 def bradley_terry_loss(

@@ -54,16 +54,19 @@ def test_example_runs(path, tmp_path):
     ]
     # the smaller embedded sets, except for vision-language examples: their data are what they show
     images = path.stem.startswith("vlm_")
+    samples = kind in ("grpo", "ppo") or (kind == "distill" and "mode: on_policy" in path.read_text())
     if kind == "sft":
         overrides += ["train.eval_steps=2", "train.eval_max_new_tokens=4"]
         overrides += [] if images else ["data.train=tiny:sft_eval"]
     elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
-    else:  # online RL: no eval split, small rollouts
+    elif not samples:  # distillation on data completions
+        overrides += ["train.eval_steps=2", "data.train=tiny:sft_eval"]
+    else:  # online RL and on-policy distillation: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
     metrics = run(load_config(config_cls, path, overrides))
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
-    if kind in ("grpo", "ppo"):
+    if samples:
         assert "train/loss" in metrics and "rollout/reward" in (tmp_path / "metrics.jsonl").read_text()
     else:
         assert metrics["eval/loss"] > 0
@@ -117,3 +120,19 @@ def test_the_environment_example_plays_as_the_episodes_guide_says():
     assert env.step(Turn(2, "42.", [3])) == Step(reward=0.5, done=True)
     retried = cls(row)
     assert retried.step(Turn(0, "1", [2])).messages and retried.step(Turn(1, "2", [2])) == Step(done=True)
+
+
+@pytest.mark.slow
+def test_the_api_example_trains_from_an_in_memory_dataset(tmp_path, monkeypatch, capsys):
+    """examples/api_sft.py (docs/api.md), as a script: a datasets.Dataset and a model object through
+    padless.SFT, four steps; the config the run saved names the folder the model object was written to."""
+    import runpy
+
+    monkeypatch.setenv("PADLESS_EXAMPLE_OUTPUT", str(tmp_path / "run"))
+    monkeypatch.setenv("PADLESS_EXAMPLE_STEPS", "4")
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "api_sft.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "'train/loss'" in out and "checkpoint" in out
+    assert (tmp_path / "run" / "checkpoint-4").is_dir()
+    saved = load_config(_load(TRAINERS["sft"][0]), tmp_path / "run" / "config.yaml")
+    assert saved.data.train == "python:data.train" and (Path(saved.model.name) / "config.json").exists()

@@ -173,7 +173,7 @@ CONFIG_CASES = {
     "no steps": Case(
         ["sft", "train.num_epochs=0"], 2, ("train.num_epochs", "max_steps", "no training steps", "fix:")
     ),
-    "reporter": Case(["sft", "train.report_to=[wandb]"], 2, ("train.report_to", "wandb", "subset")),
+    "reporter": Case(["sft", "train.report_to=[neptune]"], 2, ("train.report_to", "neptune", "subset")),
     "resume empty": Case(
         ["sft", "train.resume_from_checkpoint=''"], 2, ("resume_from_checkpoint", "empty", "fix:")
     ),

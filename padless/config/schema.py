@@ -8,16 +8,15 @@ quickly.
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
-from padless.config.choices import Backend, ModelDType, VarlenKernel
+from padless.config.choices import REPORTERS, TRACKERS, Backend, ModelDType, VarlenKernel
 from padless.config.loading import Applies, ConfigModel, Why, invalid
-
-REPORTERS = ("tensorboard", "jsonl")
-
 
 # Bounds are part of a key's type (PositiveInt, ... from pydantic, or Field(ge=..., lt=...)), so that the
 # JSON Schema carries them and editors check them too; rules that need a reason or a fix of their own
@@ -196,7 +195,13 @@ class TrainSettings(ConfigModel):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """a NaN/inf loss or grad norm: stop, or skip the step"""
     report_to: list[str] = Field(default_factory=lambda: ["tensorboard", "jsonl"])
-    """where metrics go: tensorboard, jsonl ([] for neither; log.txt is always written)"""
+    """where metrics go: tensorboard and jsonl (files in output_dir), and the trackers trackio, wandb
+    (offline unless WANDB_MODE says otherwise) and mlflow (a file store in output_dir/mlruns unless
+    MLFLOW_TRACKING_URI says otherwise); [] for none (log.txt is always written)"""
+    run_name: str | None = None
+    """the run's name in the trackers of report_to (default: output_dir's folder name)"""
+    project: str = "padless"
+    """the trackers' project (trackio, wandb) or experiment (mlflow) the run is filed under"""
     progress_bar: bool = True
     """show a progress bar on the console (main process)"""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -228,6 +233,13 @@ class TrainSettings(ConfigModel):
             "set train.batching: padded to compare with padding, or remove train.{key}",
         ),
         Applies(
+            ("run_name", "project"),
+            ("report_to",),
+            lambda s: any(r in TRACKERS for r in s.report_to),
+            "it names the run in an experiment tracker, and report_to lists none",
+            f"add a tracker ({', '.join(TRACKERS)}) to train.report_to, or remove train.{{key}}",
+        ),
+        Applies(
             ("eval_max_new_tokens", "eval_batch_size"),
             ("eval_generate",),
             lambda s: s.eval_generate,
@@ -251,8 +263,13 @@ class TrainSettings(ConfigModel):
                 "report_to",
                 f"unknown reporter(s) {', '.join(map(repr, unknown))}; padless writes to "
                 f"{', '.join(map(repr, REPORTERS))}",
-                "use a subset of [tensorboard, jsonl] ([] for none)",
+                f"use a subset of [{', '.join(REPORTERS)}] ([] for none)",
             )
+        for name in self.report_to:
+            if name in TRACKERS and importlib.util.find_spec(name) is None:
+                raise invalid("report_to", f"{name} is not installed", f"{TRACKERS[name]}, or remove {name}")
+        if self.run_name == "" or not self.project:
+            raise invalid(("run_name", "project"), "is empty", "give a name, or leave run_name out")
         if self.resume_from_checkpoint == "":
             raise invalid(
                 "resume_from_checkpoint",
@@ -693,20 +710,7 @@ class RolloutSettings(ConfigModel):
     )
 
     def _check(self) -> None:
-        if self.episodes() and self.engine == "vllm" and self.max_episode_tokens is None:
-            raise invalid(
-                ("max_episode_tokens", "engine"),
-                "vLLM sizes its context when it starts, and an episode's turns have no length limit without "
-                "a token budget",
-                "set rollout.max_episode_tokens (e.g. 1024)",
-            )
-        if self.episodes() and self.max_staleness > 0:
-            raise invalid(
-                ("max_staleness", "environment"),
-                "multi-turn episodes are sampled on-policy only for now (the ahead sampler runs single "
-                "completions)",
-                "set max_staleness: 0",
-            )
+        # which engines and sampling modes go together: padless.rl.sampling (REFUSALS)
         if self.max_staleness > 0 and self.importance_sampling_correction is False:
             raise invalid(
                 ("max_staleness", "importance_sampling_correction"),
@@ -1030,3 +1034,185 @@ class PPOConfig(ConfigModel):
     def _check(self) -> None:
         n = self.ppo.mini_batches_per_rollout
         _check_rl_run(self.train, self.rollout, self.reward, "ppo.mini_batches_per_rollout", n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Distillation: a student learns a frozen teacher's distributions
+
+DistillMode = Literal["on_policy", "gkd", "offline"]
+_DATA_ONLY = ("format", "max_length", "truncation", "completion_only_loss", "per_turn")
+_PROMPT_ONLY = ("max_prompt_length", "chat_template")
+# rollout keys gkd's on-policy steps sample with; the rest shape on_policy's rollouts only
+_GKD_SAMPLING = ("max_new_tokens", "temperature", "top_p", "generation_batch_size")
+
+
+class DistillDataSettings(DataSettings):
+    """The rows distillation reads: prompts (mode on_policy, like GRPO's) or SFT rows whose completions the
+    student learns the teacher's distribution on (modes offline and gkd; gkd's on-policy steps sample from
+    their prompts)."""
+
+    train: str = "tiny:rl"
+    """on_policy: prompt rows {"prompt": ...} (other columns go to the measured rewards); offline and gkd:
+    SFT rows (messages, prompt/completion or text). A path, a datasets dir, or tiny:<name>"""
+    max_prompt_length: PositiveInt = 512
+    """mode on_policy: prompts are never truncated; a longer one is a bad row"""
+    chat_template: bool | None = None
+    """mode on_policy: string prompts as a user message; None: when the tokenizer has one"""
+
+
+class DistillSettings(ConfigModel):
+    """The teacher and what the student learns from it."""
+
+    teacher: str = "tiny-llama-arith"
+    """the frozen teacher: an embedded name, a local dir or a cached HF id (larger than the student is the
+    usual case); its tokenizer must be the student's (vocabulary, special tokens, chat template)"""
+    mode: DistillMode = "on_policy"
+    """on_policy: the student samples, the teacher scores the sampled tokens (reverse KL per token); gkd:
+    generalised JSD over the whole vocabulary on data completions, or on student samples for a lmbda share of
+    the steps; offline: forward KL to the teacher over the whole vocabulary (or its top_k) on data
+    completions"""
+    loss: Literal["policy_gradient", "reverse_kl"] = "policy_gradient"
+    """mode on_policy: policy_gradient takes each sampled token's reverse KL (student log-prob minus
+    teacher log-prob, negated) as its advantage through the policy loss with the sampler correction;
+    reverse_kl minimises the exact reverse KL over the whole vocabulary at every sampled position"""
+    beta: float = Field(0.5, ge=0, le=1)
+    """mode gkd: the JSD's mixture weight; 0: forward KL(teacher || student), 1: reverse KL"""
+    lmbda: float = Field(0.5, ge=0, le=1)
+    """mode gkd: the share of optimizer steps that train on the student's own samples (drawn per step from
+    train.seed); the others train on the data's completions"""
+    temperature: PositiveFloat = 1.0
+    """modes gkd and offline: both models' logits are divided by it before the divergence"""
+    top_k: PositiveInt | None = None
+    """mode offline: the teacher's distribution restricted to its top_k tokens and renormalised; null: the
+    whole vocabulary"""
+    nll_weight: float = Field(0.0, ge=0, le=1)
+    """mode offline: loss = (1 - nll_weight) KL + nll_weight NLL of the data's tokens"""
+
+    applies = (
+        Applies(
+            ("beta", "lmbda"),
+            ("mode",),
+            lambda s: s.mode == "gkd",
+            "it shapes the generalised JSD of mode gkd",
+            "set distill.mode: gkd, or remove distill.{key}",
+        ),
+        Applies(
+            ("top_k", "nll_weight"),
+            ("mode",),
+            lambda s: s.mode == "offline",
+            "it shapes mode offline's KL to the teacher",
+            "set distill.mode: offline, or remove distill.{key}",
+        ),
+        Applies(
+            ("temperature",),
+            ("mode",),
+            lambda s: s.mode != "on_policy",
+            "mode on_policy takes its log-probs at rollout.temperature, the temperature it samples at",
+            "set rollout.temperature instead, or remove distill.{key}",
+        ),
+        Applies(
+            ("loss",),
+            ("mode",),
+            lambda s: s.mode == "on_policy",
+            "it chooses mode on_policy's loss",
+            "set distill.mode: on_policy, or remove distill.{key}",
+        ),
+    )
+
+    def _check(self) -> None:
+        if not self.teacher:
+            raise invalid(
+                "teacher", "is empty", "name the teacher: an embedded name, a local dir or an HF id"
+            )
+
+
+def _mode_is(*modes: str) -> Callable[[Any], bool]:
+    return lambda c: c.distill.mode in modes
+
+
+class DistillConfig(ConfigModel):
+    """Knowledge distillation from a frozen teacher: on-policy (the student's samples scored by the teacher),
+    GKD (generalised JSD, partly on the student's samples) or offline (forward KL on data completions).
+
+    ``train.max_steps`` counts optimizer steps; in mode on_policy each rollout of ``rollout.prompts_per_step``
+    prompts is one step."""
+
+    model: ModelSettings = Field(default_factory=lambda: ModelSettings(name="tiny-llama"))
+    """the student"""
+    data: DistillDataSettings = Field(default_factory=DistillDataSettings)
+    """prompt rows (on_policy) or SFT rows (offline, gkd)"""
+    train: TrainSettings = field(
+        default_factory=lambda: TrainSettings(output_dir="runs/distill", learning_rate=1e-4, max_steps=100)
+    )
+    """the training loop; max_steps counts optimizer steps"""
+    distill: DistillSettings = Field(default_factory=DistillSettings)
+    """the teacher and the divergence"""
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    """sampling: mode on_policy's rollouts, and gkd's on-policy steps (max_new_tokens, temperature, top_p,
+    generation_batch_size)"""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """mode on_policy: rewards measured on the samples and eval prompts (logged, never trained on)"""
+
+    applies = (
+        _not_for(
+            "distillation",
+            "reports the divergence on data.eval, or in mode on_policy the eval prompts' measured rewards",
+        ),
+        _eval_needs_data("an eval data set"),
+        Applies(
+            tuple(f"data.{k}" for k in _DATA_ONLY),
+            ("distill.mode",),
+            _mode_is("offline", "gkd"),
+            "mode on_policy reads prompts, not SFT rows",
+            "remove {key}, or set distill.mode: offline or gkd",
+        ),
+        Applies(
+            tuple(f"data.{k}" for k in _PROMPT_ONLY),
+            ("distill.mode",),
+            _mode_is("on_policy"),
+            "modes offline and gkd read SFT rows, whose prompts are rendered as the data says",
+            "remove {key}, or set distill.mode: on_policy",
+        ),
+        Applies(
+            tuple(f"rollout.{k}" for k in RolloutSettings.model_fields if k not in _GKD_SAMPLING),
+            ("distill.mode",),
+            _mode_is("on_policy"),
+            "it shapes mode on_policy's rollouts",
+            "remove {key}, or set distill.mode: on_policy",
+        ),
+        Applies(
+            tuple(f"rollout.{k}" for k in _GKD_SAMPLING),
+            ("distill.mode", "distill.lmbda"),
+            lambda c: c.distill.mode == "on_policy" or (c.distill.mode == "gkd" and c.distill.lmbda > 0),
+            "only mode on_policy and gkd's on-policy steps (distill.lmbda > 0) sample",
+            "remove {key}, or set distill.mode: on_policy, or gkd with distill.lmbda > 0",
+        ),
+        Applies(
+            tuple(f"reward.{k}" for k in RewardSettings.model_fields),
+            ("distill.mode",),
+            _mode_is("on_policy"),
+            "rewards are measured on mode on_policy's samples",
+            "remove {key}, or set distill.mode: on_policy",
+        ),
+    )
+
+    def _check(self) -> None:
+        if self.train.batching == "padded":
+            raise invalid(
+                "train.batching",
+                "'padded' is a comparison mode for SFT and preference training; distillation runs packed",
+                "set train.batching to tokens or packing",
+            )
+        if self.train.sequence_parallel > 1:
+            raise invalid(
+                "train.sequence_parallel",
+                "distillation runs whole packed rows (the teacher's hidden states and the divergence of each "
+                "row are not split over ranks yet)",
+                "set train.sequence_parallel: 1",
+            )
+        if self.distill.mode == "on_policy" and self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise invalid(
+                ("reward.overlong_buffer", "rollout.max_new_tokens"),
+                "the soft overlong zone is longer than a completion may be",
+                "set reward.overlong_buffer <= rollout.max_new_tokens",
+            )

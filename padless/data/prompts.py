@@ -49,6 +49,16 @@ class PromptExample:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def row(self) -> int:
+        """The prompt's row in its data set."""
+        return self.meta["row"]
+
+    @property
+    def source(self) -> str:
+        """The data set the prompt was read from."""
+        return self.meta["source"]
+
 
 class _PromptEncoder(ChatEncoder):
     """Renders one prompt to (ids, text) according to ``chat_template``."""

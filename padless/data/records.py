@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import pyarrow as pa
 
+from padless.data import given
+
 if TYPE_CHECKING:
     import datasets
 
@@ -24,8 +26,8 @@ T = TypeVar("T")
 
 ACCEPTED_FORMATS = (
     "'tiny:<name>' (embedded data), a .jsonl file (one JSON object per line), a .json file (a list of "
-    'objects, or {"data": [...]}), a .parquet file, a directory written by datasets\' save_to_disk, or an '
-    "in-memory datasets.Dataset / DatasetDict"
+    'objects, or {"data": [...]}), a .parquet file, a directory written by datasets\' save_to_disk, or (from '
+    "Python) a datasets.Dataset / DatasetDict / IterableDataset or a list of dicts"
 )
 SKIP_FIX = "Fix the row or set data.skip_bad_rows: true to skip it."
 SKIP_CLAUSE = re.compile(r",? or set data\.skip_bad_rows: true to skip (?:it|the row)(?=\.)")
@@ -349,7 +351,11 @@ class Source:
         if self.kind == "jsonl":
             return _read_jsonl(self.path, self.name)
         if self.kind == "json":
-            return _read_json(self.path, self.name)
+            return (
+                _read_json(self.path, self.name)
+                if self.items is None
+                else _checked_rows(self.items, self.name, "index")
+            )
         if self.kind == "parquet":
             return _read_parquet(self.path, self.name)
         if self.kind == "python":
@@ -362,6 +368,10 @@ class Source:
         ``datasets`` fingerprint plus its files' sizes and times."""
         if self.path is not None and self.dataset is None:
             return f"{self.kind}:{self.path.resolve()}:{_content_hash(self.path)}"
+        if self.items is not None:  # rows handed in from Python
+            from datasets.fingerprint import Hasher
+
+            return f"rows:{Hasher.hash(self.items)}"
         files = sorted(f["filename"] for f in self.dataset.cache_files)
         stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
         return f"datasets:{self.dataset._fingerprint}:{stats}"
@@ -391,7 +401,7 @@ class Source:
         if self.kind == "jsonl":
             lines, numbering = _jsonl_lines(self.path), "line"
         elif self.kind == "json":
-            lines = ((r.index, json.dumps(r.data).encode()) for r in self.rows())
+            lines = ((r.index, _json_line(r)) for r in self.rows())
             numbering = "index"
         else:
             raise TypeError(f"{self.name}: rows built in memory are read as Python rows, not as Arrow")
@@ -403,6 +413,18 @@ class Source:
                     pa.record_batch([pa.array(index, pa.int64()), pa.array(text, pa.binary())], schema)
                 )
         return datasets.Dataset.from_file(str(path)), numbering
+
+
+def _json_line(row: Row) -> bytes:
+    try:
+        return json.dumps(row.data).encode()
+    except (TypeError, ValueError) as e:  # a row handed in from Python may hold any object
+        raise row.error(
+            None,
+            f"holds a value that is not JSON ({e})",
+            reason="not JSON",
+            fix="Keep rows to text, numbers, lists and dicts, or hand in a datasets.Dataset.",
+        ) from None
 
 
 def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
@@ -442,8 +464,13 @@ def _blank(raw: bytes, lineno: int) -> bool:
 
 def open_source(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> Source:
     """Check that ``spec`` (without a row slice) names an accepted source; nothing is read yet."""
+    name = None
+    if given.is_given(spec):  # data handed to padless.api: a datasets object or a list of rows
+        name, spec = spec, given.lookup(spec, "data")
+        if isinstance(spec, list):
+            return Source(name, "json", items=spec)
     if not isinstance(spec, (str, Path)):
-        name = _dataset_name(spec)
+        name = name or _dataset_name(spec)
         return Source(name, "datasets", dataset=_split_of(spec, name, split))
     if isinstance(spec, str) and spec.startswith("tiny:"):
         from padless.tiny import DATASETS, data_path, shapes

@@ -34,6 +34,7 @@ from padless.forward.attention import (
     runtime_context,
     validate_kernel_name,
 )
+from padless.forward.distill import Distillation, distill_from_hidden
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.ranks import Topology
 from padless.forward.varlen import sequence_bounds
@@ -433,6 +434,8 @@ class EngineOutput(NamedTuple):
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for ``logp_weights`` w (packed batches)
+    hidden: torch.Tensor | None = None  # [T, H] last hidden states (a teacher's, for the distillation head)
+    divergence: torch.Tensor | None = None  # [T] the distillation head's per-token divergence (values)
 
 
 class ModelEngine(torch.nn.Module):
@@ -478,6 +481,9 @@ class ModelEngine(torch.nn.Module):
         logp_weights: torch.Tensor | None = None,
         values: bool = False,
         generate: dict[str, Any] | None = None,
+        hidden: bool = False,
+        head_of: torch.Tensor | None = None,
+        distill: Distillation | None = None,
     ) -> EngineOutput | torch.Tensor:
         """Log-probs of ``batch.labels`` (and entropy) from the LM head, per-token values from the value
         model (or from this model's own scalar head), or — with ``generate`` — token ids from
@@ -488,10 +494,17 @@ class ModelEngine(torch.nn.Module):
         ``weighted = sum_t w_t logps_t``: packed, its gradient is computed in the head's forward pass and
         the log-probs are values only (see :func:`logps_from_hidden`).
 
+        Distillation (:mod:`padless.forward.distill`): ``hidden`` gives a (teacher's) last hidden states
+        ``[T, H]``; ``head_of`` (hidden rows ``[n, H]``) gives this model's fp32 logits of them; ``distill``
+        gives the student's per-token divergence from the teacher it names, ``weighted`` its loss.
+
         Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
         :mod:`padless.forward.sequence_parallel`) and every rank returns the whole row's results."""
         if generate is not None:
             return self.model.generate(**generate)
+        if head_of is not None:
+            head = LogitsHead.of(unwrap(self.model), temperature)
+            return head.finish(head.module(head_of.to(head.module.weight.dtype)))
         if not isinstance(batch, PackedBatch):
             raise ValueError(
                 f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
@@ -499,6 +512,13 @@ class ModelEngine(torch.nn.Module):
             )
         kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
         split = self.topology.sequence_parallel
+        if hidden or distill is not None:
+            if layout.side is not None or split is not None:
+                raise ValueError(
+                    "distillation runs on packed batches of whole rows: set train.batching: tokens or "
+                    "packing, and train.sequence_parallel: 1"
+                )
+            return self._distill(batch, hidden, distill)
         if layout.side is not None:
             if split is not None:
                 raise sequence_parallel.SequenceParallelError(
@@ -545,6 +565,20 @@ class ModelEngine(torch.nn.Module):
         if values:
             out = out._replace(values=forward_scores(self.scorer, batch))
         return out
+
+    def _distill(self, batch: PackedBatch, hidden: bool, distill: Distillation | None) -> EngineOutput:
+        """A teacher's hidden states, or the student's distillation head (:mod:`padless.forward.distill`)."""
+        states = hidden_states(self.model, batch)[0]
+        if distill is None:
+            return EngineOutput(hidden=states)
+        got = distill_from_hidden(
+            LogitsHead.of(unwrap(self.model)),
+            states,
+            batch.labels[0],
+            distill,
+            logits_memory_mb=self.settings.logits_memory_mb,
+        )
+        return EngineOutput(logps=got.logps, divergence=got.divergence, weighted=got.weighted)
 
     def _padded(
         self,

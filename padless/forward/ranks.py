@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather, gather_object, reduce
+from accelerate.utils import gather, gather_object
 
 from padless.errors import UserCodeError
 from padless.forward import sequence_parallel
@@ -78,28 +78,6 @@ def lockstep(batches: list[T], filler: T) -> Iterator[tuple[T, bool]]:
     total = common_count(len(batches))
     for i in range(total):
         yield (batches[i], True) if i < len(batches) else (filler, False)
-
-
-def shared_pass(
-    groups: list[list[int]],
-    run: Callable[[list[int]], torch.Tensor],
-    total: int,
-    width: int,
-    topology: Topology,
-) -> torch.Tensor:
-    """A whole-dataset pass split between ranks: ``groups`` (item indices, the same on every rank) dealt
-    out round robin, each rank running ``run(group)`` -> ``[len(group), width]`` on its share in lockstep,
-    then one sum over ranks of the ``[total, width]`` fp64 results. Each item is counted by exactly one
-    rank and is zero on the others, so the sum is exact."""
-    state = PartialState()
-    out = torch.zeros(total, width, dtype=torch.float64, device=state.device)
-    if not groups:
-        return out
-    for group, real in lockstep(groups[topology.rank :: topology.world], groups[0]):
-        values = run(group)
-        if real and topology.leads:  # a sequence-parallel group's first counts it once
-            out[group] = values.to(out)
-    return reduce(out, reduction="sum") if state.num_processes > 1 else out
 
 
 def gather_shares(items: list[T], topology: Topology) -> list[T]:

@@ -93,3 +93,27 @@ def disable_dropout(model: torch.nn.Module) -> int:
         if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
             module.attention_dropout, changed = 0.0, changed + 1
     return changed
+
+
+def tokenizer_differences(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> list[str]:
+    """What differs between two tokenizers that must map text to the same ids (a student's and its
+    teacher's): the vocabulary, the special tokens, the chat template. Empty when they are the same."""
+    found = []
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        moved = sum(mine[t] != theirs[t] for t in mine.keys() & theirs.keys())
+        only_mine, only_theirs = len(mine.keys() - theirs.keys()), len(theirs.keys() - mine.keys())
+        found.append(
+            f"the vocabulary ({len(mine)} vs {len(theirs)} tokens, {only_mine} only in the student's, "
+            f"{only_theirs} only in the teacher's, {moved} with another id)"
+        )
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        a, b = getattr(student, name, None), getattr(teacher, name, None)
+        if a != b:
+            found.append(f"{name} ({a!r} vs {b!r})")
+    extra = sorted(set(student.all_special_tokens) ^ set(teacher.all_special_tokens))
+    if extra:
+        found.append(f"special tokens ({', '.join(map(repr, extra[:3]))}{' ...' if len(extra) > 3 else ''})")
+    if student.chat_template != teacher.chat_template:
+        found.append("the chat template")
+    return found

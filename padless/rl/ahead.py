@@ -1,29 +1,30 @@
-"""Off-policy by k steps (``rollout.max_staleness``): rollouts for the next steps are sampled in a
-background thread while the current step trains.
+"""Off-policy by k steps (``rollout.max_staleness``): a sampler wrapping another, which samples the next k
+rollouts in a background thread while the current step trains, and owns their queue.
 
-The sampler is a copy of the policy, made before the policy is prepared (so it is whole even where FSDP2
-or ZeRO-3 shard the trained one); each job loads a snapshot of the weights taken on the training thread
-when the job was queued (gathered whole on every rank when sharded), so training never races the sampler,
-and which weights a rollout was sampled from is fixed by the schedule, not by timing: the rollout of epoch
-``e + j`` (``1 <= j <= k``) is queued at the start of epoch ``e`` from the weights trained on ``e``
+The background sampler runs on a copy of the policy, made before the policy is prepared (so it is whole even
+where FSDP2 or ZeRO-3 shard the trained one); each job loads a snapshot of the weights taken on the training
+thread when the job was queued (gathered whole on every rank when sharded), so training never races the
+sampler, and which weights a rollout was sampled from is fixed by the schedule, not by timing: the rollout
+of epoch ``e + j`` (``1 <= j <= k``) is queued at the start of epoch ``e`` from the weights trained on ``e``
 rollouts, so it is ``j <= k`` updates (rollouts) old when it trains. One worker runs the jobs in order; its
 samples are as reproducible as synchronous ones (each prompt seeded on its own, see
-:class:`padless.rl.generate.SeededSampler`). Queued rollouts are part of a checkpoint (:meth:`pending`), so a
+:class:`padless.rl.generate.SeededSampler`). Queued rollouts are part of a checkpoint (:meth:`state`), so a
 resumed run trains on the very samples the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from padless.rl.generate import Completion, HFEngine
+from padless.forward.engine import inner_engine, unwrap
+from padless.rl.sample import Sample
+from padless.rl.sampler import Request, Sampler
 
 
 def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,59 +45,84 @@ def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         }
 
 
-class AheadSampler:
-    """Queues sampling jobs on a copy of the policy; ``take(epoch)`` waits for that epoch's samples."""
+class AheadSampler(Sampler):
+    """Samples a rollout's request through ``live`` unless it was queued; queues the next ``k`` rollouts
+    (``schedule(epoch)``: that rollout's request on this rank, None past the run's last) on ``behind``, a
+    sampler of ``copy``, a whole copy of the policy."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any):
-        """``policy``: the unprepared model (whole on every rank)."""
-        self.copy = copy.deepcopy(policy).eval()
-        self.copy.requires_grad_(False)
-        self.engine = HFEngine(self.copy, tokenizer, rollout)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="padless-sampler")
-        self.jobs: dict[
-            int, tuple[Future, int]
-        ] = {}  # epoch -> (its completions and seconds, weights version)
-
-    def queued(self, epoch: int) -> bool:
-        return epoch in self.jobs
-
-    def queue(
+    def __init__(
         self,
-        epoch: int,
-        version: int,
-        policy: torch.nn.Module,
-        prompts: list[list[int]],
-        n: int,
-        seeds: list[int],
-        vision: list[dict[str, torch.Tensor] | None] | None,
-    ) -> None:
+        live: Sampler,
+        behind: Sampler,
+        copy: torch.nn.Module,
+        k: int,
+        schedule: Callable[[int], Request | None],
+    ):
+        super().__init__(live.engine, live.rollout, live.images)
+        self.live, self.behind, self.copy, self.k, self.schedule = live, behind, copy, k, schedule
+        self.policy: torch.nn.Module | None = None  # the prepared engine whose weights are snapshotted
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="padless-sampler")
+        self.jobs: dict[int, tuple[Future, int]] = {}  # epoch -> (its samples, the weights version)
+
+    def bind(self, policy: torch.nn.Module) -> None:
+        self.live.bind(policy)
+        self.policy = policy
+
+    def sample(self, request: Request) -> list[Sample]:
+        """Queue the rollouts of the next k epochs (not yet queued) from the weights as they are now, then
+        take this epoch's (sampled now, on-policy, when none was queued: the first rollout, or the first
+        after a resume); every sample says its staleness (updates between its weights and now) and the
+        seconds waited or spent sampling. A request outside the schedule is sampled now."""
+        epoch = request.epoch
+        if epoch is None:
+            return self.live.sample(request)
+        assert self.policy is not None, "bind() hands the sampler the prepared policy first"
+        model = unwrap(inner_engine(self.policy).model)
+        for later in range(epoch + 1, epoch + self.k + 1):
+            if later not in self.jobs and (queued := self.schedule(later)) is not None:
+                self.queue(later, epoch, model, queued)
+        started = time.perf_counter()
+        if epoch in self.jobs:
+            samples, version = self.take(epoch)
+        else:
+            samples, version = self.live.sample(request), epoch
+        staleness = epoch - version
+        if not 0 <= staleness <= self.k:
+            raise RuntimeError(
+                f"rollout {epoch} was sampled {staleness} updates ago, max_staleness is {self.k}"
+            )
+        seconds = time.perf_counter() - started
+        for s in samples:
+            s.drawn.staleness, s.drawn.sampling_s = staleness, seconds
+        return samples
+
+    def queue(self, epoch: int, version: int, policy: torch.nn.Module, request: Request) -> None:
         """Sample epoch ``epoch``'s rollout from ``policy``'s weights as they are now (``version``)."""
         weights = whole_weights(policy)
 
-        def job() -> tuple[list[Completion], float]:
-            started = time.perf_counter()
+        def job() -> list[Sample]:
             self.copy.load_state_dict(weights)
-            completions = self.engine.complete(prompts, n, seeds, vision=vision)
-            return completions, time.perf_counter() - started
+            return self.behind.sample(request)
 
         self.jobs[epoch] = (self.pool.submit(job), version)
 
-    def take(self, epoch: int) -> tuple[list[Completion], float, int]:
-        """The queued rollout's completions, its sampling seconds and the weights version it used."""
+    def take(self, epoch: int) -> tuple[list[Sample], int]:
+        """The queued rollout's samples (waited for) and the weights version they were sampled from."""
         future, version = self.jobs.pop(epoch)
-        completions, seconds = future.result()
-        return completions, seconds, version
+        return future.result(), version
 
-    def pending(self) -> list[dict[str, Any]]:
-        """Every queued rollout (waited for), as data a checkpoint stores: sampled ahead, not trained."""
+    def state(self) -> list[dict[str, Any]] | None:
+        """Every queued rollout (waited for): sampled ahead, not trained."""
+        if not self.jobs:
+            return None
         return [
-            {"epoch": epoch, "version": version, "completions": [asdict(c) for c in future.result()[0]]}
+            {"epoch": epoch, "version": version, "samples": [s.state() for s in future.result()]}
             for epoch, (future, version) in sorted(self.jobs.items())
         ]
 
-    def restore(self, pending: list[dict[str, Any]]) -> None:
-        """Queue again, as done, the rollouts :meth:`pending` gave (a resumed run trains on them)."""
-        for rollout in pending:
+    def restore(self, state: list[dict[str, Any]], revive: Callable[[dict[str, Any]], Sample]) -> None:
+        """Queue again, as done, the rollouts :meth:`state` gave (a resumed run trains on them)."""
+        for rollout in state:
             future: Future = Future()
-            future.set_result(([Completion(**c) for c in rollout["completions"]], 0.0))
+            future.set_result([revive(s) for s in rollout["samples"]])
             self.jobs[rollout["epoch"]] = (future, rollout["version"])

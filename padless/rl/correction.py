@@ -14,8 +14,13 @@ the trainer side is the policy at the start of the step, so this is decoupled PP
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from padless.errors import InputError
+from padless.rl.sample import Sample
 
 
 def importance_weights(
@@ -69,3 +74,34 @@ def mismatch_metrics(
         metrics["mismatch/is_weight_max"] = weights.max().item()
         metrics["mismatch/corrected_fraction"] = changed.float().mean().item()
     return metrics
+
+
+def correct(samples: Sequence[Sample], rollout: Any) -> dict[str, float]:
+    """Sampler vs trainer (``old_logps``) log-probs of a rollout's samples: the mismatch metrics and, with
+    ``rollout.importance_sampling_correction``, each target's weight (``algorithm.is_weights``) for the
+    policy loss. Nothing when the sampler gave no log-probs (greedy), refused when the correction needs
+    them and a sampler gave none."""
+    if not samples or any(s.drawn.logps is None for s in samples):
+        if samples and rollout.correction():
+            raise InputError(
+                f"rollout.engine: {rollout.engine}: the sampler returned no sampled-token log-probs, so the "
+                "importance-sampling correction (on by default for this engine) cannot run; use "
+                "rollout.engine: hf, or rollout.importance_sampling_correction: false to train uncorrected"
+            )
+        return {}
+    trainer = torch.tensor([v for s in samples for v in s.passes.old_logps or ()])
+    sampler = torch.tensor([v for s in samples for v in s.drawn.logps or ()])
+    if not rollout.correction():
+        return mismatch_metrics(trainer, sampler)
+    lengths = [s.num_targets for s in samples]
+    weights, changed = importance_weights(
+        trainer,
+        sampler,
+        lengths,
+        rollout.importance_sampling_mode,
+        rollout.importance_sampling_clip_min,
+        rollout.importance_sampling_clip_max,
+    )
+    for s, w in zip(samples, weights.split(lengths), strict=True):
+        s.algorithm.is_weights = w.tolist()
+    return mismatch_metrics(trainer, sampler, weights, changed)

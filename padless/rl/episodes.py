@@ -29,6 +29,8 @@ order, and saved with a rollout checkpointed mid-way (as PNG). ``reset()``'s ima
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from padless.data.chat import ChatTemplateError
-from padless.data.records import IMAGE_COLUMNS, DataError, Row
+from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
 from padless.forward.ranks import common_count
@@ -50,6 +52,8 @@ from padless.rl.environments import (
     user_call,
 )
 from padless.rl.generate import Completion, Engine, row_seed
+from padless.rl.sample import EpisodeStats, Sample
+from padless.rl.sampler import Request, Sampler
 
 if TYPE_CHECKING:
     from padless.data import PromptExample
@@ -84,14 +88,14 @@ class Episode:
     origin: tuple[str, int] = ("", 0)
 
     def completion(self, greedy: bool) -> Completion:
-        stats = {
-            "turns": self.turns,
-            "tool_calls": self.calls,
-            "failed_tool_calls": self.failed_calls,
-            "env_tokens": self.model.count(False),
-            "env_reward": self.reward,
-            "truncated_by": self.truncated,
-        }
+        stats = EpisodeStats(
+            turns=self.turns,
+            tool_calls=self.calls,
+            failed_tool_calls=self.failed_calls,
+            env_tokens=self.model.count(False),
+            env_reward=self.reward,
+            truncated_by=self.truncated,
+        )
         return Completion(
             self.prompt_ids,
             self.ids,
@@ -203,7 +207,7 @@ class EpisodeRunner:
             raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
         messages, ids, vision = self.with_images(row, messages, prompt)
         text = self.render(messages, True)
-        origin = (prompt.meta["source"], prompt.meta["row"])
+        origin = (prompt.source, prompt.row)
         return Episode(env, messages, ids, seed, text=text, vision=vision, origin=origin)
 
     def with_images(
@@ -214,9 +218,7 @@ class EpisodeRunner:
         each image's tokens expanded, and the image inputs, checked equal to the prompt's."""
         assert self.images is not None
         columns = {k: row[k] for k in IMAGE_COLUMNS if row.get(k) is not None}
-        where = Row(
-            {"prompt": messages, **columns}, prompt.meta["source"], prompt.meta["row"], skippable=False
-        )
+        where = Row({"prompt": messages, **columns}, prompt.source, prompt.row, skippable=False)
         try:
             prepared = self.images.prepare(where)
             messages = prepared.row.data["prompt"]
@@ -226,7 +228,7 @@ class EpisodeRunner:
             raise UserCodeError(f"environment {self.spec!r}: the images of reset()'s messages: {e}") from None
         if not same_vision(vision, prompt.vision):
             raise UserCodeError(
-                f"environment {self.spec!r}: reset() of row {prompt.meta['row']} of {prompt.meta['source']} "
+                f"environment {self.spec!r}: reset() of row {prompt.row} of {prompt.source} "
                 "returns images other than the prompt row's; an episode's images are its prompt row's (a "
                 "run resumed mid-rollout finds them there again); fix: return the row's prompt images, or "
                 "put the images the episode needs in the row's prompt and images column"
@@ -356,6 +358,53 @@ def same_vision(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | 
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+class EpisodeSampler(Sampler):
+    """Samples multi-turn episodes through ``runner``: ``group`` per prompt (a prompt's consecutive), each
+    built from the prompt's data row, read again from ``specs`` (the data sets the prompts came from)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rollout: Any,
+        runner: EpisodeRunner,
+        specs: Sequence[str],
+        images: ImageInputs | None = None,
+    ):
+        super().__init__(engine, rollout, images)
+        self.runner, self.specs = runner, list(specs)
+        self.rows: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def sample(self, request: Request) -> list[Sample]:
+        """Logs how many episodes were truncated and why (they are masked unless mask_truncated is off)."""
+        started = time.perf_counter()
+        self.engine.sync_weights()
+        prompts, group = request.prompts, request.group
+        rows = [self.row_of(p) for p in prompts for _ in range(group)]
+        seeds = [row_seed(s, k) for s in request.seeds for k in range(group)]
+        starts = [p for p in prompts for _ in range(group)]
+        episodes = self.runner.run(self.engine, rows, seeds, request.greedy, starts)
+        cut = Counter(e.truncated for e in episodes if e.truncated is not None)
+        if cut:
+            what = "masked from the loss" if self.rollout.mask_truncated else "trained (mask_truncated off)"
+            reasons = ", ".join(f"{n} by {why}" for why, n in sorted(cut.items()))
+            log.warning(
+                "rollout: %d of %d episodes truncated (%s); %s", cut.total(), len(episodes), reasons, what
+            )
+        seconds = time.perf_counter() - started
+        return [
+            self.record(e.completion(request.greedy), prompts[j // group], request.greedy, seconds)
+            for j, e in enumerate(episodes)
+        ]
+
+    def row_of(self, prompt: PromptExample) -> dict[str, Any]:
+        """The data row a prompt was read from, as the environment receives it."""
+        key = (prompt.source, prompt.row)
+        if key not in self.rows:
+            for spec in self.specs:
+                self.rows.update({(r.source, r.index): r.data for r in load_rows(spec)})
+        return self.rows[key]
+
+
 def make_runner(
     tokenizer: Any, rollout: Any, eos_ids: set[int], images: ImageInputs | None = None
 ) -> EpisodeRunner:
@@ -368,4 +417,4 @@ def make_runner(
     return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
 
 
-__all__ = ["Environment", "Episode", "EpisodeRunner", "make_runner"]
+__all__ = ["Environment", "Episode", "EpisodeRunner", "EpisodeSampler", "make_runner"]

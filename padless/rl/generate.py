@@ -25,6 +25,7 @@ from padless.forward.engine import as_engine, inner_engine, unwrap
 from padless.forward.packing import concat_vision
 from padless.forward.vision import image_token_types, placeholder_ids, uses_mrope
 from padless.proof.load import pad_token_id
+from padless.rl.sample import EpisodeStats
 from padless.run.strategy import strategy_in_use
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Completion:
     # environment's), the text reward functions read (the last model turn) and the episode's statistics
     model_mask: list[bool] | None = None
     text: str | None = None
-    episode: dict[str, Any] | None = None
+    episode: EpisodeStats | None = None
     # a vision-language policy's episode: the image inputs of all its images (the prompt's, then those its
     # environment showed) and the images the environment showed (PIL)
     vision: dict[str, torch.Tensor] | None = None

@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+from padless.data import given
+from padless.errors import InputError
+
 __all__ = [
     "BUNDLED",
     "RewardComposer",
@@ -54,8 +57,9 @@ _SIGNATURE = "def f(prompts, completions, **fields)"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-class RewardError(ValueError):
-    """A reward function that cannot be loaded or called, or that returned something unusable."""
+class RewardError(InputError):
+    """A reward function that cannot be loaded or called, or that returned something unusable (the user's
+    to fix: exit code 2, and a run names the step it stopped at)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,6 +254,8 @@ def load_callable(spec: str, kind: str, bundled: Mapping[str, Any]) -> Any:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(f"{kind} spec must be a non-empty string, got {spec!r}; write {SPEC_FORMS}")
     spec = spec.strip()
+    if given.is_given(spec):  # handed to padless.api as a Python object
+        return given.lookup(spec, kind)
     noun = "reward" if kind == "reward function" else kind
     thing = "class" if kind == "environment" else "function"
     if spec in bundled:

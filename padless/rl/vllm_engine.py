@@ -293,11 +293,7 @@ class VLLMEngine:
         greedy: bool = False,
         vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
-        if vision is not None and any(v is not None for v in vision):
-            raise ValueError(
-                "padless hands no images to vLLM yet (docs/guides/sampling.md, vLLM on CPU, says why); use "
-                "rollout.engine: hf with image prompts"
-            )
+        """``vision`` is never given: :mod:`padless.rl.sampling` refuses vLLM for vision-language policies."""
         r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [

@@ -8,9 +8,9 @@ Layout of ``checkpoint-N/``:
 - ``state/``: per rank, the optimizer state as it lives on that rank (FSDP2 and ZeRO shards, not
   gathered) in ``optimizer-<rank>.safetensors`` with its structure in ``optimizer-<rank>.json``, the RNG
   states in ``rng-<rank>.safetensors`` / ``.json``, and the learning-rate schedule in ``scheduler.json``;
-- ``plan.json``: the current epoch's planned data when the recipe's plan cannot be recomputed (a rollout
-  saved mid-way); ``state/ahead-<rank>.json``: each rank's data prepared ahead of the plan and not yet
-  trained on (rollouts sampled ahead with ``rollout.max_staleness``);
+- ``state/recipe-<rank>.json``: what each rank's recipe keeps for the run to continue on the same data
+  (:meth:`padless.run.loop.Recipe.state`): a rollout trained half-way, rollouts sampled ahead with
+  ``rollout.max_staleness``; absent when there is nothing;
 - ``trainer_state.json`` with the step, data position, strategy and world size, the resume terms (see
   :mod:`padless.run.contract`) and the list of the checkpoint's files, written last. A checkpoint
   loads exactly the files it lists: a stray ``*.safetensors`` dropped beside them is never read.
@@ -42,7 +42,11 @@ from padless.forward.vision import model_keys
 from padless.run.runfiles import own
 
 STATE_FILE = "trainer_state.json"
-PLAN_FILE = "plan.json"
+
+
+def recipe_file(path: Path, rank: int) -> Path:
+    """Where checkpoint ``path`` keeps rank ``rank``'s recipe state."""
+    return path / "state" / f"recipe-{rank}.json"
 
 
 @dataclass
@@ -237,14 +241,14 @@ def save_checkpoint(
     tokenizer: Any,
     state: TrainState,
     output_dir: str | Path,
-    plan: Any = None,
-    ahead: Any = None,
+    recipe: Any = None,
 ) -> Path:
+    """``recipe``: this rank's recipe state (JSON data), None when there is none."""
     root = Path(output_dir)
     tmp = root / f".tmp-checkpoint-{state.step}"
     with doing(f"writing checkpoint {state.step}", tmp, setting="train.output_dir"):
         try:
-            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, plan, ahead)
+            return _save(accelerator, model, optimizer, scheduler, tokenizer, state, root, recipe)
         except BaseException:
             if accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted write leaves nothing
@@ -259,8 +263,7 @@ def _save(
     tokenizer: Any,
     state: TrainState,
     root: Path,
-    plan: Any,
-    ahead: Any,
+    recipe: Any,
 ) -> Path:
     final = root / f"checkpoint-{state.step}"
     tmp = root / f".tmp-checkpoint-{state.step}"
@@ -273,12 +276,10 @@ def _save(
     export_model(accelerator, model, tokenizer, tmp)
     save_tree(optimizer_state(optimizer), tmp / "state" / f"optimizer-{rank}")
     save_tree(rng_state(), tmp / "state" / f"rng-{rank}")
-    if ahead is not None:
-        (tmp / "state" / f"ahead-{rank}.json").write_text(json.dumps(ahead))
+    if recipe is not None:
+        recipe_file(tmp, rank).write_text(json.dumps(recipe))
     if accelerator.is_main_process:
         (tmp / "state" / "scheduler.json").write_text(json.dumps(scheduler.state_dict()))
-        if plan is not None:
-            (tmp / PLAN_FILE).write_text(json.dumps(plan))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
@@ -310,9 +311,9 @@ def load_checkpoint(
     scheduler: Any,
     path: Path,
     strategy: str,
-) -> tuple[TrainState, Any]:
-    """Restore weights, optimizer, schedule and RNG; return the train state and the saved plan (``None``
-    if there is none). Sharded state resumes only on the strategy and world size that wrote it."""
+) -> TrainState:
+    """Restore weights, optimizer, schedule and RNG; return the train state. Sharded state resumes only on
+    the strategy and world size that wrote it."""
     fix = f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {path}"
     with doing(f"reading checkpoint {path}", path, corrupt_fix=fix):
         return _load(accelerator, model, optimizer, scheduler, path, strategy)
@@ -325,9 +326,9 @@ def read_state(path: Path) -> TrainState:
     return TrainState(**{k: v for k, v in saved.items() if k in known})
 
 
-def read_ahead(path: Path, rank: int) -> Any | None:
-    """Rank ``rank``'s data prepared ahead of the plan in checkpoint ``path`` (None: there is none)."""
-    file = path / "state" / f"ahead-{rank}.json"
+def read_recipe_state(path: Path, rank: int) -> Any | None:
+    """Rank ``rank``'s recipe state in checkpoint ``path`` (None: there is none)."""
+    file = recipe_file(path, rank)
     if not file.exists():
         return None
     with reading(file):
@@ -341,7 +342,7 @@ def _load(
     scheduler: Any,
     path: Path,
     strategy: str,
-) -> tuple[TrainState, Any]:
+) -> TrainState:
     state = read_state(path)
     world = accelerator.num_processes
     sharded = {"fsdp2", "zero2", "zero3"}
@@ -359,9 +360,7 @@ def _load(
     with reading(path / "state" / "scheduler.json"):
         scheduler.load_state_dict(json.loads((path / "state" / "scheduler.json").read_text()))
     restore_rng(load_tree(path / "state" / f"rng-{source}"))
-    with reading(path / PLAN_FILE):
-        plan = json.loads((path / PLAN_FILE).read_text()) if (path / PLAN_FILE).exists() else None
-    return state, plan
+    return state
 
 
 def load_weights(

@@ -8,7 +8,7 @@ optimizer and schedule, logging, evaluation, checkpoints and exact resume.
 Every hook the loop calls is declared on :class:`Recipe`, with what it does where a recipe does not
 override it: a recipe that runs passes outside ``loss`` (reference precompute, rollouts) overrides ``bind``;
 one whose plan is costly and not reproducible from a seed (a sampled rollout) overrides
-``steps_per_epoch``, ``plan_state``, ``restore_plan`` and ``plan_metrics``.
+``steps_per_epoch``, ``state`` / ``restore`` and ``plan_metrics``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from padless.run import contract
 from padless.run.checkpoint import (
     TrainState,
     load_checkpoint,
-    read_ahead,
+    read_recipe_state,
     read_state,
     save_checkpoint,
 )
@@ -101,28 +101,21 @@ class Recipe:
         the loop counts them on the plans."""
         return None
 
-    def plan_state(self, epoch: int) -> Any | None:
-        """The planned data of ``epoch``, saved (``torch.save``) in a checkpoint taken mid-epoch; None:
-        the plan is rebuilt from its seed on resume."""
+    def state(self, epoch: int, mid_epoch: bool) -> Any | None:
+        """What a checkpoint at ``epoch`` (``mid_epoch``: some of its steps trained) must keep for the run
+        to continue on the same data, as JSON data saved by each rank: a plan that cannot be rebuilt from
+        its seed (a sampled rollout), data prepared ahead and not yet trained (rollouts sampled ahead).
+        None: nothing, the plan is rebuilt from its seed."""
         return None
 
-    def restore_plan(self, epoch: int, state: Any) -> None:
-        """Take back what :meth:`plan_state` saved, so a run resumed mid-epoch continues on the same data."""
-        raise NotImplementedError(f"{type(self).__name__} saves no plan to restore")
+    def restore(self, epoch: int, state: Any) -> None:
+        """Take back what :meth:`state` saved, so a resumed run continues on the same data."""
+        raise NotImplementedError(f"{type(self).__name__} saves no state to restore")
 
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         """Metrics of the epoch's planning (what a rollout measured), logged once per epoch; none by
         default."""
         return {}
-
-    def ahead_state(self) -> Any | None:
-        """Data prepared ahead of the plan and not yet trained on (rollouts sampled ahead), saved by each
-        rank in every checkpoint (JSON); None: nothing."""
-        return None
-
-    def restore_ahead(self, state: Any) -> None:
-        """Take back what :meth:`ahead_state` saved, so a resumed run trains on the same data."""
-        raise NotImplementedError(f"{type(self).__name__} prepares nothing ahead to restore")
 
     def plan_settings(self) -> dict[str, Any]:
         """Settings beyond ``train``'s that the plan is built from (RL: rollout, reward and loss keys); the
@@ -324,21 +317,22 @@ class Trainer:
             applied = contract.check(
                 resume, saved.terms, self.terms, saved.step, self.total_steps, saved.step_in_epoch > 0
             )
-            state, plan = load_checkpoint(
-                acc, self.model, self.optimizer, self.scheduler, resume, self.strategy
-            )
+            state = load_checkpoint(acc, self.model, self.optimizer, self.scheduler, resume, self.strategy)
             contract.rescale_learning_rates(self.optimizer, self.scheduler, saved.terms, self.terms)
             for change in applied:
                 log.warning("resuming %s with a change: %s", resume, change)
-            self._restore_ahead(resume, saved)
+            self._restore_recipe(resume, saved)
             state.strategy, state.world_size = self.strategy, acc.num_processes
-            if plan is not None and state.step_in_epoch > 0:
-                self.recipe.restore_plan(state.epoch, plan)
             if acc.is_main_process:
                 with doing("setting newer checkpoints aside", cfg.output_dir, setting="train.output_dir"):
                     branch(cfg.output_dir, resume)
         reporter = Reporter(
-            cfg.output_dir, cfg.report_to, acc.is_main_process, state.step if resume else None
+            cfg.output_dir,
+            cfg.report_to,
+            acc.is_main_process,
+            state.step if resume else None,
+            cfg.run_name,
+            cfg.project,
         )
         bar = tqdm(
             total=self.total_steps,
@@ -357,6 +351,7 @@ class Trainer:
             self._loop(state, reporter, bar, window, counts, last)
         except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
+            reporter.close(failed=True)
             raise
         bar.close()
         reporter.plot()
@@ -364,11 +359,13 @@ class Trainer:
         end_run(cfg.output_dir)
         return last
 
-    def _restore_ahead(self, resume: Path, saved: TrainState) -> None:
-        """The checkpoint's data prepared ahead (rollouts sampled ahead) back into the recipe, unless what it
-        was prepared for changed (then it is dropped, said in the log, and prepared again)."""
-        ahead = read_ahead(resume, self.acc.process_index)
-        if ahead is None:
+    def _restore_recipe(self, resume: Path, saved: TrainState) -> None:
+        """The recipe's state in the checkpoint back into the recipe, unless it was saved for another world
+        size or other settings: then (only at an epoch boundary: mid-epoch the contract refused it) it can
+        only hold data prepared ahead (rollouts sampled ahead), which is dropped, said in the log, and
+        prepared again from the checkpoint's weights."""
+        kept = read_recipe_state(resume, self.acc.process_index)
+        if kept is None:
             return
         if saved.world_size != self.acc.num_processes or saved.terms.get("plan_settings") != self.terms.get(
             "plan_settings"
@@ -379,7 +376,7 @@ class Trainer:
                 resume,
             )
             return
-        self.recipe.restore_ahead(ahead)
+        self.recipe.restore(saved.epoch, kept)
 
     def _stop_on(self, error: BaseException, state: TrainState) -> None:
         """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
@@ -401,14 +398,14 @@ class Trainer:
                 log.error("could not checkpoint the trained steps before stopping: %s", e)
         elif state.step > self._saved_step:
             log.warning("the steps after %d are not checkpointed", self._saved_step)
-        if isinstance(error, (UserCodeError, InputError)) or type(error).__name__ in ("RewardError",):
+        if isinstance(error, (UserCodeError, InputError)):
             if error.args and isinstance(error.args[0], str):
                 error.args = (f"at step {state.step + 1}: {error.args[0]}{saved}", *error.args[1:])
         elif saved:
             log.warning("stopping on %s%s", type(error).__name__, saved)
 
     def _save(self, state: TrainState) -> None:
-        plan = self.recipe.plan_state(state.epoch) if state.step_in_epoch > 0 else None
+        kept = self.recipe.state(state.epoch, mid_epoch=state.step_in_epoch > 0)
         self.guard.check_weights(self.model)
         with deferred():  # Ctrl-C / SIGTERM now: the checkpoint is finished first, then the run stops
             save_checkpoint(
@@ -419,8 +416,7 @@ class Trainer:
                 self.tokenizer,
                 state,
                 self.cfg.output_dir,
-                plan,
-                self.recipe.ahead_state(),
+                kept,
             )
             self._saved_step = state.step
             if self.acc.is_main_process:

@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from padless.config.loading import precedence_notes
+from padless.config.loading import precedence_notes, to_dict
 from padless.config.schema import ModelSettings
 from padless.data.images import ImageInputs
 from padless.data.sources import image_inputs
@@ -22,6 +22,7 @@ from padless.forward.engine import EngineSettings, ModelEngine
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
 from padless.run.logs import describe_run, log_to_file, setup_logging
+from padless.run.reporting import remember_config
 from padless.run.strategy import expected_strategy, prepare_frozen, start_accelerator
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def start_session(
         log.info(note)
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))
+        remember_config(to_dict(config), output_dir)  # the trackers record it
     images = image_inputs(model_cfg.name, model)
     return Session(accelerator, tokenizer, model, model_cfg, settings, images)
 

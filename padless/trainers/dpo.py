@@ -10,8 +10,7 @@ import torch
 from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
 from padless.forward.engine import inner_engine, reference_engine
-from padless.forward.packing import budget_batches
-from padless.forward.ranks import shared_pass
+from padless.forward.passes import lockstep_pass
 from padless.losses import dpo_loss
 from padless.proof.load import pad_token_id
 from padless.run.loop import MicroBatch, Trainer
@@ -56,14 +55,16 @@ class DPORecipe(PairRecipe):
         for pairs in (self.pairs, self.eval_pairs):
             if not pairs:
                 continue
-            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
 
             def run(group: list[int], pairs=pairs) -> torch.Tensor:
                 chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
-            ref = shared_pass(groups, run, len(pairs), 2, inner_engine(model).topology).tolist()
-            pairs.set_meta("ref_logps", [tuple(r) for r in ref])  # pairs are read from disk when used
+            topology, budget = inner_engine(model).topology, self.cfg.max_tokens_per_batch
+            ref = lockstep_pass(range(len(pairs)), pairs.lengths, run, budget, share=topology)
+            pairs.set_meta(
+                "ref_logps", [tuple(r.tolist()) for r in ref]
+            )  # pairs are read from disk when used
         self.ref_model = None
 
     def loss(

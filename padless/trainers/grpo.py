@@ -9,7 +9,7 @@ import random
 import torch
 
 from padless.config.schema import GRPOConfig
-from padless.forward.packing import Example, pack
+from padless.forward.packing import pack
 from padless.losses import (
     cispo_policy_loss,
     clipped_policy_loss,
@@ -22,13 +22,15 @@ from padless.losses import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from padless.rl.sample import Sample, per_target
+from padless.rl.setup import RolloutSetup, start_rl
 from padless.run.loop import MicroBatch, Trainer
-from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl
+from padless.trainers.rl import Pass, RolloutRecipe
 
 
 class GRPORecipe(RolloutRecipe):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, setup: RolloutSetup):
+        super().__init__(setup)
         g = self.cfg.grpo
         self.kl = g.beta > 0
         self.updates, self.mini_batches = g.updates_per_rollout, g.mini_batches_per_rollout
@@ -44,7 +46,7 @@ class GRPORecipe(RolloutRecipe):
             passes["old_logps"] = self.logps_pass(self.policy)
         return passes
 
-    def sample(self, epoch: int) -> tuple[list[Example], dict[str, float]]:
+    def sample(self, epoch: int) -> tuple[list[Sample], dict[str, float]]:
         """With ``grpo.dynamic_sampling_rounds`` (DAPO): groups whose rewards are all equal are dropped and
         replaced by groups of fresh prompts (a seeded draw per round), for at most that many rounds; if the
         rollout is still short, the first dropped groups fill it (their advantages are 0) and the log says
@@ -54,12 +56,12 @@ class GRPORecipe(RolloutRecipe):
         if not rounds:
             return examples, metrics
         group, wanted = self.cfg.rollout.num_generations, self.cfg.rollout.prompts_per_step
-        kept: list[list[Example]] = []
-        dropped: list[list[Example]] = []
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
         sampled, done = 0, 0
         while True:
             groups = [examples[i : i + group] for i in range(0, len(examples), group)]
-            flat = constant_groups(torch.tensor([e.meta["reward"] for e in examples]), group).tolist()
+            flat = constant_groups(torch.tensor([e.scored.reward for e in examples]), group).tolist()
             for g, constant in zip(groups, flat, strict=True):
                 (dropped if constant else kept).append(g)
             sampled += len(groups)
@@ -77,7 +79,7 @@ class GRPORecipe(RolloutRecipe):
         metrics["dynamic_sampling/constant_groups_kept"] = float(filled)
         return [e for g in chosen for e in g], metrics
 
-    def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
         g, group = self.cfg.grpo, self.cfg.rollout.num_generations
         if g.advantage == "rloo":
             advantages = rloo_advantages(rewards, group)
@@ -85,11 +87,11 @@ class GRPORecipe(RolloutRecipe):
             advantages = reinforce_pp_advantages(rewards, group)
         else:
             advantages = group_advantages(rewards, group, g.group_std)
-        for e, a in zip(examples, advantages.tolist(), strict=True):
-            e.meta["advantage"] = a
+        for s, a in zip(samples, advantages.tolist(), strict=True):
+            s.algorithm.advantages = [a] * s.num_targets  # one per sequence, on each of its targets
         return {}
 
-    def units(self, chunk: list[Example]) -> float:
+    def units(self, chunk: list[Sample]) -> float:
         lengths = [e.num_targets for e in chunk]
         return policy_loss_units(lengths, self.cfg.grpo.loss_type, self.cfg.rollout.model_token_budget())
 
@@ -97,18 +99,19 @@ class GRPORecipe(RolloutRecipe):
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         g = self.cfg.grpo
-        examples: list[Example] = micro.data
-        batch = pack(examples, device=self.device)
+        samples: list[Sample] = micro.data
+        batch = pack(samples, device=self.device)
         out = model(batch, logps=True, entropy=True, temperature=self.cfg.rollout.temperature)
         mask = batch.loss_mask[0]
         logps = out.logps[mask]
-        counts = torch.tensor([e.num_targets for e in examples], device=self.device)
-        advantages = torch.repeat_interleave(
-            torch.tensor([e.meta["advantage"] for e in examples], device=self.device, dtype=torch.float32),
-            counts,
+        counts = torch.tensor([s.num_targets for s in samples], device=self.device)
+        advantages = per_target([s.algorithm.advantages for s in samples], self.device)
+        old = (
+            per_target([s.passes.old_logps for s in samples], self.device)
+            if self.store_old
+            else logps.detach()
         )
-        old = per_target(examples, "old_logps", self.device) if self.store_old else logps.detach()
-        weight = self.is_weights(examples)  # the rollout-trainer correction (None: off), before the KL
+        weight = self.is_weights(samples)  # the rollout-trainer correction (None: off), before the KL
         eps = (self.eps_low, self.eps_high)
         if g.loss_type == "cispo":
             per_token, clipped = cispo_policy_loss(logps, old, advantages, g.max_ratio, weight)
@@ -116,7 +119,7 @@ class GRPORecipe(RolloutRecipe):
             per_token, clipped = gspo_policy_loss(logps, old, advantages, counts, *eps, weight)
         else:
             per_token, clipped = clipped_policy_loss(logps, old, advantages, *eps, weight)
-        kl = kl_k3(logps, per_target(examples, "ref_logps", self.device)) if self.kl else None
+        kl = kl_k3(logps, per_target([s.passes.ref_logps for s in samples], self.device)) if self.kl else None
         if kl is not None:
             per_token = per_token + g.beta * kl
         weights = policy_token_weights(counts, g.loss_type).to(per_token.dtype)
@@ -138,7 +141,7 @@ class GRPORecipe(RolloutRecipe):
 
 def run_grpo(cfg: GRPOConfig) -> dict[str, float]:
     session, setup = start_rl(cfg, reference=cfg.grpo.beta > 0)
-    recipe = setup.recipe(GRPORecipe)
+    recipe = GRPORecipe(setup)
     engine = session.engine()
     saved = setup.images.processor if setup.images else session.tokenizer  # beside each checkpoint
     return Trainer(recipe, engine, saved, cfg.train, session.accelerator).train()

@@ -24,7 +24,8 @@ from padless.errors import InputError
 from padless.forward import ranks
 from padless.forward.engine import BatchLayout, reference_engine
 from padless.forward.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
-from padless.forward.ranks import Topology, shared_pass
+from padless.forward.passes import lockstep_pass
+from padless.forward.ranks import Topology
 from padless.losses import kto_loss
 from padless.proof.load import pad_token_id
 from padless.run.loop import MicroBatch, Recipe, Trainer
@@ -139,7 +140,6 @@ class KTORecipe(Recipe):
             return 0.0
         if self.baseline is not None and self.baseline[0] == key:
             return self.baseline[1]
-        groups = budget_batches(side.items.lengths[indices], self.cfg.max_tokens_per_batch, shuffle=False)
 
         def run(group: list[int]) -> torch.Tensor:
             pairs = side.kl_pairs([indices[i] for i in group])
@@ -148,7 +148,9 @@ class KTORecipe(Recipe):
                 logps = sequence_logps(model, batch, self.layout)[0]
             return (logps - self.reference_logps(model, pairs, batch))[:, None]
 
-        z = max(shared_pass(groups, run, len(indices), 1, self.topology).mean().item(), 0.0)
+        lengths, budget = side.items.lengths[indices], self.cfg.max_tokens_per_batch
+        ratios = lockstep_pass(range(len(indices)), lengths, run, budget, share=self.topology)
+        z = max(torch.stack(ratios).mean().item(), 0.0)
         self.baseline = (key, z)
         return z
 
@@ -160,7 +162,6 @@ class KTORecipe(Recipe):
         for side in (self.train, self.eval):
             if side is None:
                 continue
-            groups = budget_batches(side.items.lengths, self.cfg.max_tokens_per_batch, shuffle=False)
 
             def run(group: list[int], side: Completions = side) -> torch.Tensor:
                 own, pairs = side.items.take(group), side.kl_pairs(group)
@@ -173,7 +174,10 @@ class KTORecipe(Recipe):
                     1,
                 )
 
-            ref = shared_pass(groups, run, len(side.items), 2, self.topology)
+            budget = self.cfg.max_tokens_per_batch
+            ref = torch.stack(
+                lockstep_pass(range(len(side.items)), side.items.lengths, run, budget, share=self.topology)
+            )
             side.items.set_meta("ref_logps", ref[:, 0].tolist())
             side.items.set_meta("ref_kl_logps", ref[:, 1].tolist())
         self.ref_model = None

@@ -7,16 +7,18 @@ from __future__ import annotations
 import torch
 
 from padless.config.schema import PPOConfig
-from padless.forward.packing import Example, pack
+from padless.forward.packing import pack
 from padless.forward.vision import require_same_inputs
 from padless.losses import clipped_policy_loss, clipped_value_loss, gae, whiten
+from padless.rl.sample import Sample, per_target
+from padless.rl.setup import RolloutSetup, start_rl, without_dropout
 from padless.run.loop import MicroBatch, Trainer
-from padless.trainers.rl import Pass, RolloutRecipe, per_target, start_rl, without_dropout
+from padless.trainers.rl import Pass, RolloutRecipe
 
 
 class PPORecipe(RolloutRecipe):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, setup: RolloutSetup):
+        super().__init__(setup)
         p = self.cfg.ppo
         self.updates, self.mini_batches = p.updates_per_rollout, p.mini_batches_per_rollout
 
@@ -27,58 +29,58 @@ class PPORecipe(RolloutRecipe):
             "old_values": lambda b: self.policy(b, values=True).values,
         }
 
-    def process(self, examples: list[Example], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
         """Per-target rewards (score at the last target, minus the KL penalty), GAE, whitened advantages."""
         p = self.cfg.ppo
-        for e in examples:
-            e.meta.update(advantages=[], returns=[])
-        live = [(e, score) for e, score in zip(examples, rewards.tolist(), strict=True) if e.num_targets]
+        for s in samples:
+            s.algorithm.advantages, s.algorithm.returns = [], []
+        live = [(s, score) for s, score in zip(samples, rewards.tolist(), strict=True) if s.num_targets]
         kls: list[float] = []
         if live:  # every sequence in one vectorised GAE over the concatenated targets
-            lengths = [e.num_targets for e, _ in live]
-            old, ref, old_values = (
-                torch.tensor([x for e, _ in live for x in e.meta[key]])
-                for key in ("old_logps", "ref_logps", "old_values")
-            )
+            lengths = [s.num_targets for s, _ in live]
+            passes = [s.passes for s, _ in live]
+            old = torch.tensor([x for stored in passes for x in stored.old_logps or ()])
+            ref = torch.tensor([x for stored in passes for x in stored.ref_logps or ()])
+            old_values = torch.tensor([x for stored in passes for x in stored.old_values or ()])
             kl = old - ref
             token_rewards = -p.kl_coef * kl
             token_rewards[torch.tensor(lengths).cumsum(0) - 1] += torch.tensor([score for _, score in live])
             advantages, returns = gae(token_rewards, old_values, p.gamma, p.lam, lengths)
             if p.whiten_advantages:
                 advantages = whiten(advantages)
-            for (e, _), adv, ret in zip(live, advantages.split(lengths), returns.split(lengths), strict=True):
-                e.meta.update(advantages=adv.tolist(), returns=ret.tolist())
+            for (s, _), adv, ret in zip(live, advantages.split(lengths), returns.split(lengths), strict=True):
+                s.algorithm.advantages, s.algorithm.returns = adv.tolist(), ret.tolist()
             kls = [k.sum().item() for k in kl.split(lengths)]
         policy_weight = 0.0 if epoch < p.critic_warmup_steps else 1.0  # warm-up: only the critic learns
-        for e in examples:
-            e.meta["policy_weight"] = policy_weight
+        for s in samples:
+            s.algorithm.policy_weight = policy_weight
         return {"rollout/kl": sum(kls) / max(len(kls), 1)}
 
     def loss(
         self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        examples: list[Example] = micro.data
-        batch = pack(examples, device=self.device)
+        samples: list[Sample] = micro.data
+        batch = pack(samples, device=self.device)
         out = model(batch, logps=True, entropy=True, values=True, temperature=self.cfg.rollout.temperature)
         mask = batch.loss_mask[0]
         logps, values = out.logps[mask], out.values[mask]
         p = self.cfg.ppo
         policy_loss, clipped = clipped_policy_loss(
             logps,
-            per_target(examples, "old_logps", self.device),
-            per_target(examples, "advantages", self.device),
+            per_target([s.passes.old_logps for s in samples], self.device),
+            per_target([s.algorithm.advantages for s in samples], self.device),
             p.cliprange,
             p.cliprange,
         )
-        if (is_weight := self.is_weights(examples)) is not None:  # rollout-trainer correction
+        if (is_weight := self.is_weights(samples)) is not None:  # rollout-trainer correction
             policy_loss = policy_loss * is_weight
         value_loss = clipped_value_loss(
             values,
-            per_target(examples, "old_values", self.device),
-            per_target(examples, "returns", self.device),
+            per_target([s.passes.old_values for s in samples], self.device),
+            per_target([s.algorithm.returns for s in samples], self.device),
             p.cliprange_value,
         )
-        weight = examples[0].meta["policy_weight"]
+        weight = samples[0].algorithm.policy_weight
         loss = (weight * policy_loss + p.vf_coef * value_loss).sum() / normaliser
         return loss, {
             "loss": loss.item(),
@@ -95,7 +97,7 @@ def run_ppo(cfg: PPOConfig) -> dict[str, float]:
     role = f"ppo.value_model {cfg.ppo.value_model or cfg.model.name}"
     require_same_inputs(session.model, value_model, role)
     without_dropout(value_model, "value model")
-    recipe = setup.recipe(PPORecipe)
+    recipe = PPORecipe(setup)
     model = session.engine(value=value_model)  # one optimizer, wrapper and checkpoint for both
     value_lr = cfg.ppo.value_learning_rate
     rates = {"value.": value_lr} if value_lr is not None else None

@@ -14,8 +14,7 @@ from padless.data import PairExample, load_rows, tokenize_scoring
 from padless.data.sources import image_inputs, require_scoring_model
 from padless.errors import InputError
 from padless.forward.engine import ModelEngine, sequence_scores
-from padless.forward.packing import Example, budget_batches, pack
-from padless.forward.ranks import lockstep
+from padless.forward.passes import score_examples
 from padless.losses import bradley_terry_loss
 from padless.proof.load import load_model, load_tokenizer, pad_token_id
 from padless.run.loop import MicroBatch, Trainer
@@ -58,25 +57,6 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     recipe = RMRecipe(pairs(data.train, "train"), cfg.train, pad_id, acc.device, eval_pairs)
     saved = images.processor if images else tokenizer  # written beside each checkpoint
     return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()
-
-
-@torch.no_grad()
-def score_examples(
-    model: torch.nn.Module, examples: list[Example], max_tokens: int = 8192, filler: Example | None = None
-) -> list[float]:
-    """One score per example, in order, on packed batches, through a (prepared) scoring engine; ranks
-    run in lockstep on ``filler`` once their own examples are done."""
-    scores = [0.0] * len(examples)
-    device = next(model.parameters()).device
-    budget = max([max_tokens, *map(len, examples)])
-    groups = budget_batches([len(e) for e in examples], budget, shuffle=False) if examples else []
-    for group, real in lockstep(groups, [-1]):
-        chunk = [examples[i] if i >= 0 else filler for i in group]
-        values = sequence_scores(model, pack(chunk, device=device)).tolist()
-        if real:
-            for i, v in zip(group, values, strict=True):
-                scores[i] = v
-    return scores
 
 
 def score_file(

@@ -307,7 +307,7 @@ def test_bounds_are_checked_from_the_types() -> None:
         ("train.learning_rate=0", "train.learning_rate"),
         ("train.warmup_ratio=1.0", "train.warmup_ratio"),
         ("train.warmup_ratio=-0.1", "train.warmup_ratio"),
-        ("train.report_to=[wandb]", "train.report_to"),
+        ("train.report_to=[neptune]", "train.report_to"),
         ("model.lora.r=0", "model.lora.r"),
     ],
 )
@@ -933,7 +933,8 @@ from padless.config.loading import precedence_notes  # noqa: E402
 def another_value(spec: Any, default: Any) -> Any:
     """A valid value of a field other than its default."""
     tp = spec.annotation
-    members = [m for m in get_args(tp) if m is not type(None)] if get_origin(tp) is not Literal else [tp]
+    union = get_origin(tp) not in (Literal, list, dict)  # X | None: its members; list[str]: itself
+    members = [m for m in get_args(tp) if m is not type(None)] if union else [tp]
     first = members[0] if members else tp
     first = get_args(first)[0] if hasattr(first, "__metadata__") else first
     if get_origin(first) is Literal:
@@ -945,10 +946,14 @@ def another_value(spec: Any, default: Any) -> Any:
         value = default * 2 if default is not None and default > 0 else 2
         high = b.get("lt", b.get("le"))
         low = max(default or 0, b.get("ge", b.get("gt", 0)))
-        return (low + high) / 2 if high and value >= high else value
+        if high and value >= high:  # under the upper bound: above the default, or below it if it is the bound
+            value = (low + high) / 2 if low < high else (b.get("ge", b.get("gt", 0)) + high) / 2
+        return value
     if get_origin(first) is dict:
         return {"a": "b"}
-    return ["x:y"] if get_origin(first) is list else "x"
+    if get_origin(first) is list:
+        return [0.5] if get_args(first)[0] is float else ["x:y"]
+    return "x"
 
 
 def choice_values(owner: Any, key: str) -> list[Any]:

@@ -65,7 +65,6 @@ def test_environment_specs_are_refused_in_one_line(tmp_path):
             ["rollout.environment=calculator", "reward.overlong_buffer=4"],
             "an episode has several model turns",
         ),
-        (["rollout.environment=calculator", "rollout.max_staleness=1"], "sampled on-policy only"),
     ],
 )
 def test_episode_keys_are_checked_with_the_config(overrides, says):

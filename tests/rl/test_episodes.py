@@ -29,6 +29,7 @@ from padless.proof.tolerance import bound
 from padless.rl.environments import Environment, Step, Tools, Turn
 from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
+from padless.rl.setup import RolloutSetup
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -217,11 +218,13 @@ def sampled(tokenizer):
     engine = ModelEngine(model)
     cfg = load_config(GRPOConfig, None, [*EPISODE_SETTINGS, "train.max_tokens_per_batch=200"])
     cfg.rollout.response_template = RESPONSE
-    recipe = GRPORecipe([], cfg, tok, engine, HFEngine(engine, tok, cfg.rollout), torch.device("cpu"))
-    recipe.episodes.env_cls, recipe.episodes.tools = Chatty, Tools([add], RESPONSE)
+    recipe = GRPORecipe(
+        RolloutSetup([], cfg, tok, engine, HFEngine(engine, tok, cfg.rollout), torch.device("cpu"))
+    )
+    recipe.sampler.runner.env_cls, recipe.sampler.runner.tools = Chatty, Tools([add], RESPONSE)
     prompts = []
     for i, text in enumerate(["What is 2 + 3?", "Add 40 and 2, then tell me the answer.", "Hi"]):
-        recipe.rows[("t", i)] = {"prompt": text, "extra": 3 * i}
+        recipe.sampler.rows[("t", i)] = {"prompt": text, "extra": 3 * i}
         prompts.append(PromptExample([1, 2], {}, {"row": i, "source": "t"}))
     examples = recipe.collect(prompts, group=2, seed=5)
     return model, recipe, examples
@@ -232,12 +235,12 @@ def test_sampled_logps_equal_the_training_forward_on_packed_episodes(sampled):
     measured 3.1e-6 against a bound of 3.0e-5 (the sampler decodes on sdpa with a KV cache, the trainer packs
     on varlen: summation order only)."""
     model, _recipe, examples = sampled
-    assert {e.meta["episode"]["turns"] for e in examples} == {3}
-    assert all(e.meta["episode"]["env_tokens"] > 0 for e in examples)
+    assert {e.drawn.episode.turns for e in examples} == {3}
+    assert all(e.drawn.episode.env_tokens > 0 for e in examples)
     assert len({len(e) for e in examples}) > 2  # episodes of different lengths, packed together
-    sampler = torch.tensor([v for e in examples for v in e.meta["sampler_logps"]])
-    trainer = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
-    assert sampler.numel() == sum(e.meta["length"] for e in examples) == sum(e.num_targets for e in examples)
+    sampler = torch.tensor([v for e in examples for v in e.drawn.logps])
+    trainer = torch.tensor([v for e in examples for v in e.passes.old_logps])  # packed, at temperature
+    assert sampler.numel() == sum(e.drawn.length for e in examples) == sum(e.num_targets for e in examples)
     logits = alone_logps(model, [e.input_ids for e in examples]).max_logit / 0.7
     assert (sampler - trainer).abs().max() <= bound(torch.float32, max(logits, trainer.abs().max().item()))
 
@@ -264,7 +267,7 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     """A planted check: the gradient of GRPO's loss reaches the last hidden state (after the final norm, one
     row per position, read by the head alone) only at positions that predict a model token."""
     model, recipe, examples = sampled
-    recipe.process(examples, torch.tensor([e.meta["reward"] for e in examples]) + torch.arange(6.0), 0)
+    recipe.process(examples, torch.tensor([e.scored.reward for e in examples]) + torch.arange(6.0), 0)
     held = {}
     hook = model.model.norm.register_forward_hook(lambda m, i, out: held.setdefault("h", out).retain_grad())
     try:
@@ -278,7 +281,7 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     touched = held["h"].grad[0].abs().sum(-1) > 0  # [T]: positions whose prediction is in the loss
     predicts_model_token = torch.cat([torch.tensor([*e.loss_mask[1:], False]) for e in examples])
     assert torch.equal(touched, predicts_model_token)
-    assert sum(e.meta["episode"]["env_tokens"] for e in examples) > 0  # and there were some to leave out
+    assert sum(e.drawn.episode.env_tokens for e in examples) > 0  # and there were some to leave out
 
 
 def test_dr_grpo_normalises_an_episode_by_its_model_token_budget_not_one_turns(sampled):
@@ -361,12 +364,12 @@ def calculator_overrides(out, *extra: str) -> list[str]:
 def test_calculator_episodes_train_log_their_metrics_and_resume_mid_rollout(tmp_path):
     """Two optimizer steps per rollout of calculator episodes, a checkpoint after each: the run logs turn
     and tool metrics, and resuming from the middle of a rollout trains on its saved episodes."""
-    from padless.run.checkpoint import PLAN_FILE
+    from padless.run.checkpoint import recipe_file
     from padless.trainers.grpo import run_grpo
 
     extra = ("train.max_steps=4", "train.save_steps=1", "grpo.updates_per_rollout=2")
     straight = run_grpo(load_config(GRPOConfig, None, calculator_overrides(tmp_path / "a", *extra)))
-    assert (tmp_path / "a" / "checkpoint-3" / PLAN_FILE).exists()
+    assert json.loads(recipe_file(tmp_path / "a" / "checkpoint-3", 0).read_text())["rollout"]
     shutil.copytree(tmp_path / "a" / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
     resume = "train.resume_from_checkpoint=latest"
     resumed = run_grpo(load_config(GRPOConfig, None, calculator_overrides(tmp_path / "b", *extra, resume)))
@@ -447,15 +450,14 @@ def vlm_recipe(folder: str, engine_cls: type = HFEngine) -> tuple[torch.nn.Modul
     engine = ModelEngine(model)
     cfg = load_config(GRPOConfig, None, VLM_SETTINGS)
     cfg.rollout.response_template = RESPONSE
-    recipe = GRPORecipe(
-        [], cfg, tok, engine, engine_cls(engine, tok, cfg.rollout), torch.device("cpu"), images=images
-    )
-    recipe.episodes.env_cls, recipe.episodes.tools = ShowsAnother, Tools([add], RESPONSE)
+    sampler = engine_cls(engine, tok, cfg.rollout)
+    recipe = GRPORecipe(RolloutSetup([], cfg, tok, engine, sampler, torch.device("cpu"), images=images))
+    recipe.sampler.runner.env_cls, recipe.sampler.runner.tools = ShowsAnother, Tools([add], RESPONSE)
     rows = load_rows("tiny:shapes_rl")[:3]
     prompts, _ = tokenize_prompts(rows, tok, max_prompt_length=128, images=images)
     for i, row in enumerate(rows):
         another = rows[(i + 1) % 3].data["images"][0]
-        recipe.rows[(row.source, row.index)] = {**row.data, "extra": 3 * i, "another": another}
+        recipe.sampler.rows[(row.source, row.index)] = {**row.data, "extra": 3 * i, "another": another}
     return model, recipe, prompts
 
 
@@ -466,13 +468,13 @@ def vlm_sampled(talkative_vlm):
     picture, tool turns of different lengths."""
     model, recipe, prompts = vlm_recipe(talkative_vlm)
     examples = recipe.collect(prompts, group=2, seed=5)
-    assert {e.meta["episode"]["turns"] for e in examples} == {3}
-    assert all(e.meta["episode"]["env_tokens"] > 0 and len(e.meta["env_images"]) == 1 for e in examples)
+    assert {e.drawn.episode.turns for e in examples} == {3}
+    assert all(e.drawn.episode.env_tokens > 0 and len(e.drawn.env_images) == 1 for e in examples)
     for e, prompt in zip(examples, [p for p in prompts for _ in range(2)], strict=True):
         grids = e.vision["image_grid_thw"]  # the prompt's picture, then the one the tool showed
         assert len(grids) == 2 and torch.equal(grids[:1], prompt.vision["image_grid_thw"])
         assert sum(t == IMAGE_TOKEN_ID for t in e.input_ids) == int(grids.prod(-1).sum()) // MERGE_SIZE**2
-    trained = torch.tensor([v for e in examples for v in e.meta["old_logps"]])  # packed, at temperature
+    trained = torch.tensor([v for e in examples for v in e.passes.old_logps])  # packed, at temperature
     scale = max(max(hf_alone(model, e, 0.7)[1] for e in examples), trained.abs().max().item())
     return model, prompts, examples, bound(torch.float32, scale)
 
@@ -496,7 +498,7 @@ def targets_logps(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 def logps_gap(examples: list[Example], trained: torch.Tensor) -> float:
-    sampler = torch.tensor([v for e in examples for v in e.meta["sampler_logps"]])
+    sampler = torch.tensor([v for e in examples for v in e.drawn.logps])
     assert sampler.numel() == trained.numel() == sum(e.num_targets for e in examples)
     return (sampler - trained).abs().max().item()
 
@@ -509,7 +511,7 @@ def test_vlm_sampled_logps_equal_the_training_forward_on_packed_episodes(vlm_sam
     left-padded batch, the trainer packs on varlen: summation order only). Measured 5.7e-6 against a bound
     of 4.0e-5."""
     _model, _prompts, examples, limit = vlm_sampled
-    gap = logps_gap(examples, torch.tensor([v for e in examples for v in e.meta["old_logps"]]))
+    gap = logps_gap(examples, torch.tensor([v for e in examples for v in e.passes.old_logps]))
     print(f"vlm episodes: max |sampler - trainer| = {gap:.2e}, bound {limit:.2e}")
     assert gap <= limit
 
@@ -530,7 +532,7 @@ def test_vlm_episodes_without_their_images_or_m_rope_positions_break_the_match(v
 
     _, blind, _ = vlm_recipe(talkative_vlm, Blind)
     blind_examples = blind.collect(prompts, group=2, seed=5)
-    blind_trained = torch.tensor([v for e in blind_examples for v in e.meta["old_logps"]])
+    blind_trained = torch.tensor([v for e in blind_examples for v in e.passes.old_logps])
     dropped = logps_gap(blind_examples, blind_trained)
 
     flat = [

@@ -29,7 +29,7 @@ from padless.forward.packing import Example, pack
 from padless.proof.load import load_model
 from padless.rl.generate import HFEngine
 from padless.rl.vllm_engine import inference_weights, to_completions
-from padless.run.checkpoint import PLAN_FILE
+from padless.run.checkpoint import recipe_file
 from padless.trainers.grpo import run_grpo
 from padless.trainers.ppo import run_ppo
 
@@ -71,7 +71,7 @@ def test_inference_weights_of_a_zero3_lora_policy_are_gathered_and_merged():
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-c", "from tests.test_vllm_engine import zero3_gathers; zero3_gathers()"],
+        [sys.executable, "-c", "from tests.rl.test_vllm_engine import zero3_gathers; zero3_gathers()"],
         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -369,7 +369,7 @@ def test_rl_with_vllm_trains_and_resumes_mid_rollout(tmp_path, run, config, extr
     trains on its saved samples, and the next rollout, sampled by a fresh engine, is the same."""
     need_vllm()
     straight = run(load_config(config, None, rl_overrides(tmp_path, "a", *extra)))
-    assert (tmp_path / "a" / "checkpoint-3" / PLAN_FILE).exists()
+    assert json.loads(recipe_file(tmp_path / "a" / "checkpoint-3", 0).read_text())["rollout"]
     shutil.copytree(tmp_path / "a" / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
     resumed = run(
         load_config(config, None, rl_overrides(tmp_path, "b", *extra, "train.resume_from_checkpoint=latest"))

@@ -21,11 +21,12 @@ from padless.config.schema import (
 from padless.data import load_rows, tokenize_preference
 from padless.forward.engine import ModelEngine, sequence_scores
 from padless.forward.packing import budget_batches, pack
+from padless.forward.passes import score_examples
 from padless.proof.load import load_model
 from padless.run.loop import MicroBatch
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers.dpo import DPORecipe, run_dpo
-from padless.trainers.rm import RMRecipe, run_rm, score_examples
+from padless.trainers.rm import RMRecipe, run_rm
 
 CPU = torch.device("cpu")
 

@@ -1,14 +1,14 @@
 """The GRPO recipe's loss against TRL 1.16's ``GRPOTrainer._compute_loss`` on identical inputs.
 
 What is compared: per-token log-probs ``pi`` (a leaf tensor), stored old log-probs, reference log-probs and
-per-sequence advantages, for sequences of different lengths. padless gets them as a rollout's examples
-(packed, ``meta``), split over two micro-batches whose losses are summed over the recipe's global
-normaliser, exactly as the training loop runs them; TRL gets the same numbers right-padded with a
-completion mask, one batch, one process, no accumulation. TRL's loss math is inline in ``_compute_loss``,
-so it runs on a ``GRPOTrainer`` made without ``__init__`` carrying only the attributes that method reads,
-with the model's forward replaced by the given log-probs. Both the loss and its gradient with respect to
-every log-prob must agree; inputs are fp32 values computed in fp64 on both sides, so the only difference
-is summation order (1e-12).
+per-sequence advantages, for sequences of different lengths. padless gets them as a rollout's samples
+(packed, in their ``passes`` and ``algorithm`` fields), split over two micro-batches whose losses are
+summed over the recipe's global normaliser, exactly as the training loop runs them; TRL gets the same
+numbers right-padded with a completion mask, one batch, one process, no accumulation. TRL's loss math is
+inline in ``_compute_loss``, so it runs on a ``GRPOTrainer`` made without ``__init__`` carrying only the
+attributes that method reads, with the model's forward replaced by the given log-probs. Both the loss and
+its gradient with respect to every log-prob must agree; inputs are fp32 values computed in fp64 on both
+sides, so the only difference is summation order (1e-12).
 
 Not compared (TRL computes them inline while generating): the advantage estimators, and the ``grpo`` mean
 over a batch holding a sequence with no targets (TRL counts it as a zero in the mean, padless leaves it out:
@@ -26,7 +26,8 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 
 from padless.config.loading import load_config
 from padless.config.schema import GRPOConfig
-from padless.forward.packing import Example
+from padless.rl.sample import Algorithm, Passes, Sample
+from padless.rl.setup import RolloutSetup
 from padless.run.loop import MicroBatch
 from padless.trainers.grpo import GRPORecipe
 
@@ -96,14 +97,15 @@ def padless_loss(x: dict[str, torch.Tensor], overrides: list[str]):
         None,
         [f"grpo.beta={BETA}", "grpo.updates_per_rollout=2", f"rollout.max_new_tokens={WIDTH}", *overrides],
     )
-    recipe = GRPORecipe([], cfg, None, None, None, torch.device("cpu"))
+    recipe = GRPORecipe(RolloutSetup([], cfg, None, None, None, torch.device("cpu")))
     mask = x["mask"].bool()
     examples = []
     for i, n in enumerate(LENGTHS):
         prompt = [7, 8, 9]  # targets are the completion: the prompt's last token predicts the first
-        meta = {"advantage": x["adv"][i].item(), "old_logps": x["old"][i, :n].tolist()}
-        meta["ref_logps"] = x["ref"][i, :n].tolist()
-        examples.append(Example(prompt + list(range(10, 10 + n)), [False] * 3 + [True] * n, meta))
+        stored = Passes(old_logps=x["old"][i, :n].tolist(), ref_logps=x["ref"][i, :n].tolist())
+        advantage = Algorithm(advantages=[x["adv"][i].item()] * n)  # the sequence's, on each target
+        ids, targets = prompt + list(range(10, 10 + n)), [False] * 3 + [True] * n
+        examples.append(Sample(ids, targets, passes=stored, algorithm=advantage))
     leaf = x["logps"].double().requires_grad_(True)
     targets = leaf[mask]  # row-major: each sequence's targets in order, sequences in order
 

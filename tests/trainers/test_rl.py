@@ -23,14 +23,16 @@ from padless.forward.packing import Example, pack
 from padless.losses import gae, whiten
 from padless.proof.load import load_model
 from padless.rl.generate import HFEngine
-from padless.run.checkpoint import PLAN_FILE
+from padless.rl.sample import Passes, Sample, Scored
+from padless.rl.sampling import ENGINES, make_engine
+from padless.rl.setup import RolloutSetup, start_rl
+from padless.run.checkpoint import recipe_file
 from padless.run.loop import Trainer
 from padless.run.session import Session
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers import grpo
 from padless.trainers.grpo import GRPORecipe, run_grpo
 from padless.trainers.ppo import PPORecipe, run_ppo
-from padless.trainers.rl import start_rl
 from padless.trainers.sft import run_sft
 
 FAST = ["train.logging_steps=1", "train.progress_bar=false", "train.report_to=[jsonl]"]
@@ -41,8 +43,9 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
     model = load_model("tiny-llama")
     engine = ModelEngine(model)
     cfg = load_config(GRPOConfig, None, ["train.max_tokens_per_batch=64"])
+    cpu = torch.device("cpu")
     recipe = GRPORecipe(
-        [], cfg, tokenizer, engine, HFEngine(engine, tokenizer, cfg.rollout), torch.device("cpu")
+        RolloutSetup([], cfg, tokenizer, engine, HFEngine(engine, tokenizer, cfg.rollout), cpu)
     )
     gen = torch.Generator().manual_seed(0)
     eos = tokenizer.eos_token_id
@@ -50,7 +53,7 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
     for prompt_len, completion_len in [(5, 1), (12, 7), (3, 20), (9, 2), (30, 11)]:
         prompt = torch.randint(3, 4096, (prompt_len,), generator=gen).tolist()
         completion = [*torch.randint(3, 4096, (completion_len - 1,), generator=gen).tolist(), eos]
-        examples.append(Example(prompt + completion, [False] * prompt_len + [True] * completion_len))
+        examples.append(Sample(prompt + completion, [False] * prompt_len + [True] * completion_len))
     recipe.store(examples, {"ref_logps": recipe.logps_pass(engine)}, filler=examples[0])
     with torch.no_grad():
         for e in examples:
@@ -58,8 +61,8 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
             alone = forward_packed(model, batch, temperature=cfg.rollout.temperature).logps[
                 batch.loss_mask[0]
             ]
-            assert len(e.meta["ref_logps"]) == e.num_targets
-            torch.testing.assert_close(torch.tensor(e.meta["ref_logps"]), alone, rtol=0, atol=1e-5)
+            assert len(e.passes.ref_logps) == e.num_targets
+            torch.testing.assert_close(torch.tensor(e.passes.ref_logps), alone, rtol=0, atol=1e-5)
 
 
 def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypatch, tmp_path, caplog):
@@ -69,17 +72,17 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
     policy = ModelEngine(get_peft_model(load_model("tiny-llama"), lora))
     cfg = load_config(GRPOConfig, None, [])
     engine = HFEngine(policy, tokenizer, cfg.rollout)
-    recipe = GRPORecipe([], cfg, tokenizer, policy, engine, torch.device("cpu"))
-    examples = [Example(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
-    passes = {"ref": recipe.reference_pass(), "own": recipe.logps_pass(policy)}
+    recipe = GRPORecipe(RolloutSetup([], cfg, tokenizer, policy, engine, torch.device("cpu")))
+    examples = [Sample(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
+    passes = {"ref_logps": recipe.reference_pass(), "old_logps": recipe.logps_pass(policy)}
     recipe.store(examples, passes, filler=examples[0])
     base = load_model("tiny-llama")
     with torch.no_grad():
         for e in examples:
             batch = pack([e])
             alone = forward_packed(base, batch).logps[batch.loss_mask[0]]
-            torch.testing.assert_close(torch.tensor(e.meta["ref"]), alone, rtol=0, atol=1e-5)
-            assert (torch.tensor(e.meta["own"]) - alone).abs().max() > 1e-3  # the adapters were on there
+            torch.testing.assert_close(torch.tensor(e.passes.ref_logps), alone, rtol=0, atol=1e-5)
+            assert (torch.tensor(e.passes.old_logps) - alone).abs().max() > 1e-3  # the adapters were on there
 
     def no_copy(*args, **kwargs):
         raise AssertionError("a LoRA run loaded a reference copy")
@@ -95,7 +98,7 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
         "rollout.mask_truncated=false",
         *FAST,
     ]
-    with caplog.at_level(logging.INFO, logger="padless.trainers.rl"):
+    with caplog.at_level(logging.INFO, logger="padless.rl.setup"):
         assert "train/kl" in run_grpo(load_config(GRPOConfig, None, overrides))
     assert "policy: 14 dropout layers set to 0" in caplog.text  # 7 linear layers x 2 blocks
 
@@ -201,8 +204,8 @@ def test_grpo_resumes_mid_rollout_on_the_saved_rollout(tmp_path):
 
     straight = run_grpo(load_config(GRPOConfig, None, overrides("a")))
     run = tmp_path / "a"
-    assert not (run / "checkpoint-2" / PLAN_FILE).exists()  # a rollout boundary: nothing to carry
-    assert (run / "checkpoint-3" / PLAN_FILE).exists()
+    assert not recipe_file(run / "checkpoint-2", 0).exists()  # a rollout boundary: nothing to carry
+    assert json.loads(recipe_file(run / "checkpoint-3", 0).read_text())["rollout"]
     shutil.copytree(run / "checkpoint-3", tmp_path / "b" / "checkpoint-3")
     resumed = run_grpo(load_config(GRPOConfig, None, overrides("b", "train.resume_from_checkpoint=latest")))
     assert rollout_records(tmp_path / "b") == []  # no rollout was sampled again
@@ -328,7 +331,7 @@ def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_p
         hidden = hidden_states(session.model, probe)[0]
         head = session.model.get_output_embeddings()
         head.weight.mul_(25.0 / head(hidden).abs().max().item())
-    recipe = parts.recipe(GRPORecipe)
+    recipe = GRPORecipe(parts)
     seen = []
     loss = recipe.loss
     monkeypatch.setattr(recipe, "loss", lambda model, micro, n: seen.append(micro) or loss(model, micro, n))
@@ -358,11 +361,8 @@ def test_ppo_process_equals_per_sequence_gae(whiten_advantages):
     settings = PPOSettings(gamma=0.99, lam=0.9, kl_coef=0.05, whiten_advantages=whiten_advantages)
     examples = []
     for n in (3, 1, 0, 7):  # a completion with no target gets empty advantages
-        ex = Example(list(range(n + 2)), [False, False] + [True] * n)
-        ex.meta.update(
-            {k: torch.randn(n, generator=g).tolist() for k in ("old_logps", "ref_logps", "old_values")}
-        )
-        examples.append(ex)
+        stored = Passes(*(torch.randn(n, generator=g).tolist() for _ in range(3)))  # old, ref, values
+        examples.append(Sample(list(range(n + 2)), [False, False] + [True] * n, passes=stored))
     scores = torch.tensor([1.0, -0.5, 2.0, 0.25])
     out = PPORecipe.process(SimpleNamespace(cfg=SimpleNamespace(ppo=settings)), examples, scores, epoch=5)
 
@@ -370,22 +370,22 @@ def test_ppo_process_equals_per_sequence_gae(whiten_advantages):
     for ex, score in zip(examples, scores.tolist(), strict=True):
         if ex.num_targets == 0:
             continue
-        kl = torch.tensor(ex.meta["old_logps"]) - torch.tensor(ex.meta["ref_logps"])
+        kl = torch.tensor(ex.passes.old_logps) - torch.tensor(ex.passes.ref_logps)
         rewards = (-settings.kl_coef * kl).double()
         rewards[-1] += score
-        values = torch.tensor(ex.meta["old_values"]).double()
+        values = torch.tensor(ex.passes.old_values).double()
         adv, _ = gae(rewards, values, settings.gamma, settings.lam)  # one sequence: the loop (test_losses)
         want_adv.append(adv)
         want_ret.append(adv + values)
         kls.append(kl.sum().item())
     adv_all = whiten(torch.cat(want_adv)) if whiten_advantages else torch.cat(want_adv)
-    got_adv = torch.tensor([a for ex in examples for a in ex.meta["advantages"]], dtype=torch.float64)
-    got_ret = torch.tensor([r for ex in examples for r in ex.meta["returns"]], dtype=torch.float64)
-    assert examples[2].meta["advantages"] == [] and examples[2].meta["returns"] == []
+    got_adv = torch.tensor([a for ex in examples for a in ex.algorithm.advantages], dtype=torch.float64)
+    got_ret = torch.tensor([r for ex in examples for r in ex.algorithm.returns], dtype=torch.float64)
+    assert examples[2].algorithm.advantages == [] and examples[2].algorithm.returns == []
     assert torch.allclose(got_adv, adv_all, rtol=1e-6, atol=1e-6)  # stored as fp32 values
     assert torch.allclose(got_ret, torch.cat(want_ret), rtol=1e-6, atol=1e-6)
     assert out["rollout/kl"] == pytest.approx(sum(kls) / 3, rel=1e-6)
-    assert all(ex.meta["policy_weight"] == 1.0 for ex in examples)
+    assert all(ex.algorithm.policy_weight == 1.0 for ex in examples)
 
 
 def test_dynamic_sampling_drops_constant_groups_and_refills_them(monkeypatch):
@@ -404,19 +404,19 @@ def test_dynamic_sampling_drops_constant_groups_and_refills_them(monkeypatch):
             ],
         )
         prompts = [SimpleNamespace(meta={"row": i}) for i in range(10)]
-        recipe = GRPORecipe(prompts, cfg, None, None, None, torch.device("cpu"))
+        recipe = GRPORecipe(RolloutSetup(prompts, cfg, None, None, None, torch.device("cpu")))
         calls = iter([[(1, 1), (0, 1), (2, 2)], [(0, 0), (1, 0)], [(3, 4)]])  # groups' rewards per call
         asked, seeds = [], []
 
         def collect(prompts, group, seed, greedy=False, epoch=None):
             asked.append(len(prompts))
             seeds.append(seed)
-            return [Example([1, 2], meta={"reward": float(r)}) for g in next(calls) for r in g]
+            return [Sample([1, 2], scored=Scored(float(r))) for g in next(calls) for r in g]
 
         monkeypatch.setattr(recipe, "collect", collect)
         examples, metrics = recipe.sample(epoch=0)
         assert len(set(seeds)) == len(seeds)  # every round samples with its own seeds
-        rewards = [e.meta["reward"] for e in examples]
+        rewards = [e.scored.reward for e in examples]
         return [rewards[i : i + 2] for i in range(0, len(rewards), 2)], metrics, asked
 
     groups, metrics, asked = run(rounds=3)
@@ -521,9 +521,8 @@ def correction_run(tmp_path, monkeypatch, name: str, noise: float | None, *extra
         "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
     )
     if noise is not None:
-        monkeypatch.setattr(
-            "padless.trainers.rl.make_engine",
-            lambda cfg, policy, tokenizer, *a: NoisySampler(policy, tokenizer, cfg.rollout, noise),
+        monkeypatch.setitem(
+            ENGINES, "hf", lambda cfg, policy, tokenizer: NoisySampler(policy, tokenizer, cfg.rollout, noise)
         )
     overrides = [
         "model.name=tiny-llama",
@@ -636,10 +635,10 @@ def test_max_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
     samples through the same ``collect``): no sampler copy is built, no staleness is logged, no rollout
     is carried in a checkpoint, and per step the loss, the rewards and the final weights equal those of a
     run that leaves the key out (1e-6: the same operations in the same order)."""
-    import padless.trainers.rl as rl
+    import padless.rl.sampling as sampling
 
     built = []
-    monkeypatch.setattr(rl, "AheadSampler", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(sampling, "AheadSampler", lambda *a, **k: built.append(a))
     sync = stale_run(tmp_path, "grpo", "sync", "train.learning_rate=1e-2")
     zero = stale_run(tmp_path, "grpo", "zero", "train.learning_rate=1e-2", "rollout.max_staleness=0")
     assert built == [] and not any(k.startswith("rollout/staleness") for r in zero for k in r)
@@ -655,22 +654,23 @@ def test_max_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path, kind):
     """max_staleness 1, a checkpoint after every step (one step per rollout): checkpoint 1 holds the
-    rollout sampled ahead for step 2 (from the weights before step 1) in ``state/ahead-0.json``; a run
-    resumed from it trains on those very samples, so its steps equal the uninterrupted run's (1e-6: the
-    same operations). Without them (the file removed) step 2 would be sampled again, from newer weights:
-    another loss, which shows the comparison can fail."""
+    rollout sampled ahead for step 2 (from the weights before step 1) in its recipe state
+    (``state/recipe-0.json``); a run resumed from it trains on those very samples, so its steps equal the
+    uninterrupted run's (1e-6: the same operations). Without them (the file removed) step 2 would be sampled
+    again, from newer weights: another loss, which shows the comparison can fail."""
     stale = ("train.learning_rate=1e-2", "train.save_steps=1", "rollout.max_staleness=1")
     straight = stale_run(tmp_path, kind, "a", *stale)
-    ahead = json.loads((tmp_path / "a" / "checkpoint-1" / "state" / "ahead-0.json").read_text())
+    kept = json.loads(recipe_file(tmp_path / "a" / "checkpoint-1", 0).read_text())
     samples = 4 if kind == "grpo" else 2  # 2 prompts x num_generations (stale_run: 2 for GRPO, 1 for PPO)
-    assert [(r["epoch"], r["version"], len(r["completions"])) for r in ahead] == [(1, 0, samples)]
-    assert not (tmp_path / "a" / "checkpoint-3" / "state" / "ahead-0.json").exists()  # nothing left ahead
+    assert kept["rollout"] is None  # a rollout boundary: only what was sampled ahead
+    assert [(r["epoch"], r["version"], len(r["samples"])) for r in kept["ahead"]] == [(1, 0, samples)]
+    assert not recipe_file(tmp_path / "a" / "checkpoint-3", 0).exists()  # nothing left ahead
     for name in ("b", "c"):
         shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / name / "checkpoint-1")
-    (tmp_path / "c" / "checkpoint-1" / "state" / "ahead-0.json").unlink()  # and from its manifest:
+    recipe_file(tmp_path / "c" / "checkpoint-1", 0).unlink()  # and from its manifest:
     manifest = tmp_path / "c" / "checkpoint-1" / "trainer_state.json"
     state = json.loads(manifest.read_text())
-    state["files"].remove("state/ahead-0.json")
+    state["files"].remove("state/recipe-0.json")
     manifest.write_text(json.dumps(state))
     resumed = stale_run(tmp_path, kind, "b", *stale, "train.resume_from_checkpoint=latest")
     resampled = stale_run(tmp_path, kind, "c", *stale, "train.resume_from_checkpoint=latest")
@@ -688,7 +688,6 @@ def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path, kind):
 def test_sampling_ahead_with_vllm_is_refused_with_the_reason():
     """vLLM holds one set of weights that each sync replaces: no second, older copy to sample ahead from."""
     from padless.errors import InputError
-    from padless.trainers.rl import make_engine
 
     cfg = load_config(GRPOConfig, None, ["rollout.engine=vllm", "rollout.max_staleness=1"])
     with pytest.raises(InputError, match=r"max_staleness: 1 with rollout.engine: vllm: .* one set of"):

@@ -23,7 +23,7 @@ from padless.forward.engine import ModelEngine, sequence_scores
 from padless.forward.packing import pack
 from padless.proof.load import load_model
 from padless.rl.environments import Environment, Step, Turn
-from padless.run.checkpoint import PLAN_FILE
+from padless.run.checkpoint import recipe_file
 from padless.run.loop import MicroBatch
 from padless.tiny import PAD_TOKEN_ID, build_tiny_model, shapes
 from padless.trainers.dpo import DPORecipe
@@ -150,7 +150,7 @@ def test_vlm_grpo_samples_with_images_and_resumes_mid_rollout(tmp_path):
     from the prompts) exactly as the uninterrupted run did."""
     straight = run_grpo(load_config(GRPOConfig, None, grpo_overrides(tmp_path / "a")))
     run = tmp_path / "a"
-    assert (run / "checkpoint-3" / PLAN_FILE).exists()
+    assert json.loads(recipe_file(run / "checkpoint-3", 0).read_text())["rollout"]
     saved = load_processor(str(run / "checkpoint-3")).image_processor
     assert (
         saved.size
@@ -196,8 +196,8 @@ def test_vlm_grpo_multi_turn_episodes_keep_their_images_and_resume_mid_rollout(t
     [record] = rollout_records(tmp_path / "a")
     assert record["rollout/turns"] > 1 and record["rollout/env_tokens"] > 0
     assert record["mismatch/logp_diff_max"] < 1e-4
-    plan = json.loads((tmp_path / "a" / "checkpoint-1" / PLAN_FILE).read_text())
-    assert all(len(e["meta"]["env_images"]) == 1 for e in plan)  # saved as PNG
+    plan = json.loads(recipe_file(tmp_path / "a" / "checkpoint-1", 0).read_text())["rollout"]
+    assert all(len(e["drawn"]["env_images"]) == 1 for e in plan)  # saved as PNG
     shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
     resume = "train.resume_from_checkpoint=latest"
     resumed = run_grpo(load_config(GRPOConfig, None, grpo_overrides(tmp_path / "b", *extra, resume)))
@@ -248,13 +248,13 @@ def test_text_reward_model_refused_for_a_vlm_policy(tmp_path):
 
 
 def test_vllm_refused_for_image_prompts(tmp_path):
-    from padless.rl.vllm_engine import VLLMEngine
+    """Refused once the policy is known to read images (the sampling factory's table), not for text."""
+    from padless.rl.sampling import check_sampling
 
     cfg = load_config(GRPOConfig, None, [*grpo_overrides(tmp_path), "rollout.engine=vllm"])
     with pytest.raises(ValueError, match=r"does not hand images to vLLM yet.*torchvision"):
         run_grpo(cfg)
-    with pytest.raises(ValueError, match="hands no images to vLLM"):
-        VLLMEngine.complete(None, [[1]], 1, [0], vision=[{"pixel_values": torch.zeros(1)}])
+    check_sampling(cfg, vision=False)
 
 
 @pytest.mark.slow

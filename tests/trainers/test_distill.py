@@ -1,0 +1,183 @@
+"""Distillation: a step's loss and gradient do not depend on how its examples are packed and split (every
+example alone in its row, a few per row, all in one), on data completions and on the student's samples, nor
+on the number of processes; a teacher whose tokenizer differs is refused in one line; the teacher is proven
+at load like every model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from padless.cli import main
+from padless.config.schema import DistillSettings, RolloutSettings, TrainSettings
+from padless.data import load_rows, tokenize_sft
+from padless.forward.engine import ModelEngine
+from padless.proof.load import load_model
+from padless.tiny import build_tiny_model, tiny_tokenizer
+from padless.trainers.distill import DistillRecipe
+
+CPU = torch.device("cpu")
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+TEACHER = "tiny-llama-arith"
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    examples, _ = tokenize_sft(load_rows("tiny:sft_prompt_completion")[:6], tokenizer, max_length=1024)
+    return examples
+
+
+def step(recipe: DistillRecipe, model: torch.nn.Module) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """The first optimizer step of epoch 0, accumulated over its micro-batches as the loop runs them."""
+    micros = [m for m in recipe.plan(0) if m.step == 0]
+    normaliser = sum(m.units for m in micros)
+    model.zero_grad(set_to_none=True)
+    metrics = defaultdict(float)
+    for micro in micros:
+        loss, shares = recipe.loss(model, micro, normaliser)
+        loss.backward()
+        for k, v in shares.items():
+            metrics[k] += v
+    return dict(metrics), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize(
+    "distill",
+    [
+        DistillSettings(teacher=TEACHER, mode="offline", nll_weight=0.3, temperature=1.5),
+        DistillSettings(teacher=TEACHER, mode="gkd", lmbda=1.0, beta=0.5),
+    ],
+    ids=["offline", "gkd-on-student-samples"],
+)
+def test_a_step_is_the_same_however_it_is_packed_and_split(examples, tokenizer, distill):
+    """Six examples as one optimizer step: all in one packed row, a few per row, one per row (each alone).
+    The gkd case trains on the student's samples (lmbda 1): drawn per example, so each split samples the
+    same completions, and the step normalises by their tokens. Loss and divergence within 1e-5 relative,
+    gradients within 1e-4 of their largest entry (fp32 sums of the same terms in other orders)."""
+    student = ModelEngine(load_model("tiny-llama", training=True))
+    teacher = ModelEngine(load_model(TEACHER)).requires_grad_(False)
+    rollout = RolloutSettings(max_new_tokens=8, temperature=1.0)
+    longest = max(len(e) for e in examples)
+    reference, rows = None, []
+    for budget in (8192, 2 * longest, longest):
+        cfg = TrainSettings(max_tokens_per_batch=budget, gradient_accumulation_steps=64, logits_memory_mb=1)
+        recipe = DistillRecipe(examples, cfg, distill, rollout, tokenizer, CPU, teacher)
+        got = step(recipe, student)
+        rows.append(len(recipe.plan(0)))
+        if reference is None:
+            reference = got
+            assert got[0]["divergence"] > 0.01 and got[0]["on_policy"] == (distill.mode == "gkd")
+            continue
+        for key, value in reference[0].items():
+            assert got[0][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (budget, key)
+        for g, r in zip(got[1], reference[1], strict=True):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-4 * r.abs().max().item())
+    assert rows[0] == 1 and rows[-1] >= 4  # one packed row, then (nearly) one example per row
+
+
+def test_gkd_draws_its_on_policy_steps_from_the_seed(examples, tokenizer):
+    """lmbda 0.5: about half the steps sample, the same ones for the same seed and epoch."""
+    cfg = TrainSettings()
+    recipe = DistillRecipe(
+        examples, cfg, DistillSettings(mode="gkd", lmbda=0.5), RolloutSettings(), tokenizer, CPU, None
+    )
+    draws = [recipe.on_policy_step(0, s) for s in range(200)]
+    assert 70 < sum(draws) < 130 and draws == [recipe.on_policy_step(0, s) for s in range(200)]
+    assert draws != [recipe.on_policy_step(1, s) for s in range(200)]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("chat_template", "the chat template"),
+        ("token", "the vocabulary (4096 vs 4097 tokens, 0 only in the student's, 1 only in the teacher's"),
+    ],
+)
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, capsys, change, named):
+    folder = tmp_path / "teacher"
+    build_tiny_model("tiny-llama").save_pretrained(folder)
+    theirs = tiny_tokenizer()
+    if change == "chat_template":
+        theirs.chat_template = theirs.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    else:
+        theirs.add_tokens(["<extra>"])
+    theirs.save_pretrained(folder)
+    capsys.readouterr()
+    code = main(
+        [
+            "distill",
+            "distill.mode=offline",
+            "data.train=tiny:sft_prompt_completion[:4]",
+            f"distill.teacher={folder}",
+            f"train.output_dir={tmp_path / 'run'}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"distill.teacher {folder}: its tokenizer differs from the student's" in err and named in err
+    assert "fix:" in err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_train_the_same_steps(tmp_path):
+    """gkd with lmbda 0.5 (steps on data completions and steps on the student's samples) for 4 steps: one
+    process accumulating 2 micro-batches a step, and two processes of one each (gloo), log the same losses."""
+    common = [
+        "distill.mode=gkd",
+        "distill.lmbda=0.5",
+        "data.train=tiny:sft_prompt_completion[:24]",
+        "data.max_length=512",
+        "rollout.max_new_tokens=8",
+        "train.max_steps=4",
+        "train.max_tokens_per_batch=400",
+        "train.logging_steps=1",
+        "train.learning_rate=1e-3",
+        "train.progress_bar=false",
+        "train.report_to=[jsonl]",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = [sys.executable, "-m", "padless.cli", "distill", *common, "train.gradient_accumulation_steps=2"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+    ]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    for cmd in (
+        [*single, f"train.output_dir={one}"],
+        [*launch, "-m", "padless.cli", "distill", *common, f"train.output_dir={two}"],
+    ):
+        result = subprocess.run(cmd, env=ENV, capture_output=True, timeout=900)
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-5), s
+    on = [
+        json.loads(line).get("train/on_policy") for line in (one / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert 0 < sum(v for v in on if v is not None) < 4  # both kinds of steps ran

@@ -37,9 +37,12 @@ from padless.forward.ranks import Topology, equal_share, gather_shares
 from padless.losses import generalized_jsd, top_k_kl
 from padless.proof.load import load_tokenizer, tokenizer_differences
 from padless.rl.generate import generate
+from padless.rl.sample import Sample, per_target
+from padless.rl.setup import RolloutSetup, start_rl
 from padless.run.loop import MicroBatch, Recipe, Trainer
 from padless.run.reporting import report_data
 from padless.run.session import Session, start_session
+from padless.trainers.rl import Pass, RolloutRecipe
 from padless.trainers.sft import group_examples
 
 log = logging.getLogger(__name__)
@@ -180,6 +183,74 @@ class DistillRecipe(Recipe):
         return out.weighted, metrics
 
 
+class OnPolicyRecipe(RolloutRecipe):
+    """Mode on_policy: GRPO's rollouts (one optimizer step each), with the teacher as the rollout's reference:
+    its log-probs of the sampled tokens come from the reference pass (``sample.passes.ref_logps``), at the
+    temperature the student samples at. Rewards are measured on the samples, never trained on."""
+
+    def __init__(self, setup: RolloutSetup, vocab: int | None = None):
+        super().__init__(setup)
+        self.distill, self.teacher, self.vocab = self.cfg.distill, setup.ref_model, vocab
+
+    def passes(self) -> dict[str, Pass]:
+        return {"ref_logps": self.reference_pass()}
+
+    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+        """Nothing: the advantages are the current log-probs' reverse KL, taken in :meth:`loss`."""
+        return {}
+
+    def plan_settings(self) -> dict[str, Any]:
+        return {
+            **super().plan_settings(),
+            **{f"distill.{k}": v for k, v in self.distill.model_dump().items()},
+        }
+
+    def loss(
+        self, model: torch.nn.Module, micro: MicroBatch, normaliser: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        samples: list[Sample] = micro.data
+        batch = pack(samples, device=self.device)
+        mask = batch.loss_mask[0]
+        temperature = self.cfg.rollout.temperature
+        teacher = per_target([s.passes.ref_logps for s in samples], self.device)
+        weight = self.is_weights(samples)  # the sampler correction (None: off)
+        if self.distill.loss == "reverse_kl":
+            with torch.no_grad():
+                hidden = self.teacher(batch, hidden=True).hidden
+            weights = mask.float() / normaliser
+            if weight is not None:
+                weights[mask] = weights[mask] * weight
+            reverse = partial(generalized_jsd, beta=1.0)
+            out = model(
+                batch,
+                distill=Distillation(hidden, self.teacher, reverse, weights, None, temperature, self.vocab),
+            )
+            loss, kl = out.weighted, out.divergence[mask]
+            student = per_target([s.drawn.logps for s in samples], self.device)  # at sampling
+        else:
+            student = model(batch, logps=True, temperature=temperature).logps[mask]
+            kl = student.detach() - teacher  # each sampled token's reverse KL, its negated advantage
+            per_token = kl * torch.exp(student - student.detach())  # REINFORCE: gradient kl * grad log pi
+            if weight is not None:
+                per_token = per_token * weight
+            loss = per_token.sum() / normaliser
+        return loss, {
+            "loss": loss.item(),
+            "distill/reverse_kl": kl.sum().item() / normaliser,
+            "distill/teacher_logps": teacher.sum().item() / normaliser,
+            "distill/student_logps": student.detach().sum().item() / normaliser,
+        }
+
+
+def run_on_policy(cfg: DistillConfig) -> dict[str, float]:
+    """Mode on_policy: the RL setup (prompts, sampler, measured rewards) with the teacher as its reference."""
+    session, setup = start_rl(cfg, reference=False)
+    setup.ref_model, vocab = load_teacher(session, cfg.distill, cfg.model.name)
+    recipe = OnPolicyRecipe(setup, vocab)
+    saved = setup.images.processor if setup.images else session.tokenizer
+    return Trainer(recipe, session.engine(), saved, cfg.train, session.accelerator).train()
+
+
 def prompt_of(example: Example) -> list[int]:
     """The tokens before an example's first target: what gkd's on-policy steps sample a completion for."""
     assert example.loss_mask is not None and any(example.loss_mask), "an example without targets"
@@ -224,10 +295,7 @@ def load_teacher(
 
 def run_distill(cfg: DistillConfig) -> dict[str, float]:
     if cfg.distill.mode == "on_policy":
-        raise InputError(
-            "distill.mode on_policy is not in this build yet (it lands on the RL sampler); fix: set "
-            "distill.mode: gkd (distill.lmbda 1 trains on the student's samples only) or offline"
-        )
+        return run_on_policy(cfg)
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
     if session.images is not None:

@@ -17,12 +17,18 @@ import pytest
 import torch
 
 from padless.cli import main
-from padless.config.schema import DistillSettings, RolloutSettings, TrainSettings
+from padless.config.loading import load_config
+from padless.config.schema import DistillConfig, DistillSettings, RolloutSettings, TrainSettings
 from padless.data import load_rows, tokenize_sft
 from padless.forward.engine import ModelEngine
+from padless.forward.packing import pack
 from padless.proof.load import load_model
+from padless.rl.generate import HFEngine
+from padless.rl.sample import Drawn, Sample
+from padless.rl.setup import RolloutSetup
+from padless.run.loop import MicroBatch
 from padless.tiny import build_tiny_model, tiny_tokenizer
-from padless.trainers.distill import DistillRecipe
+from padless.trainers.distill import DistillRecipe, OnPolicyRecipe
 
 CPU = torch.device("cpu")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -81,6 +87,57 @@ def test_a_step_is_the_same_however_it_is_packed_and_split(examples, tokenizer, 
         for g, r in zip(got[1], reference[1], strict=True):
             torch.testing.assert_close(g, r, rtol=0, atol=1e-4 * r.abs().max().item())
     assert rows[0] == 1 and rows[-1] >= 4  # one packed row, then (nearly) one example per row
+
+
+@pytest.mark.parametrize("loss", ["policy_gradient", "reverse_kl"])
+def test_on_policy_step_is_the_same_however_it_is_split_and_nothing_against_itself(examples, tokenizer, loss):
+    """Six samples (the data's prompt + completion as if sampled) with the teacher's log-probs of their
+    tokens stored, as the reference pass stores them: the step's loss and gradient are the same in one packed
+    row, three, or one per sample. Against a teacher that is the student itself the reverse KL is zero to
+    round-off and so is the gradient (a planted bug that compared with another model would not be)."""
+    student = ModelEngine(load_model("tiny-llama", training=True))
+    cfg = load_config(DistillConfig, None, [f"distill.loss={loss}", "train.logits_memory_mb=1"])
+    results = {}
+    for name, teacher in (("arith", ModelEngine(load_model(TEACHER))), ("itself", student)):
+        samples = []
+        for e in examples:
+            batch = pack([e])
+            with torch.no_grad():
+                ref = teacher(batch, logps=True, temperature=cfg.rollout.temperature).logps[
+                    batch.loss_mask[0]
+                ]
+            n = e.loss_mask.index(True)
+            sample = Sample.of(e, Drawn(0, n, len(e) - n, True, logps=ref.tolist()))
+            sample.passes.ref_logps = ref.tolist()
+            samples.append(sample)
+        setup = RolloutSetup([], cfg, tokenizer, student, HFEngine(student, tokenizer, cfg.rollout), CPU)
+        setup.ref_model = teacher
+        recipe = OnPolicyRecipe(setup)
+        normaliser = sum(s.num_targets for s in samples)
+        splits = ([list(range(6))], [[0, 1], [2, 3], [4, 5]], [[i] for i in range(6)])
+        for groups in splits if name == "arith" else splits[:1]:
+            student.zero_grad(set_to_none=True)
+            metrics = defaultdict(float)
+            for g in groups:
+                loss_value, shares = recipe.loss(
+                    student, MicroBatch([samples[i] for i in g], 0, 0), normaliser
+                )
+                loss_value.backward()
+                for k, v in shares.items():
+                    metrics[k] += v
+            got = dict(metrics), [p.grad.clone() for p in student.parameters() if p.grad is not None]
+            if name not in results:
+                results[name] = got
+                continue
+            want = results[name]
+            for key, value in want[0].items():
+                assert got[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, groups, key)
+            for g, r in zip(got[1], want[1], strict=True):
+                torch.testing.assert_close(g, r, rtol=0, atol=1e-4 * r.abs().max().item())
+    arith, itself = results["arith"], results["itself"]
+    assert arith[0]["distill/reverse_kl"] > 0.1 and abs(itself[0]["distill/reverse_kl"]) < 1e-4
+    largest = max(g.abs().max().item() for g in arith[1])
+    assert max(g.abs().max().item() for g in itself[1]) < 1e-4 * largest
 
 
 def test_gkd_draws_its_on_policy_steps_from_the_seed(examples, tokenizer):

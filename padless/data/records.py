@@ -465,7 +465,7 @@ def _blank(raw: bytes, lineno: int) -> bool:
 def open_source(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split: str = "train") -> Source:
     """Check that ``spec`` (without a row slice) names an accepted source; nothing is read yet."""
     name = None
-    if given.is_given(spec):  # data handed to padless.api: a datasets object or a list of rows
+    if isinstance(spec, str) and spec.startswith(given.PREFIX):  # handed to padless.api: a dataset or rows
         name, spec = spec, given.lookup(spec, "data")
         if isinstance(spec, list):
             return Source(name, "json", items=spec)

@@ -187,7 +187,9 @@ class StepRecorder:
     cuda: bool = False
     records: list[StepRecord] = field(default_factory=list)
     started: float = 0.0
+    computed: list[int] = field(default_factory=list)  # tokens through the model per step, every pass
     _pending: list[int] = field(default_factory=lambda: [0, 0, 0])
+    _pending_computed: int = 0
     _losses: list[float] = field(default_factory=list)
 
     def begin(self) -> None:
@@ -197,6 +199,11 @@ class StepRecorder:
         self._pending[0] += real
         self._pending[1] += processed
         self._pending[2] += targets
+
+    def passes(self, tokens: int) -> None:
+        """Tokens one forward pass of a training pass (update, reference, old log-probs, scores) computed
+        on: a packed row's, a tree row's (its shared prefixes once), or a padded batch's (padding too)."""
+        self._pending_computed += tokens
 
     def loss(self, value: float) -> None:
         """A micro-batch's share of the step loss (they sum to the step loss)."""
@@ -210,7 +217,8 @@ class StepRecorder:
         now = time.perf_counter()
         value = loss if loss is not None else (sum(self._losses) if self._losses else math.nan)
         self.records.append(StepRecord(now, *self._pending, loss=value))
-        self._pending, self._losses = [0, 0, 0], []
+        self.computed.append(self._pending_computed)
+        self._pending, self._losses, self._pending_computed = [0, 0, 0], [], 0
 
     def summary(self) -> dict[str, Any]:
         """Throughput over the timed steps (all steps after ``warmup``)."""
@@ -243,6 +251,7 @@ class StepRecorder:
             "processed_tokens_per_s": processed / seconds,
             "pad_share": 1.0 - real / processed if processed else 0.0,
             "real_tokens_per_step": real / len(timed),
+            "computed_tokens_per_step": sum(self.computed[self.warmup :]) / len(timed),
             "final_loss": losses[-1],
             "final_loss_mean5": sum(tail) / len(tail),
             "losses": [r.loss for r in self.records],
@@ -330,6 +339,26 @@ def require_device(session: Any, device: str) -> Any:
 def padless_attention(cuda: bool) -> str:
     """The report's name for padless's varlen attention (on CPU: SDPA on sequences grouped by length)."""
     return "varlen" if cuda else "varlen (SDPA, sequences grouped by length)"
+
+
+def count_passes(recorder: StepRecorder) -> None:
+    """Record the tokens of every forward padless's engine runs in this process (:meth:`StepRecorder.passes`):
+    ``hidden_states`` is where every pass of every engine meets the model (generation does not)."""
+    import padless.forward.engine as engine
+
+    hidden_states = engine.hidden_states
+
+    def counted(model: Any, batch: Any) -> Any:
+        recorder.passes(batch.input_ids.numel())
+        return hidden_states(model, batch)
+
+    engine.hidden_states = counted
+
+
+def padless_layout(trainer: Any, packed: str) -> str:
+    """The report's name for a padless contender's rows: ``packed`` as it is, or as tree rows where the
+    recipe's engine runs them (``train.tree_packing``)."""
+    return packed.replace("packed", "tree rows") if getattr(trainer.recipe, "tree", False) else packed
 
 
 def train_padless(trainer: Any, run: Measurement, count: Callable[[Any], None]) -> None:
@@ -870,7 +899,7 @@ def print_ratios(
         + (f"  {tail[0]}" if tail else "")
     )
     for label, v in ratios.items():
-        line = f"{label:36s}" + "".join(f" {fmt_ratio(v[key]):>{w}s}" for _, key, w in columns)
+        line = f"{label:36s}" + "".join(f" {fmt_ratio(v.get(key)):>{w}s}" for _, key, w in columns)
         print(line + (f"  {tail[1](v)}" if tail else ""))
 
 

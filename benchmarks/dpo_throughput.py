@@ -7,7 +7,9 @@ optimizer step, the same optimizer and schedule, and runs in a fresh subprocess 
 
 * ``padless-packed``  the real padless path: ``DPORecipe`` on the shared ``Trainer`` loop; token-budget
   micro-batches of whole pairs, one packed row ``[c1, r1, c2, r2, ...]`` per policy forward and per
-  reference forward, ``varlen`` attention.
+  reference forward, ``varlen`` attention, laid out as a tree: each pair's prompt computed once and
+  counted once in the budget (``train.tree_packing: auto``).
+* ``padless-flat``  the same with ``train.tree_packing: off``: both sides pack their prompt.
 * ``padless-padded``  the same loop with ``batching: padded`` (right padding, ``--batch-size`` pairs), for
   reference.
 * ``trl``  TRL ``DPOTrainer`` as it ships: its preference collator pads the ``2 x batch`` sequences on the
@@ -23,7 +25,8 @@ tokenizes them itself, so both report the real tokens they computed on. Preproce
 the warm-up steps are outside the timed window, which runs from the end of the last warm-up step to the
 end of the last timed step (data loading and collation included). TRL's gradient checkpointing (on by
 default in TRL) is turned off, as padless does not checkpoint; TRL's bf16 default is off on CPU. Nothing
-is evaluated, saved or logged to disk.
+is evaluated, saved or logged to disk. "computed/pair" counts what the policy and reference forwards ran
+the model on per pair (padding included). ``benchmarks/tree_packing.py`` runs it on prompts of 1,024 tokens.
 
     python benchmarks/dpo_throughput.py                 # full run on CPU (2 threads)
     python benchmarks/dpo_throughput.py --quick         # smoke run, well under 2 minutes
@@ -46,7 +49,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo r
 except ModuleNotFoundError:
     from benchmarks import common
 
-CONTENDERS = ("padless-packed", "padless-padded", "trl", "trl-padding-free")
+CONTENDERS = ("padless-packed", "padless-flat", "padless-padded", "trl", "trl-padding-free")
 
 # Shared by every contender: padless's DPO defaults (TRL's would be lr 1e-6 and a linear schedule).
 OPTIM = common.optimizer_settings(learning_rate=5e-6)
@@ -89,6 +92,7 @@ class PairRecorder(common.StepRecorder):
                 "pairs_per_s_median_step": statistics.median(rates),
                 "pairs_per_step": sum(timed) / len(timed),
                 "real_tokens_per_pair": out["real_tokens"] / max(1, sum(timed)),
+                "computed_tokens_per_pair": sum(self.computed[self.warmup :]) / max(1, sum(timed)),
                 "first_loss": self.records[0].loss,
             }
         )
@@ -243,6 +247,7 @@ def run_contender(name: str, spec: dict[str, Any], pairs: list[Pair], rows: list
     """Entry point of a contender's subprocess."""
     runner = {
         "padless-packed": lambda: run_padless(spec, pairs, "tokens"),
+        "padless-flat": lambda: run_padless(spec, pairs, "tokens", tree="off"),
         "padless-padded": lambda: run_padless(spec, pairs, "padded"),
         "trl": lambda: run_trl(spec, rows, padding_free=False),
         "trl-padding-free": lambda: run_trl(spec, rows, padding_free=True),
@@ -254,7 +259,7 @@ def run_contender(name: str, spec: dict[str, Any], pairs: list[Pair], rows: list
 # Contender: padless (DPORecipe on the shared Trainer loop)
 
 
-def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[str, Any]:
+def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str, tree: str = "auto") -> dict[str, Any]:
     import padless.run.loop as loop
     from padless.config.schema import DPOConfig, DPOSettings, PreferenceDataSettings
     from padless.data import PairExample
@@ -266,6 +271,7 @@ def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[
     run = common.Measurement(spec, recorder)
     with tempfile.TemporaryDirectory(prefix="padless-dpo-bench-") as out:
         model, train = common.padless_settings(spec, out, batching)
+        train = train.model_copy(update={"tree_packing": tree})
         cfg = DPOConfig(
             model=model,
             data=PreferenceDataSettings(train=spec["data"]["spec"], max_length=spec["max_length"]),
@@ -289,6 +295,7 @@ def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[
         recipe = DPORecipe(data, cfg.train, cfg.dpo, pad_id, device, ref_model)
 
         trainer = loop.Trainer(recipe, session.engine(), tokenizer, cfg.train, session.accelerator)
+        common.count_passes(recorder)
 
         def count(micro: loop.MicroBatch) -> None:
             sides = [len(s) for p in micro.data for s in (p.chosen, p.rejected)]
@@ -299,7 +306,7 @@ def run_padless(spec: dict[str, Any], pairs: list[Pair], batching: str) -> dict[
 
         common.train_padless(trainer, run, count)
     if batching == "tokens":
-        layout = f"packed, budget {spec['max_tokens_per_batch']} tok"
+        layout = common.padless_layout(trainer, f"packed, budget {spec['max_tokens_per_batch']} tok")
     else:
         layout = f"padded right, {spec['batch_size']} pairs"
     attention = common.padless_attention(run.cuda)
@@ -360,6 +367,7 @@ def run_trl(spec: dict[str, Any], rows: list[dict[str, Any]], padding_free: bool
         packed = ids.shape[0] == 1 and "position_ids" in inputs
         layouts.add("packed" if packed else f"padded [{2 * spec['batch_size']}, L]")
         recorder.tokens(real, ids.numel(), int(inputs["completion_mask"][:, 1:].sum()))
+        recorder.passes(2 * ids.numel())  # the policy's forward and the reference's, on this batch
         recorder.pairs(ids.shape[0] // 2 if not packed else int(inputs["position_ids"].eq(0).sum()) // 2)
 
     dpo_fields = trl.DPOConfig.__dataclass_fields__
@@ -413,6 +421,7 @@ TARGETS = {  # (numerator, denominator, minimum ratio of real tokens/s)
     "padless packed >= 1.7x TRL DPO (DESIGN)": ("padless-packed", "trl", 1.7),
 }
 RATIOS = (
+    ("padless tree / padless flat", "padless-packed", "padless-flat"),
     ("padless packed / TRL", "padless-packed", "trl"),
     ("padless packed / TRL padding_free", "padless-packed", "trl-padding-free"),
     ("padless packed / padless padded", "padless-packed", "padless-padded"),
@@ -430,6 +439,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
             ("pairs/step", lambda r: common.fmt_number(r["pairs_per_step"], 1)),
             ("tok/pair", lambda r: common.fmt_number(r["real_tokens_per_pair"])),
             ("pairs/s", lambda r: common.fmt_number(r["pairs_per_s"], 2)),
+            ("computed/pair", lambda r: common.fmt_number(r["computed_tokens_per_pair"])),
         ],
         after=[
             ("loss first", lambda r: f"{r['first_loss']:.4f}"),
@@ -438,6 +448,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
     )
     ratios = {
         label: {
+            "fewer_tokens": results.ratio(b, a, "computed_tokens_per_pair"),
             "pairs_per_s": results.ratio(a, b, "pairs_per_s"),
             **results.throughput_ratios(a, b, "cuda_peak_mib" if cuda else "peak_rss_mib"),
             "memory_rise": None if cuda else results.ratio(a, b, "peak_rss_delta_mib"),
@@ -465,6 +476,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
     print(table)
     print()
     columns = [
+        ("fewer computed", "fewer_tokens", 14),
         ("pairs/s", "pairs_per_s", 8),
         ("real tok/s", "real_tokens_per_s", 10),
         ("median step", "median_step", 12),

@@ -11,8 +11,10 @@ dropout. Each contender runs in a fresh subprocess with the same thread count:
 
 * ``padless``  the real padless path, built the way ``run_grpo`` builds it: ``start_rl`` (session, prompts,
   ``HFEngine``, rewards, frozen reference) and ``GRPORecipe`` on the shared ``Trainer`` loop. Reference
-  log-probs and the update run on token-budget packed rows (``varlen`` attention); one rollout is one
-  micro-batch unless it exceeds ``--max-tokens-per-batch``; ``grpo.loss_type: dapo`` (token-mean).
+  log-probs and the update run on token-budget packed rows (``varlen`` attention) laid out as trees: a
+  group's prompt computed once (``train.tree_packing: auto``); one rollout is one micro-batch unless it
+  exceeds ``--max-tokens-per-batch``; ``grpo.loss_type: dapo`` (token-mean).
+* ``padless-flat``  the same with ``train.tree_packing: off``: every completion packs its prompt again.
 * ``trl``  TRL ``GRPOTrainer`` with the transformers generation path: ``per_device_train_batch_size`` =
   one rollout of completions, ``gradient_accumulation_steps=1``, ``steps_per_generation=1``,
   ``num_iterations=1`` (one rollout = one optimizer step, no stored old log-probs, as padless);
@@ -40,7 +42,9 @@ scoring and the reference pass (all done once per rollout, before its step) are 
 Generation is timed on its own too: padless's ``HFEngine.complete`` and TRL's ``_generate_single_turn``
 (padding the prompts, ``generate``, cutting at EOS), so "w/o gen" is step time minus that. Real tokens are
 those of the policy's training forward (prompt + completion tokens of every sample; padding counted as
-processed only). Nothing is evaluated, saved or logged to disk.
+processed only). "computed/step" counts what the training passes (reference and update forwards) ran the
+model on: padded batches with their padding, packed rows, tree rows with each shared prompt once. Nothing
+is evaluated, saved or logged to disk. ``benchmarks/tree_packing.py`` runs it on prompts of 1,024 tokens.
 
     python benchmarks/grpo_throughput.py                 # full run on CPU (2 threads)
     python benchmarks/grpo_throughput.py --quick         # smoke run, under 3 minutes
@@ -65,7 +69,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as a module from the repo r
 except ModuleNotFoundError:
     from benchmarks import common
 
-CONTENDERS = ("padless", "padless-per-prompt", "padless-stale1", "trl")
+CONTENDERS = ("padless", "padless-flat", "padless-per-prompt", "padless-stale1", "trl")
 
 # Shared by both contenders: padless's GRPO defaults (TRL's would be lr 1e-6 and a linear schedule).
 OPTIM = common.optimizer_settings(learning_rate=1e-5)
@@ -306,6 +310,7 @@ def run_contender(
     """Entry point of a contender's subprocess (``prompt_ids`` and ``rows``: TRL's, in rollout order)."""
     runner = {
         "padless": lambda: run_padless(spec),
+        "padless-flat": lambda: run_padless(spec, tree="off"),
         "padless-per-prompt": lambda: run_padless(spec, per_prompt=True),
         "padless-stale1": lambda: run_padless(spec, staleness=1),
         "trl": lambda: run_trl(spec, prompt_ids, rows),
@@ -317,12 +322,14 @@ def run_contender(
 # Contender: padless (GRPORecipe on the shared Trainer loop, built as run_grpo builds it)
 
 
-def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int = 0) -> dict[str, Any]:
+def run_padless(
+    spec: dict[str, Any], per_prompt: bool = False, staleness: int = 0, tree: str = "auto"
+) -> dict[str, Any]:
     """``per_prompt``: one ``generate`` call per prompt (its samples only), the cost padless had before
     seeded sampling was batched again (issue 22); the samples are the same, only the batching differs.
     ``staleness``: ``rollout.max_staleness`` (the next rollout sampled in a background thread while the step
     trains); its generation time counts only sampling on the training thread (the first rollout) and
-    waiting for the background sampler."""
+    waiting for the background sampler. ``tree``: ``train.tree_packing``."""
     import padless.run.loop as loop
     from padless.config.schema import (
         GRPOConfig,
@@ -340,6 +347,7 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
     run = common.Measurement(spec, recorder)
     with tempfile.TemporaryDirectory(prefix="padless-grpo-bench-") as out:
         model, train = common.padless_settings(spec, out, "tokens")
+        train = train.model_copy(update={"tree_packing": tree})
         cfg = GRPOConfig(
             model=model,
             data=RLDataSettings(train=spec["data"]["spec"], max_prompt_length=spec["max_length"]),
@@ -372,6 +380,7 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
         recipe = GRPORecipe(parts)
 
         trainer = loop.Trainer(recipe, session.engine(), session.tokenizer, cfg.train, session.accelerator)
+        common.count_passes(recorder)
 
         def count(micro: loop.MicroBatch) -> None:
             examples: list[Sample] = micro.data
@@ -383,7 +392,7 @@ def run_padless(spec: dict[str, Any], per_prompt: bool = False, staleness: int =
         common.train_padless(trainer, run, count)
     return run.result(
         session.model,
-        f"packed, budget {spec['max_tokens_per_batch']} tok",
+        common.padless_layout(trainer, f"packed, budget {spec['max_tokens_per_batch']} tok"),
         common.padless_attention(run.cuda),
         reference="frozen copy (start_rl), packed forward per rollout",
     )
@@ -415,6 +424,8 @@ def run_trl(spec: dict[str, Any], prompt_ids: list[list[int]], rows: list[dict[s
         prompt, completion = inputs["prompt_mask"], inputs["completion_mask"]
         real = int(prompt.sum()) + int(completion.sum())
         recorder.tokens(real, prompt.numel() + completion.numel(), int(completion.sum()))
+        # the update's forward and the reference's, both on this padded batch
+        recorder.passes((2 if spec["beta"] else 1) * (prompt.numel() + completion.numel()))
         recorder.completion_tokens(int(completion.sum()))
         shapes.add((prompt.shape[1], completion.shape[1]))
 
@@ -489,6 +500,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
         before=[
             ("compl/step", lambda r: common.fmt_number(r["completions_per_step"])),
             ("mean len", lambda r: common.fmt_number(r["mean_completion_length"], 1)),
+            ("computed/step", lambda r: common.fmt_number(r["computed_tokens_per_step"])),
             ("steps/s", lambda r: common.fmt_number(r["steps_per_s"], 3)),
             ("compl/s", lambda r: common.fmt_number(r["completions_per_s"], 1)),
         ],
@@ -501,6 +513,16 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
     )
     memory_key = "cuda_peak_mib" if cuda else "peak_rss_mib"
     ratios = {}
+    if "padless" in chosen and "padless-flat" in chosen:
+        ratios["padless tree / padless flat"] = {
+            "fewer_tokens": results.ratio("padless-flat", "padless", "computed_tokens_per_step"),
+            "steps_per_s": results.ratio("padless", "padless-flat", "steps_per_s"),
+            "completions_per_s": results.ratio("padless", "padless-flat", "completions_per_s"),
+            "real_tokens_per_s": results.ratio("padless", "padless-flat", "real_tokens_per_s"),
+            "without_generation": results.ratio("padless", "padless-flat", "steps_per_s_without_generation"),
+            "generation": results.ratio("padless-flat", "padless", "generation_s_per_step"),
+            "memory": results.ratio("padless", "padless-flat", memory_key),
+        }
     if "padless" in chosen and "padless-per-prompt" in chosen:
         ratios["padless / padless per-prompt generate"] = {
             "steps_per_s": results.ratio("padless", "padless-per-prompt", "steps_per_s"),
@@ -523,6 +545,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
         }
     if "padless" in chosen and "trl" in chosen:
         ratios["padless / TRL"] = {
+            "fewer_tokens": results.ratio("trl", "padless", "computed_tokens_per_step"),
             "steps_per_s": results.ratio("padless", "trl", "steps_per_s"),
             "completions_per_s": results.ratio("padless", "trl", "completions_per_s"),
             "real_tokens_per_s": results.ratio("padless", "trl", "real_tokens_per_s"),
@@ -549,6 +572,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
     print(table)
     print()
     columns = [
+        ("fewer computed", "fewer_tokens", 14),
         ("steps/s", "steps_per_s", 8),
         ("compl/s", "completions_per_s", 8),
         ("real tok/s", "real_tokens_per_s", 10),
@@ -557,7 +581,7 @@ def report(spec: dict[str, Any], runs: common.Runs, env: dict[str, Any]) -> dict
         ("peak CUDA" if cuda else "peak RSS", "memory", 9),
     ]
     common.print_ratios(ratios, columns)
-    if ratios:
+    if "padless" in chosen and "trl" in chosen:
         means = {name: chosen[name]["mean_completion_length"] for name in ("padless", "trl")}
         if abs(means["padless"] - means["trl"]) > 0.02 * max(means.values()):
             print(

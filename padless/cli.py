@@ -14,6 +14,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,17 @@ from padless.run.interrupts import handled, interruption
 from padless.run.logs import log_failure, setup_logging
 
 
+def pick_device(asked: str | None) -> str:
+    """``--device``: as asked (cuda refused where torch has none), else cuda when there is one."""
+    if asked == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise InputError(
+            f"--device cuda: torch {torch.__version__} ({build}) finds no CUDA device on this machine; fix: "
+            "leave --device out (or pass --device cpu), or run on a machine with an NVIDIA GPU"
+        )
+    return asked or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _check(args: argparse.Namespace) -> int:
     from padless.data.sources import load_processor
     from padless.forward.vision import is_vision_config
@@ -36,7 +48,7 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     backends = tuple(b.strip() for b in args.backends.split(",")) if args.backends else BACKENDS
     if args.zoo and not args.backends and device == "cpu":
         # flex_attention compiles one kernel per shape on CPU: minutes per architecture.
@@ -69,7 +81,7 @@ def _check(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             varlen_kernel=kernel,
         )
-        layouts = {}
+        layouts: dict[str, Any] = {"layouts": check.LAYOUTS + check.TREE_LAYOUTS}
         if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
             seqs = check_vision.probe_examples(model, load_processor(args.model))
             layouts = {"logps": check_vision.layout_logps, "alone": check_vision.alone_logps}
@@ -94,7 +106,7 @@ def _check(args: argparse.Namespace) -> int:
         failed = check.zoo_failures(results, requested)
     else:
         rows, _ = check.run_matrix(model, seqs, pad_id, backends, **layouts)
-        print(check.format_matrix(rows))
+        print(check.format_matrix(rows, layouts.get("layouts", check.LAYOUTS)))
         failed = check.failures(rows, requested)
     if failed:
         print("\nFAILED:\n" + "\n".join(f"  {f}" for f in failed), file=sys.stderr)
@@ -161,7 +173,7 @@ def _rm(args: argparse.Namespace) -> int:
             f"not {Path(opts.out).suffix or 'a file without a suffix'}; fix: name it e.g. scored.jsonl or "
             "scored.parquet"
         )
-    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(opts.device)
     path = score_file(opts.model, opts.data, opts.out, opts.max_length, device, opts.trust_remote_code)
     if path:
         print(f"wrote {path}")
@@ -199,7 +211,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not all(p.strip() for p in args.prompt):
         raise InputError("--prompt is empty; fix: pass the text to answer, e.g. --prompt 'What is 2 + 3?'")
     _refuse_scorer(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = load_model(
         args.model,

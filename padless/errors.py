@@ -13,6 +13,7 @@ FAULT = 1  # exit code: the run failed while running
 INTERRUPTED = 130  # exit code: Ctrl-C, as shells report SIGINT
 TERMINATED = 143  # exit code: SIGTERM (128 + 15)
 DEBUG_HINT = "rerun with --debug (or PADLESS_DEBUG=1) for the traceback"
+OUTSIDE_A_RUN = object()  # an interruption outside the training loop (no checkpoint known): no advice
 
 
 class InputError(ValueError):
@@ -31,6 +32,12 @@ class UserCodeError(RuntimeError):
     something unusable; the message names the function and the step."""
 
 
+class UserExit(Exception):
+    """User code called ``sys.exit()`` or raised ``KeyboardInterrupt`` itself: at the boundary of that code
+    this is an error like any other it raises, never the end of the command (see
+    :func:`padless.run.interrupts.bounded`)."""
+
+
 class AttentionError(RuntimeError):
     """The requested attention is not available, or would not compute what was asked."""
 
@@ -43,6 +50,18 @@ DIVERGENCE_FIX = (
     "lower train.learning_rate (or raise warmup), keep train.max_grad_norm > 0 to clip gradients, check the "
     "data of that step, or set train.on_nonfinite=skip to drop such steps and count them"
 )
+
+
+def divergence_fix(float16: bool) -> str:
+    """The fix of a divergence: float16 weights overflow first (their range, not the step size), so that
+    advice comes first for them."""
+    if not float16:
+        return DIVERGENCE_FIX
+    return (
+        "the model trains in float16, whose range ends at 65504 and overflows long before the learning rate "
+        "matters: set model.dtype to bfloat16, or float32 (exact; the default on CPU); otherwise "
+        + DIVERGENCE_FIX
+    )
 
 
 class PadlessError(Exception):
@@ -93,7 +112,12 @@ def describe(error: BaseException) -> str:
         return error.message
     if isinstance(error, KeyboardInterrupt):
         how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted (Ctrl-C)"
-        return f"{how}; continue from the last checkpoint with train.resume_from_checkpoint=latest"
+        latest = getattr(error, "checkpoint", OUTSIDE_A_RUN)  # set by the training loop from its run folder
+        if latest is OUTSIDE_A_RUN:
+            return how
+        if latest is None:
+            return f"{how} before any checkpoint was written: nothing to resume; run the command again"
+        return f"{how}; continue from {latest} with train.resume_from_checkpoint=latest"
     text = str(error).strip() or type(error).__name__
     own = is_input_error(error) or isinstance(error, (DivergenceError, UserCodeError))
     if own and not (isinstance(error, OSError) and error.errno):

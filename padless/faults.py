@@ -67,6 +67,11 @@ _CATEGORIES: dict[int, tuple[str, str, int]] = {
     ),
     errno.EEXIST: ("already exists", "remove it, or use another location{for_setting}", USAGE),
     errno.ENOTEMPTY: ("the folder is not empty", "empty it, or use another location{for_setting}", USAGE),
+    errno.ELOOP: (
+        "a symbolic link that leads nowhere (a loop, or its target is missing)",
+        "remove the link, or point it at a real folder{for_setting}",
+        USAGE,
+    ),
     errno.EIO: (
         "input/output error (the disk or network file system failed)",
         "check the disk, then retry",
@@ -85,9 +90,15 @@ class FileFault(Exception):
         self.code, self.category, self.path = code, category, path
 
 
+class ChangedFile(ValueError):
+    """A file is not what was written: its size or hash differs from the record kept when it was written
+    (a checkpoint's files), though its format may be whole."""
+
+
 def _corrupt_types() -> tuple[type[BaseException], ...]:
-    """Errors meaning "the bytes are not what the format says": JSON, text, Arrow, safetensors."""
-    types: list[type[BaseException]] = [json.JSONDecodeError, UnicodeDecodeError, EOFError]
+    """Errors meaning "the bytes are not what the format says": JSON, text, Arrow, safetensors, or not what
+    was written (:class:`ChangedFile`)."""
+    types: list[type[BaseException]] = [json.JSONDecodeError, UnicodeDecodeError, EOFError, ChangedFile]
     with contextlib.suppress(ImportError):
         import pyarrow as pa
 
@@ -144,7 +155,12 @@ def translate(
             f"{shown}: corrupt or truncated file ({type(error).__name__}: {detail}) while {what}; fix: {fix}"
         )
         return FileFault(message, USAGE, kind, shown)
-    happened, fix, code = _CATEGORIES[_errno(error)]  # type: ignore[index]
+    code_of = _errno(error)
+    if code_of in (errno.EEXIST, errno.ENOENT) and os.path.islink(shown) and not os.path.exists(shown):
+        code_of = errno.ELOOP  # the name is taken by a link that leads nowhere: say that, not "exists"
+    elif code_of == errno.EEXIST and os.path.isfile(shown):
+        code_of = errno.ENOTDIR  # a folder was to be made where a file is (mkdir's "exists")
+    happened, fix, code = _CATEGORIES[code_of]  # type: ignore[index]
     message = f"{shown}: {happened} while {what}; fix: {fix.format(for_setting=for_setting)}"
     return FileFault(message, code, kind, shown)
 

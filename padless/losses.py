@@ -169,51 +169,78 @@ def bradley_terry_loss(
     return -F.logsigmoid(diff)
 
 
+def _scored_stats(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and Bessel-corrected std of ``values`` along ``dim`` (all when None), over the scored ones: a
+    NaN is a sample no source scored, left out (the std of fewer than two values is NaN)."""
+    keep = dict(dim=dim, keepdim=True) if dim is not None else {}
+    if not values.isnan().any():  # every sample scored: the plain statistics
+        return values.mean(**keep), values.std(**keep)
+    mean = values.nanmean(**keep)
+    count = (~values.isnan()).sum(**keep)
+    return mean, (((values - mean) ** 2).nansum(**keep) / (count - 1)).sqrt()
+
+
+def _unscored_zero(advantages: torch.Tensor) -> torch.Tensor:
+    return torch.where(advantages.isnan(), 0.0, advantages)
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
 ) -> torch.Tensor:
     """GRPO: each reward minus its group's mean (optionally over the group's std); groups are consecutive.
+    A NaN reward (a sample no reward source scored) is left out of its group's mean and std and gets
+    advantage 0, as TRL 1.16 does.
 
     Source: Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) §4.1.2, outcome supervision; ``scale=False``
     is Dr.GRPO's unbiased form (Liu et al. 2025, arXiv:2503.20783), which drops the std that over-weights
     groups of nearly equal rewards."""
     groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(1, keepdim=True)
+    mean, std = _scored_stats(groups, 1)
+    centred = groups - mean
     if scale:
-        centred = centred / (groups.std(1, keepdim=True) + eps)
-    return centred.flatten()
+        centred = centred / (std + eps)
+    return _unscored_zero(centred.flatten())
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO: each reward minus the mean of the *other* ``G - 1`` rewards of its group, a baseline that does
-    not see the sample it judges; equal to ``G / (G - 1) (r - group mean)``.
+    not see the sample it judges; equal to ``G / (G - 1) (r - group mean)``. Unscored samples (NaN) are
+    left out of the others' mean and get advantage 0 (so does a group's only scored sample).
 
     Source: Ahmadian et al. 2024, "Back to Basics" (arXiv:2402.14740) §3.2, after Kool et al. 2019; TRL's
     ``RLOOTrainer`` computes the same baseline (without its optional batch whitening)."""
     groups = rewards.view(-1, group_size)
-    others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).flatten()
+    if not groups.isnan().any():
+        others = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    else:
+        count = (~groups.isnan()).sum(1, keepdim=True)
+        others = (groups.nansum(1, keepdim=True) - groups) / (count - 1)
+    return _unscored_zero((groups - others).flatten())
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """REINFORCE++-baseline: the group mean as baseline, then one normalisation over the whole rollout
     ("global advantage normalisation") instead of each group's std, which is noisy for small groups.
+    Unscored samples (NaN) are left out of every mean and std and get advantage 0.
 
     Source: Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262), the ``-baseline`` variant for reasoning
     tasks (OpenRLHF ``advantage_estimator: reinforce_baseline``). The rollout's mean and std are taken over
     sequences (each sample counts once, like the group mean); OpenRLHF weights them by tokens."""
     groups = rewards.view(-1, group_size)
-    centred = (groups - groups.mean(1, keepdim=True)).flatten()
-    spread = centred.std() if centred.numel() > 1 else centred.new_zeros(())
-    return (centred - centred.mean()) / (spread + eps)
+    centred = (groups - _scored_stats(groups, 1)[0]).flatten()
+    if (~centred.isnan()).sum() < 2:
+        return _unscored_zero(centred - centred)
+    mean, spread = _scored_stats(centred)
+    return _unscored_zero((centred - mean) / (spread + eps))
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Which groups (``[n_groups]`` bools) have all rewards equal: every group-relative advantage of such a
-    group is 0, so it carries no gradient. DAPO's dynamic sampling drops and refills them (Yu et al. 2025,
-    arXiv:2503.14476, §3.2, Eq. 11: keep groups with ``0 < #correct < G``)."""
+    """Which groups (``[n_groups]`` bools) have all (scored) rewards equal: every group-relative advantage of
+    such a group is 0, so it carries no gradient (a group with fewer than two scored samples neither). DAPO's
+    dynamic sampling drops and refills them (Yu et al. 2025, arXiv:2503.14476, §3.2, Eq. 11: keep groups
+    with ``0 < #correct < G``)."""
     groups = rewards.view(-1, group_size)
-    return groups.amax(1) == groups.amin(1)
+    return groups.nan_to_num(-math.inf).amax(1) <= groups.nan_to_num(math.inf).amin(1)
 
 
 def soft_overlong_penalty(

@@ -3,8 +3,10 @@ computation of per-token log-probs that runs each sequence alone through a plain
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,3 +159,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "zoo_full" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _library_logs_follow_stderr() -> None:
+    """transformers and huggingface_hub bind their console handler to ``sys.stderr`` as it is when they are
+    first configured, which may be a test's capture, closed after that test: a later warning then prints
+    "I/O operation on closed file" with a traceback into another test's output. Each test points them at
+    its own."""
+    for name in ("transformers", "huggingface_hub"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.stream = sys.stderr
+                vars(handler).pop("flush", None)  # transformers pins the first stream's flush on it

@@ -9,7 +9,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from padless.cli import main
 from padless.forward.attention import BACKENDS, VARLEN_NAME, varlen_kernel
 from padless.forward.varlen import varlen_attention_forward
-from padless.proof.check import LAYOUTS
+from padless.proof.check import LAYOUTS, TREE_LAYOUTS
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a CPU-only machine reports")
 
@@ -47,7 +47,8 @@ def test_check_passes_on_cpu(capsys):
     assert "OK: every cell that ran is within its bound" in out
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("backend"))
-    assert header.split()[-len(LAYOUTS) :] == list(LAYOUTS)
+    layouts = [*LAYOUTS, *TREE_LAYOUTS]  # the tree cells: a tree row vs alone, its gradient vs flat
+    assert header.split()[-len(layouts) :] == layouts
     rows = {
         line.split()[0]: line.split()
         for line in lines
@@ -57,7 +58,7 @@ def test_check_passes_on_cpu(capsys):
     assert rows["varlen"][1] == "sdpa" and rows["sdpa"][1] == "sdpa" and rows["eager"][1] == "eager"
     for backend, tokens in rows.items():
         cells = [tokens[i : i + 3] for i in range(2, len(tokens), 3)]  # "delta <= bound" beside each other
-        assert len(cells) == len(LAYOUTS)
+        assert len(cells) == len(layouts)
         for delta, sign, limit in cells:
             assert sign == "<=" and 0.0 <= float(delta) <= float(limit) < 1e-4, (backend, cells)
     assert "dtype float32" in out and "16 * eps(dtype) * max(M, 1)" in out

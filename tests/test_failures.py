@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,14 +60,19 @@ def chat(user: str, answer: str) -> dict:
 GOOD = [chat("What is 2 + 3?", "5"), chat("Name a colour.", "Blue.")]
 
 
-def model_folder(*, drop: tuple[str, ...] = (), config: dict | None = None, tokenizer: bool = True):
-    """A tiny model saved with save_pretrained, then damaged: files dropped, config.json edited."""
+def model_folder(
+    *, drop: tuple[str, ...] = (), config: dict | None = None, tokenizer: bool = True, template: str = ""
+):
+    """A tiny model saved with save_pretrained, then damaged: files dropped, config.json edited, the chat
+    template replaced."""
 
     def make(tmp: Path) -> Path:
         path = tmp / "model"
         build_tiny_model("tiny-llama").save_pretrained(path)
         if tokenizer:
-            tiny_tokenizer().save_pretrained(path)
+            tok = tiny_tokenizer()
+            tok.chat_template = template or tok.chat_template
+            tok.save_pretrained(path)
         for name in drop:
             (path / name).unlink()
         if config is not None:
@@ -113,6 +120,14 @@ def adapter_without_base(tmp: Path) -> Path:
     return path
 
 
+def adapter_of_a_moved_base(tmp: Path) -> Path:
+    path = adapter_without_base(tmp)
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tmp / "moved-base")})
+    )
+    return path
+
+
 def run_folder_with_checkpoints(tmp: Path) -> Path:
     path = tmp / "runs"
     (path / "checkpoint-3").mkdir(parents=True)
@@ -132,6 +147,26 @@ def locked_folder(tmp: Path) -> Path:
     path.mkdir()
     holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": "earlier"}
     (path / "run.lock").write_text(json.dumps(holder))
+    return path
+
+
+def symlink_loop(tmp: Path) -> Path:
+    path = tmp / "loop"
+    path.symlink_to(path)
+    return path
+
+
+def small_vocabulary(tmp: Path) -> Path:
+    """A tiny Llama whose embeddings hold 512 token ids (the embedded tokenizer writes 4,096)."""
+    from transformers import AutoModelForCausalLM
+
+    from padless.tiny import tiny_config
+
+    config = tiny_config("tiny-llama")
+    config.vocab_size = 512
+    path = tmp / "small"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
@@ -254,6 +289,24 @@ CONFIG_CASES = {
 }
 
 DATA_CASES = {
+    # a template that fails on every conversation is the template's fault, named with its file
+    "template raises": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("chat_template.jinja", "cannot render even a plain question and answer", "roles must alternate"),
+        {"m": model_folder(template="{{ raise_exception('roles must alternate') }}")},
+    ),
+    "template syntax": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("chat_template.jinja", "TemplateSyntaxError", "fix: correct the template"),
+        {"m": model_folder(template="{% for m in messages %}{{ m.content }")},
+    ),
+    "slice past the end": Case(
+        ["sft", "data.train=tiny:sft_eval[5000:]"],
+        2,
+        ("tiny:sft_eval has", "selects none", "fix: slice within"),
+    ),
     "missing file": Case(
         ["sft", "data.train={tmp}/nope.jsonl"], 2, ("nope.jsonl", "no such file", "Accepted")
     ),
@@ -354,6 +407,32 @@ DATA_CASES = {
 }
 
 MODEL_CASES = {
+    "adapter whose base moved": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("adapter_config.json", "moved-base", "no such folder", "fix: put the base model back"),
+        {"m": adapter_of_a_moved_base},
+    ),
+    "lora targets not in the model": Case(
+        ["sft", "model.lora.target_modules=[qproj]"],
+        2,
+        ("model.lora.target_modules=['qproj']", "named down_proj, gate_proj, k_proj", "q_proj", "fix:"),
+    ),
+    "lora target as one string": Case(
+        ["sft", "model.lora.target_modules=q_proj"], 2, ("'q_proj'", "a regular expression", "fix: list")
+    ),
+    "config fails transformers' validation": Case(
+        ["sft", "model.name={m}"],
+        2,
+        ("config.json does not validate", "output_attentions", "fix: remove or correct 'output_attentions'"),
+        {"m": model_folder(config={"output_attentions": True})},
+    ),
+    "value model with a smaller vocabulary": Case(
+        ["ppo", "ppo.value_model={m}", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4"],
+        2,
+        ("ppo.value_model", "embeds 512 token ids", "vocabulary has 4096", "policy's tokenizer"),
+        {"m": small_vocabulary},
+    ),
     "missing path": Case(
         ["sft", "model.name={tmp}/no/such/model"], 2, ("no/such/model", "no such folder", "fix:")
     ),
@@ -447,6 +526,12 @@ MODEL_CASES = {
 }
 
 RUN_FOLDER_CASES = {
+    "symlink loop": Case(
+        ["sft", "train.output_dir={o}"],
+        2,
+        ("loop", "a symbolic link that leads nowhere", "fix: remove the link", "train.output_dir"),
+        {"o": symlink_loop},
+    ),
     "not empty": Case(
         ["sft", "train.output_dir={o}"], 2, ("used", "not empty", "overwrite_output_dir"), {"o": used_folder}
     ),
@@ -472,6 +557,11 @@ RUN_FOLDER_CASES = {
         ("elsewhere", "not a complete padless checkpoint", "use latest, auto"),
     ),
 }
+
+if not torch.cuda.is_available():
+    MODEL_CASES["check on cuda without one"] = Case(
+        ["check", "--device", "cuda"], 2, ("--device cuda", "fix:")
+    )
 
 CASES = {
     **{f"config: {k}": v for k, v in CONFIG_CASES.items()},
@@ -649,7 +739,7 @@ def raise_in_run(error: BaseException) -> Callable[..., None]:
 
 RUNTIME_CASES = {
     "unexpected error": (RuntimeError("boom"), 1, ("unexpected RuntimeError: boom", "--debug")),
-    "interrupted": (KeyboardInterrupt(), 130, ("interrupted", "resume_from_checkpoint")),
+    "interrupted": (KeyboardInterrupt(), 130, ("interrupted (Ctrl-C)",)),  # outside a run: no advice
     "out of memory": (
         torch.OutOfMemoryError("CUDA out of memory."),
         1,
@@ -671,6 +761,26 @@ def test_fault_is_one_message_with_its_exit_code(name: str, capsys, monkeypatch)
     got, err = run(["sft", "train.max_steps=1"], capsys)
     assert got == code, err
     check_message(err, "sft", fragments)
+    assert "resume_from_checkpoint" not in err  # no run folder was taken: there is nothing to resume
+
+
+def test_the_advice_after_ctrl_c_is_checked_against_the_run_folder(trained, tmp_path, capsys, monkeypatch):
+    """Interrupted in its first step, a run has no checkpoint to resume: the message says so; a resumed
+    run interrupted the same way names the checkpoint it can continue from."""
+    from padless.trainers.sft import SFTRecipe
+
+    monkeypatch.setattr(SFTRecipe, "loss", raise_in_run(KeyboardInterrupt()))
+    fresh = ["sft", *LLAMA, f"train.output_dir={tmp_path / 'fresh'}", "data.train=tiny:sft_eval"]
+    code, err = run([*fresh, "train.max_steps=2"], capsys)
+    assert code == 130, err
+    check_message(err, "sft", ("interrupted (Ctrl-C) before any checkpoint was written", "nothing to resume"))
+    assert "resume_from_checkpoint" not in err
+    argv, out = _resume(trained, tmp_path, "sft", "train.max_steps=2")
+    code, err = run(argv, capsys)
+    assert code == 130, err
+    check_message(
+        err, "sft", (f"continue from {out.resolve() / 'checkpoint-1'}", "resume_from_checkpoint=latest")
+    )
 
 
 def test_debug_shows_the_traceback(capsys, monkeypatch) -> None:
@@ -797,10 +907,15 @@ def test_a_cache_dir_that_is_a_file_is_named(tmp_path: Path, capsys) -> None:
     argv = ["sft", *RUN1, f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cachefile'}"]
     code, err = run(argv, capsys)
     assert code == 2, err
-    check_message(err, "sft", ("cachefile", "building the data cache", "data.cache_dir", "fix:"))
+    check_message(
+        err, "sft", ("cachefile", "is a file, not a folder", "building the data cache", "data.cache_dir")
+    )
+    assert "already exists" not in err
 
 
-@pytest.mark.parametrize("damage", ["garbage arrow", "arrow removed", "record removed", "record garbage"])
+@pytest.mark.parametrize(
+    "damage", ["garbage arrow", "random arrow", "arrow removed", "record removed", "record garbage"]
+)
 def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: Path, caplog) -> None:
     import logging
 
@@ -815,6 +930,8 @@ def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(damage: str, tmp_path: P
     arrow = next(entry.glob("*.arrow"))
     if damage == "garbage arrow":  # same size: only reading it tells
         arrow.write_bytes(b"\0" * arrow.stat().st_size)
+    elif damage == "random arrow":  # same size, not Arrow: pyarrow says so with an OSError without errno
+        arrow.write_bytes(bytes(random.Random(0).getrandbits(8) for _ in range(arrow.stat().st_size)))
     elif damage == "arrow removed":
         arrow.unlink()
     elif damage == "record removed":  # half-built: a folder under the name without its record
@@ -854,7 +971,12 @@ def _resume(trained, tmp_path: Path, command: str = "sft", *extra: str) -> tuple
 RESUME_TERMS = {
     "another trainer": (
         ["dpo", "data.train=tiny:preference_eval", "train.max_steps=2"],
-        ("written by SFTRecipe", "DPORecipe", "fix:", "start a new run from it"),
+        ("written by padless sft (SFTRecipe)", "padless dpo", "fix: resume it with padless sft", "a new run"),
+    ),
+    # a reward model has a score head where the checkpoint has an LM head: the trainer is named, not the files
+    "another trainer, other files": (
+        ["rm", "data.train=tiny:preference_eval", "train.max_steps=2"],
+        ("written by padless sft", "this run is padless rm", "fix: resume it with padless sft"),
     ),
     "another batching mid-epoch": (
         ["sft", "train.max_steps=2", "train.max_tokens_per_batch=2048"],
@@ -868,7 +990,7 @@ RESUME_TERMS = {
 def test_resume_refuses_what_the_checkpoint_does_not_belong_to(name: str, trained, tmp_path, capsys) -> None:
     (command, *extra), fragments = RESUME_TERMS[name]
     argv, out = _resume(trained, tmp_path, command, *extra)
-    if command == "dpo":
+    if command in ("dpo", "rm"):
         argv = [a for a in argv if a != "data.train=tiny:sft_eval"]
     code, err = run(argv, capsys)
     assert code == 2, err
@@ -1007,6 +1129,10 @@ def test_half_a_metrics_line_left_by_a_kill_is_dropped_on_resume(trained, tmp_pa
     code, err = run(argv, capsys)
     assert code == 0, err
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()][-1] == 2
+    logged = (out / "log.txt").read_text()
+    assert (
+        "dropped 1 line(s) that are not whole records" in logged and """'{"step": 2, "train/lo'""" in logged
+    )
 
 
 GRPO = [
@@ -1017,6 +1143,104 @@ GRPO = [
     "rollout.mask_truncated=false",
     *FAST,
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Saved RL state: a checkpoint taken mid-rollout with a rollout sampled ahead, damaged in well-formed ways
+
+AHEAD = [*GRPO, "rollout.max_staleness=1", "grpo.mini_batches_per_rollout=2", "train.max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def mid_rollout(tmp_path_factory) -> Path:
+    """checkpoint-1 of a GRPO run of two rollouts of two mini-batch steps each, the second rollout sampled
+    ahead: it holds the first rollout half-trained and the second queued (``state/recipe-0.json``)."""
+    root = tmp_path_factory.mktemp("mid_rollout")
+    assert main(["grpo", *AHEAD, f"train.output_dir={root}", "train.save_steps=1"]) == 0
+    return root / "checkpoint-1"
+
+
+def rehash(ckpt: Path) -> None:
+    """Record the checkpoint's files as they are now, as a writer that did not know better would."""
+    from padless.run.checkpoint import _checksum, file_digest
+
+    record = json.loads((ckpt / "trainer_state.json").read_text())
+    del record["checksum"]
+    record["digests"] = {name: file_digest(ckpt / name) for name in record["digests"]}
+    (ckpt / "trainer_state.json").write_text(json.dumps({**record, "checksum": _checksum(record)}))
+
+
+def edit_json(name: str, change: Callable[[Any], Any]) -> Callable[[Path], None]:
+    def damage(ckpt: Path) -> None:
+        data = json.loads((ckpt / name).read_text())
+        (ckpt / name).write_text(json.dumps(change(data)))
+
+    return damage
+
+
+def _halve(state: dict) -> dict:
+    return {**state, "rollout": state["rollout"][: len(state["rollout"]) // 2]}
+
+
+def _shorter_advantages(state: dict) -> dict:
+    state["rollout"][0]["algorithm"]["advantages"] = state["rollout"][0]["algorithm"]["advantages"][:-1]
+    return state
+
+
+RECIPE = "state/recipe-0.json"
+RL_STATE_DAMAGE = {  # (damage, record the damaged files as they are, what the message says)
+    "plan with half its samples": (edit_json(RECIPE, _halve), False, ("recipe-0.json", "changed after")),
+    "rollouts ahead replaced by []": (
+        edit_json(RECIPE, lambda s: {**s, "ahead": []}),
+        False,
+        ("recipe-0.json", "changed after"),
+    ),
+    "trainer state at another step": (
+        edit_json("trainer_state.json", lambda s: {**s, "step": 2}),
+        False,
+        ("trainer_state.json", "changed after", "checksum"),
+    ),
+    "schedule moved": (
+        edit_json("state/scheduler.json", lambda s: {**s, "last_epoch": s["last_epoch"] + 1}),
+        False,
+        ("scheduler.json", "changed after"),
+    ),
+    # a record that agrees with the files: the structure is checked against the run's settings
+    "recorded plan with half its samples": (
+        edit_json(RECIPE, _halve),
+        True,
+        ("recipe-0.json", "its rollout holds 2 samples; this run's rollouts hold 4"),
+    ),
+    "recorded empty queue ahead": (
+        edit_json(RECIPE, lambda s: {**s, "ahead": []}),
+        True,
+        ("recipe-0.json", "holds the rollouts [] sampled ahead", "holds [1]"),
+    ),
+    "recorded advantages of another length": (
+        edit_json(RECIPE, _shorter_advantages),
+        True,
+        ("recipe-0.json", "algorithm.advantages has"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RL_STATE_DAMAGE))
+def test_saved_rl_state_changed_in_a_well_formed_way_is_refused(name, mid_rollout, tmp_path, capsys) -> None:
+    """Every file of a checkpoint is covered by the size and sha256 recorded when it was written (and the
+    record by its checksum); a recipe state that agrees with the record is still checked against the run:
+    the rollout's sample count, each sample's values per target, the queue of rollouts sampled ahead."""
+    damage, recorded, fragments = RL_STATE_DAMAGE[name]
+    out = tmp_path / "run"
+    shutil.copytree(mid_rollout, out / "checkpoint-1")
+    damage(out / "checkpoint-1")
+    if recorded:
+        rehash(out / "checkpoint-1")
+    code, err = run(
+        ["grpo", *AHEAD, f"train.output_dir={out}", "train.resume_from_checkpoint=latest"], capsys
+    )
+    assert code == 2, err
+    check_message(err, "grpo", (str(out / "checkpoint-1"), *fragments, "fix:"))
+    assert not (out / "checkpoint-2").exists()
 
 
 @pytest.mark.slow

@@ -10,10 +10,12 @@ Backend = Literal["varlen", "sdpa", "eager", "flex_attention", "flash_attention_
 VarlenKernel = Literal["auto", "sdpa", "torch", "flash_attn"]
 DType = Literal["float32", "bfloat16", "float16"]
 ModelDType = Literal["auto", DType]  # auto: bf16 on CUDA, fp32 on CPU
+TreePacking = Literal["auto", "on", "off"]  # auto: on wherever the model and backend run tree rows exactly
 
 BACKENDS: tuple[str, ...] = get_args(Backend)
 VARLEN_KERNELS: tuple[str, ...] = get_args(VarlenKernel)
 DTYPE_NAMES: tuple[str, ...] = get_args(DType)
+TREE_PACKING: tuple[str, ...] = get_args(TreePacking)
 
 # Where metrics go (train.report_to): files in the run folder, and experiment trackers, each an optional
 # package (import name -> how to install it).

@@ -52,6 +52,7 @@ KEYS: dict[str, Meaning] = {
     "vllm_importance_sampling_clip_max": Meaning(("importance_sampling_clip_max",), "TRL's name"),
     "vllm_importance_sampling_clip_min": Meaning(("importance_sampling_clip_min",), "TRL's name"),
     "use_bias_correction_kl": Meaning(("kl_bias_correction",), "TRL's use_bias_correction_kl"),
+    "steps_per_generation": Meaning(("mini_batches_per_rollout",), "TRL's optimizer steps per generation"),
     "mask_truncated_completions": Meaning(("mask_truncated",), "TRL's mask_truncated_completions"),
     "reward_funcs": Meaning(("functions",), "TRL's reward_funcs"),
     "reward_weights": Meaning(("weights",), "TRL's reward_weights"),

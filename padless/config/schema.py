@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
-from padless.config.choices import REPORTERS, TRACKERS, Backend, ModelDType, VarlenKernel
+from padless.config.choices import REPORTERS, TRACKERS, Backend, ModelDType, TreePacking, VarlenKernel
 from padless.config.loading import Applies, ConfigModel, Why, invalid
 
 # Bounds are part of a key's type (PositiveInt, ... from pydantic, or Field(ge=..., lt=...)), so that the
@@ -174,6 +174,9 @@ class TrainSettings(ConfigModel):
     """fp32 logits of a micro-batch above this many MB: the LM head runs in chunks"""
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
+    tree_packing: TreePacking = "auto"
+    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (where
+    the model runs it exactly; the log says which layout ran), on (refused where it cannot run), off"""
     logging_steps: PositiveInt = 10
     """optimizer steps between metrics records"""
     eval_steps: NonNegativeInt = 0
@@ -245,6 +248,14 @@ class TrainSettings(ConfigModel):
             lambda s: s.eval_generate,
             "it shapes the completions eval_generate samples, and eval_generate is off",
             "set train.eval_generate: true (SFT), or remove train.{key}",
+        ),
+        Applies(
+            ("tree_packing",),
+            ("batching", "sequence_parallel"),
+            lambda s: s.batching != "padded" and s.sequence_parallel == 1,
+            "it lays whole packed rows out as prefix trees: batching padded makes no packed rows and "
+            "sequence_parallel > 1 splits them (both run flat)",
+            "remove train.{key}",
         ),
     )
 
@@ -835,10 +846,19 @@ class GRPOSettings(ConfigModel):
     dynamic_sampling_rounds: NonNegativeInt = 0
     """DAPO dynamic sampling: groups whose rewards are all equal are dropped and refilled with fresh
     prompts, at most this many refill rounds per rollout; 0 = off"""
+    dynamic_sampling_empty_refills: PositiveInt = 3
+    """refill rounds in a row that find no group with different rewards before the run stops (the policy
+    or the prompts give no learning signal)"""
     updates_per_rollout: PositiveInt = 1
     """policy passes over each rollout batch (ratios from stored old log-probs)"""
     mini_batches_per_rollout: PositiveInt = 1
     """optimizer steps per pass"""
+    kl_bias_correction: bool = False
+    """multiply the k3 KL by the ratio pi / pi_old, as TRL does by default (use_bias_correction_kl); off:
+    the plain k3 of DeepSeekMath"""
+    token_normaliser: Literal["step", "rollout"] = "step"
+    """dapo / cispo with several mini-batches: each step's token mean over its own tokens (step), or over
+    the rollout's tokens / mini_batches_per_rollout, as TRL normalises (rollout)"""
 
     applies = (
         Applies(
@@ -862,6 +882,27 @@ class GRPOSettings(ConfigModel):
             lambda s: s.advantage == "grpo",
             "it divides by the group std of advantage grpo",
             "remove scale_rewards, or set advantage: grpo",
+        ),
+        Applies(
+            ("kl_bias_correction",),
+            ("beta",),
+            lambda s: s.beta > 0,
+            "it corrects the KL term, which beta: 0 switches off",
+            "set grpo.beta > 0, or remove grpo.kl_bias_correction",
+        ),
+        Applies(
+            ("token_normaliser",),
+            ("loss_type", "mini_batches_per_rollout"),
+            lambda s: s.loss_type in ("dapo", "cispo") and s.mini_batches_per_rollout > 1,
+            "it chooses the token count of dapo / cispo steps, which differ only with several mini-batches",
+            "set grpo.mini_batches_per_rollout > 1 with loss_type dapo or cispo, or remove grpo.{key}",
+        ),
+        Applies(
+            ("dynamic_sampling_empty_refills",),
+            ("dynamic_sampling_rounds",),
+            lambda s: s.dynamic_sampling_rounds > 0,
+            "it bounds dynamic sampling's refills, which dynamic_sampling_rounds: 0 switches off",
+            "set grpo.dynamic_sampling_rounds > 0, or remove grpo.{key}",
         ),
     )
 

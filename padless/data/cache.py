@@ -161,7 +161,13 @@ def is_damage(error: BaseException) -> str | None:
     kind = category(error)
     if isinstance(error, Damaged):
         return str(error)
-    if kind in ("corrupt", "ENOENT", "EISDIR", "ENOTDIR") or isinstance(error, (KeyError, TypeError)):
+    # pyarrow reports bytes that are not Arrow as an OSError without an errno ("Invalid IPC stream")
+    unreadable = isinstance(error, OSError) and error.errno is None
+    if (
+        kind in ("corrupt", "ENOENT", "EISDIR", "ENOTDIR")
+        or unreadable
+        or isinstance(error, (KeyError, TypeError))
+    ):
         return f"{type(error).__name__}: {str(error).splitlines()[0][:150] if str(error) else ''}"
     return None
 

@@ -29,6 +29,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from padless.data.images import check_parts
@@ -186,18 +187,17 @@ def _layout_of(
     return _Layout(tuple(texts), tuple(j for _, j in slots), tuple(cuts), tuple(turns))
 
 
-@contextlib.contextmanager
-def _rendering(row: Row) -> Iterator[None]:
-    """A render of ``row``'s conversation: the template is user-supplied Jinja (its ``raise_exception``
-    lands here too), so whatever it raises is the row's error, said so."""
-    try:
-        yield
-    except Exception as e:
-        raise row.error(
-            None,
-            f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
-            reason="chat template rejected row",
-        ) from e
+# A conversation every chat template renders: one that fails on it fails on every row.
+PLAIN = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+
+
+def template_source(tokenizer: Any) -> str:
+    """Where a tokenizer's chat template was read from: the file in its folder, or the tokenizer itself."""
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        if str(folder) and (folder / name).is_file():
+            return str(folder / name)
+    return "the tokenizer's chat_template"
 
 
 def _normalised(text: str) -> str:
@@ -296,10 +296,40 @@ class ChatEncoder:
                 "markers around assistant content), or use 'prompt'/'completion' strings or 'text' rows."
             )
 
+    @cached_property
+    def broken(self) -> str | None:
+        """Why the template fails on a plain question and answer (:data:`PLAIN`), or None if it renders it."""
+        try:
+            self.tok.apply_chat_template(PLAIN, tokenize=False)
+        except Exception as e:
+            return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        return None
+
+    @contextlib.contextmanager
+    def _rendering(self, row: Row) -> Iterator[None]:
+        """A render of ``row``'s conversation. The template is user-supplied Jinja (its ``raise_exception``
+        lands here too): what it raises is the row's error, unless the template fails on a plain question
+        and answer too, which makes it the template's."""
+        try:
+            yield
+        except Exception as e:
+            if self.broken is not None:
+                source = template_source(self.tok)
+                raise ChatTemplateError(
+                    f"the chat template ({source}) cannot render even a plain question and answer "
+                    f"({self.broken}), so no row can be rendered; fix: correct the template in {source}, or "
+                    "use a model folder whose tokenizer has a working chat template"
+                ) from e
+            raise row.error(
+                None,
+                f"the chat template cannot render this conversation ({type(e).__name__}: {e})",
+                reason="chat template rejected row",
+            ) from e
+
     def _apply(
         self, row: Row, messages: list[dict[str, Any]], *, generation_prompt: bool, tokenize: bool
     ) -> Any:
-        with _rendering(row):
+        with self._rendering(row):
             return self.tok.apply_chat_template(
                 messages, tokenize=tokenize, return_dict=tokenize, add_generation_prompt=generation_prompt
             )
@@ -352,7 +382,7 @@ class ChatEncoder:
             return str(self._apply(row, messages, generation_prompt=False, tokenize=False)), []
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        with _rendering(row):
+        with self._rendering(row):
             texts, spans = render_jinja_template(
                 conversations=[messages],
                 chat_template=self.template,

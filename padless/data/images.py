@@ -123,6 +123,14 @@ def load_image(row: Row, field: str, value: Any) -> Image:
     try:
         with PILImage.open(io.BytesIO(data)) as image:
             return to_rgb(image, row, field)
+    except PILImage.DecompressionBombError as e:  # more pixels than PIL decodes (a "decompression bomb")
+        raise row.error(
+            field,
+            f"is too large to decode{f' ({path})' if path else ''}: {e}",
+            reason="image too large",
+            fix="Downscale the image (PIL decodes at most about 179 million pixels), or set "
+            "data.skip_bad_rows: true to skip the row.",
+        ) from None
     except (UnidentifiedImageError, OSError) as e:
         raise row.error(
             field,

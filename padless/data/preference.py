@@ -30,6 +30,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+import pyarrow.compute as pc
+
 from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
 from padless.data.images import ImageInputs
 from padless.data.records import (
@@ -72,6 +75,12 @@ class PairExample:
         """Number of leading prompt tokens, shared by both sides (none of them a target)."""
         assert self.chosen.loss_mask is not None
         return self.chosen.loss_mask.index(True)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens a tree row computes once for both sides: the prompt but its last token, whose
+        prediction (each side's first completion token) is each side's own."""
+        return max(self.prompt_length - 1, 0)
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -496,6 +505,11 @@ class PairLayout(Layout[PairExample]):
 
     def read_columns(self, stored: list[str]) -> list[str]:
         return ["prompt_ids", "chosen_ids", "rejected_ids", "margin"]
+
+    def shared(self, dataset: Any) -> np.ndarray:
+        """:attr:`PairExample.shared_tokens` of every pair, from its stored prompt."""
+        prompts = pc.list_value_length(dataset.data.column("prompt_ids")).to_numpy()
+        return np.maximum(prompts.astype(np.int64) - 1, 0)
 
     def decode(self, columns: dict[str, list[Any]], source: str) -> list[PairExample]:
         pairs = []

@@ -524,14 +524,25 @@ def load_rows(spec: str | Path | datasets.Dataset | datasets.DatasetDict, split:
     A source without a single row is an error: an empty file is never what a run meant to train on.
     """
     source, selected = sliced(spec)
-    rows = open_source(source, split).rows()[selected]
+    every = open_source(source, split).rows()
+    rows = every[selected]
     if not rows:
-        raise no_rows(spec)
+        raise no_rows(spec, len(every))
     return rows
 
 
-def no_rows(spec: Any) -> DataError:
+def no_rows(spec: Any, total: int = 0) -> DataError:
+    """The error for a selection without rows: an empty source, or a slice past its ``total`` rows."""
     source = _dataset_name(spec) if not isinstance(spec, (str, Path)) else str(spec)
+    if total:
+        name, selected = sliced(spec)
+        start, stop = ("" if x is None else x for x in (selected.start, selected.stop))
+        return DataError(
+            f"{source}: {name} has {total} rows, and the slice [{start}:{stop}] selects none of them; fix: "
+            f"slice within its {total} rows (e.g. {name}[:{total}])",
+            source=source,
+            reason="empty",
+        )
     return DataError(
         f"{source}: has no rows (an empty file, or only blank lines); fix: point the data setting at "
         "the file that holds the rows, or fill this one",
@@ -601,7 +612,7 @@ def raw_rows(source: Source, selected: slice, spec: Any, workdir: Path) -> RawRo
     dataset, numbering = source.arrow(workdir)
     positions = range(len(dataset))[selected]
     if not positions:
-        raise no_rows(spec)
+        raise no_rows(spec, len(dataset))
     if len(positions) != len(dataset):
         dataset = dataset.select(positions)
     return RawRows(dataset, RowDecoder(source.name, numbering, positions))

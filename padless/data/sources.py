@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from padless import tiny
 from padless.data.images import ImageInputs
@@ -261,7 +262,18 @@ def adapter_base(folder: Path) -> str:
     if embedded(base) or Path(base).expanduser().exists():
         return base
     beside = folder / base
-    return str(beside.resolve()) if beside.exists() else base
+    if beside.exists():
+        return str(beside.resolve())
+    try:
+        local_folder(base)  # a cached hub id; else the base moved or is gone: say where it is named
+    except InputError as e:
+        said = re.split(r"[;.] [Ff]ix: ", str(e))[0]
+        raise InputError(
+            f"the LoRA adapter in {folder} names its base model in {folder / ADAPTER_CONFIG} "
+            f"(base_model_name_or_path {base!r}), and it cannot be loaded: {said}; fix: put the base model "
+            f"back there, or set base_model_name_or_path in {folder / ADAPTER_CONFIG} to where it is now"
+        ) from None
+    return base
 
 
 def load_pretrained(
@@ -305,6 +317,14 @@ def load_pretrained(
             model = auto.from_pretrained(
                 str(folder), local_files_only=True, trust_remote_code=trust_remote_code, **kwargs
             )
+    except StrictDataclassError as e:  # transformers validates the config against the load's settings
+        said = " ".join(str(e).split())[:300]
+        key = re.search(r"validate_(\w+)", said)
+        what = f"remove or correct {key.group(1)!r}" if key else "correct what the message names"
+        raise InputError(
+            f"cannot load the model in {folder}: its config.json does not validate ({said}); fix: {what} "
+            f"in {folder / 'config.json'}"
+        ) from None
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise InputError(
             f"cannot load the model in {folder}: {str(e).splitlines()[0]}; fix: check that the folder was "

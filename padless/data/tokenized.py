@@ -137,6 +137,11 @@ class Layout(ABC, Generic[T]):
     def decode(self, columns: dict[str, list[Any]], source: str) -> list[T]:
         """Items back from a batch of columns."""
 
+    def shared(self, dataset: datasets.Dataset) -> np.ndarray:
+        """Tokens per item that a tree row computes once although its sequences all hold them
+        (:attr:`ExampleSet.shared`); none unless the layout's items share a prompt."""
+        return np.zeros(len(dataset), dtype=np.int64)
+
 
 def ids_feature() -> Any:
     """The ``datasets`` feature of a column of token ids (int32)."""
@@ -173,6 +178,13 @@ class ExampleSet(Sequence[T]):
     @abstractmethod
     def set_meta(self, key: str, values: Sequence[Any]) -> None:
         """Give item ``i`` ``meta[key] = values[i]`` (e.g. precomputed reference log-probs)."""
+
+    @property
+    @abstractmethod
+    def shared(self) -> np.ndarray:
+        """Tokens per item that its sequences share ahead of their first trained prediction (a preference
+        pair's prompt, less its last token), which a tree row (:mod:`padless.forward.tree`) computes once:
+        an item's tree tokens are ``lengths - shared``."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -211,6 +223,10 @@ class InMemory(ExampleSet[T]):
     def set_meta(self, key: str, values: Sequence[Any]) -> None:
         for item, value in zip(self.items, values, strict=True):
             item.meta[key] = value
+
+    @property
+    def shared(self) -> np.ndarray:
+        return np.array([getattr(x, "shared_tokens", 0) for x in self.items], dtype=np.int64)
 
 
 class _Selection(Sequence[T]):
@@ -260,6 +276,10 @@ class ArrowSet(ExampleSet[T]):
     @property
     def targets(self) -> np.ndarray:
         return self.dataset.data.column("targets").to_numpy()
+
+    @property
+    def shared(self) -> np.ndarray:
+        return self.layout.shared(self.dataset)
 
     def set_meta(self, key: str, values: Sequence[Any]) -> None:
         if len(values) != len(self):
@@ -471,9 +491,10 @@ def load_set(
     source_spec, selected = sliced(spec)
     source = open_source(source_spec, split)
     if images is not None or source.kind == "python":
-        rows = source.rows()[selected]
+        every = source.rows()
+        rows = every[selected]
         if not rows:
-            raise no_rows(spec)
+            raise no_rows(spec, len(every))
         items, stats = layout.tokenize(rows, tokenizer, images)
         return InMemory(items), stats
     settings = layout.settings()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from padless.config.choices import TREE_PACKING
 from padless.config.schema import TrainSettings
 from padless.forward import hybrid, ranks, sequence_parallel
 from padless.forward.attention import (
@@ -37,6 +38,7 @@ from padless.forward.attention import (
 from padless.forward.distill import Distillation, distill_from_hidden
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
 from padless.forward.ranks import Topology
+from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
 
 # The fp32 logits of one micro-batch may take this much memory before the head runs in chunks
@@ -59,12 +61,22 @@ class EngineSettings:
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
     topology: Topology = field(default_factory=ranks.start)
+    tree_packing: str = "off"  # train.tree_packing: auto / on / off (see resolve_tree)
 
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
             raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
         if self.varlen_kernel is not None:
             validate_kernel_name(self.varlen_kernel)
+        if self.tree_packing not in TREE_PACKING:
+            raise ValueError(
+                f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
+            )
+
+    def probed_tree(self) -> str:
+        """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
+        rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
+        return self.tree_packing if self.topology.degree == 1 else "off"
 
 
 @dataclass(frozen=True)
@@ -148,32 +160,36 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def _mrope_rows(batch: PackedBatch) -> torch.Tensor:
+def _mrope_rows(batch: PackedBatch | TreeRow) -> torch.Tensor:
     """A packed row's ``[4, 1, T]`` ids for an M-RoPE model: the restarting text row the mask is built from,
     then the three rope rows. Given one row, such a model computes its own rope rows and masks the whole
     row causally on sdpa / eager (a leak: 23.8 nats on Qwen2.5-VL); text takes its restarting positions on
     all three, images need theirs from the model's rope index."""
-    ids = batch.position_ids
+    ids, vision = batch.position_ids, getattr(batch, "vision", None)
     if ids.dim() == 3 and len(ids) == 4:
         return ids
-    if ids.dim() == 2 and not batch.vision:
+    if ids.dim() == 2 and not vision:
         return ids.expand(4, 1, -1)
     raise ValueError(
         f"a packed row of an M-RoPE model needs position ids [4, 1, T] (text row, then 3 rope rows), got "
-        f"{list(ids.shape)}{' with images' if batch.vision else ''}: tokenize the examples with the model's "
+        f"{list(ids.shape)}{' with images' if vision else ''}: tokenize the examples with the model's "
         "rope index (padless.forward.vision.RopeIndex)"
     )
 
 
-def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Last hidden states (``[1, T, H]`` packed, ``[N, L, H]`` padded) with no head applied.
+def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Last hidden states (``[1, T, H]`` packed, ``[1, R, H]`` a tree row, ``[N, L, H]`` padded) with no
+    head applied.
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
     backend = checked_backend(model)
     base = backbone(model)
-    inputs = model_inputs(batch)
-    if isinstance(batch, PackedBatch) and hasattr(base, "get_rope_index"):
+    if isinstance(batch, TreeRow):
+        inputs = tree_inputs(batch, backend, base.get_input_embeddings().weight.dtype)
+    else:
+        inputs = model_inputs(batch)
+    if isinstance(batch, (PackedBatch, TreeRow)) and hasattr(base, "get_rope_index"):
         inputs["position_ids"] = _mrope_rows(batch)
     with runtime_context(backend, batch.input_ids.device):
         return base(**inputs, use_cache=False).last_hidden_state
@@ -316,7 +332,7 @@ class _WeightedLogps(torch.autograd.Function):
 
 def forward_packed(
     model: torch.nn.Module,
-    batch: PackedBatch,
+    batch: PackedBatch | TreeRow,
     *,
     entropy: bool = False,
     temperature: float = 1.0,
@@ -324,7 +340,8 @@ def forward_packed(
     logp_weights: torch.Tensor | None = None,
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
 ) -> TokenOutputs:
-    """Per-token log-probs of ``batch.labels`` (and optionally entropy); see :func:`logps_from_hidden`."""
+    """Per-token log-probs of ``batch.labels`` (and optionally entropy), per position of its row (a tree
+    row's positions: :class:`ModelEngine` unfolds them); see :func:`logps_from_hidden`."""
     hidden = hidden_states(model, batch)[0]
     return logps_from_hidden(
         unwrap(model),
@@ -420,10 +437,10 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
     )
 
 
-def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """Per-token scalars from a scalar head (fp32): ``[T]`` packed, ``[N, L]`` padded."""
+def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
+    """Per-token scalars from a scalar head (fp32): ``[T]`` packed (``[R]`` a tree row), ``[N, L]`` padded."""
     scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
-    return scores[0] if isinstance(batch, PackedBatch) else scores
+    return scores if isinstance(batch, PaddedBatch) else scores[0]
 
 
 class EngineOutput(NamedTuple):
@@ -463,6 +480,12 @@ class ModelEngine(torch.nn.Module):
                 hybrid.require_packing(unwrap(m))
         if self.settings.varlen_kernel is not None:  # its layers run it in any pass, in any thread
             pin_kernel(self, self.settings.varlen_kernel)
+        # whether packed batches run as tree rows (train.tree_packing), decided once per engine
+        self.tree = all(
+            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.topology.degree)
+            for m in (model, value)
+            if m is not None
+        )
         split = self.topology.sequence_parallel  # the group every packed forward is split over
         if split is not None:
             for m in (model, value):
@@ -550,20 +573,31 @@ class ModelEngine(torch.nn.Module):
         logp_weights: torch.Tensor | None,
         values: bool,
     ) -> EngineOutput:
-        """The packed pass (one chunk of the row under sequence parallelism)."""
+        """The packed pass (one chunk of the row under sequence parallelism); as a tree row where the engine
+        runs them and the batch shares a prefix, its results unfolded to the packed order."""
+        row = tree_row(batch) if self.tree else None
+        run = batch if row is None else row
+        if row is not None and logp_weights is not None:
+            logp_weights = row.fold(logp_weights)
+
+        def unfold(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values if row is None or values is None else values.index_select(0, row.unfold)
+
         out = EngineOutput()
         if logps:
             tokens = forward_packed(
                 self.model,
-                batch,
+                run,
                 entropy=entropy,
                 temperature=temperature,
                 logp_weights=logp_weights,
                 logits_memory_mb=self.settings.logits_memory_mb,
             )
-            out = out._replace(logps=tokens.logps, entropy=tokens.entropy, weighted=tokens.weighted)
+            out = out._replace(
+                logps=unfold(tokens.logps), entropy=unfold(tokens.entropy), weighted=tokens.weighted
+            )
         if values:
-            out = out._replace(values=forward_scores(self.scorer, batch))
+            out = out._replace(values=unfold(forward_scores(self.scorer, run)))
         return out
 
     def _distill(self, batch: PackedBatch, hidden: bool, distill: Distillation | None) -> EngineOutput:

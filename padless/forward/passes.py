@@ -19,9 +19,10 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import reduce
 
-from padless.forward.engine import sequence_scores
+from padless.forward.engine import inner_engine, sequence_scores
 from padless.forward.packing import Example, budget_batches, pack
 from padless.forward.ranks import Topology, lockstep
+from padless.forward.tree import plan_batches
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -35,6 +36,7 @@ def lockstep_pass(
     max_tokens: int,
     filler: T | None = None,
     share: Topology | None = None,
+    tree: bool = False,
 ) -> list[R]:
     """``run(batch)`` (one result per item of the batch) on batches of at most ``max_tokens`` tokens (an
     item longer than that alone); returns each item's result, in order.
@@ -42,9 +44,12 @@ def lockstep_pass(
     Without ``share`` every rank passes its own items and ``filler`` (its results dropped) keeps a rank
     whose batches ran out in step with the others; it is needed when a rank may have no items at all.
     With ``share`` (the run's topology, which the engine carries) the items are the same on every rank and
-    the results, tensors of one shape, come back summed over ranks (float64; see the module docstring)."""
+    the results, tensors of one shape, come back summed over ranks (float64; see the module docstring).
+    ``tree``: the items are examples that the engine runs as tree rows: batched by the tokens of their
+    trees, shared prefixes side by side (:func:`padless.forward.tree.tree_batches`)."""
     budget = max([max_tokens, *lengths])
-    groups = budget_batches(lengths, budget, shuffle=False) if len(items) else []
+    groups = plan_batches(items, budget, tree) if tree else budget_batches(lengths, budget, shuffle=False)
+    groups = groups if len(items) else []
     if share is None:
         results: list[R | None] = [None] * len(items)
         for group, real in lockstep(groups, []):
@@ -77,4 +82,5 @@ def score_examples(
     def run(batch: list[Example]) -> list[float]:
         return sequence_scores(model, pack(batch, device=device)).tolist()
 
-    return lockstep_pass(examples, [len(e) for e in examples], run, max_tokens, filler)
+    tree = inner_engine(model).tree
+    return lockstep_pass(examples, [len(e) for e in examples], run, max_tokens, filler, tree=tree)

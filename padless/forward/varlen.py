@@ -70,8 +70,8 @@ def _spans(
         cu_k = kwargs.get("cu_seq_lens_k")
         if cu_k is not None and cu_k is not cu and sequence_bounds(cu_k) != bounds:
             raise AttentionError(
-                "cu_seq_lens_k differs from cu_seq_lens_q: varlen runs self-attention over whole sequences "
-                "only (no cross-attention, no KV cache)"
+                "cu_seq_lens_k differs from cu_seq_lens_q without tree_keys: varlen runs self-attention "
+                "over whole sequences or the segments of a tree row (no cross-attention, no KV cache)"
             )
         return [(0, s, e) for s, e in pairwise(bounds)]
     spans = []
@@ -115,7 +115,7 @@ class AttentionArgs:
 
 # Read by varlen to find the sequences.
 _BOUNDARY_KWARGS = frozenset(
-    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"}
+    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "tree_keys"}
 )
 # Flags of the model's forward that transformers hands on to every attention call; none of them changes
 # what attention computes.
@@ -200,9 +200,16 @@ def _allowed(length: int, args: AttentionArgs, device: torch.device) -> torch.Te
     return allowed
 
 
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs) -> torch.Tensor:
+def _math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    args: AttentionArgs,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
-    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``.
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``; ``allowed`` (broadcast to ``[N, H, Lq, Lk]``) replaces the
+    mask of ``args`` (tree segments, whose keys outnumber their queries).
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
     eager kernels do; memory ``N * H * L^2`` for these sequences only.
@@ -212,7 +219,8 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
     scores = (q.float() @ k.float().transpose(-1, -2)) * args.scale
     if args.softcap is not None:
         scores = torch.tanh(scores / args.softcap) * args.softcap
-    allowed = _allowed(q.shape[2], args, q.device)
+    if allowed is None:
+        allowed = _allowed(q.shape[2], args, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -math.inf)
     if args.sinks is not None:
@@ -226,13 +234,19 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Att
 
 
 def _sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    args: AttentionArgs,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over whole sequences of one (padded) length, ``[N, H, L, D]`` in and out (4D: SDPA's
-    fused CPU and CUDA kernels take only 4D inputs; 3D ones run its unfused math kernel)."""
+    fused CPU and CUDA kernels take only 4D inputs; 3D ones run its unfused math kernel). ``allowed``:
+    an explicit mask in place of the one ``args`` describe (see :func:`_math_attention`)."""
     if args.softcap is not None or args.sinks is not None:
-        return _math_attention(q, k, v, args)
-    allowed = _allowed(q.shape[2], args, q.device) if args.window is not None else None
+        return _math_attention(q, k, v, args, allowed)
+    if allowed is None and args.window is not None:
+        allowed = _allowed(q.shape[2], args, q.device)
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -407,6 +421,57 @@ def fused_kernel_lacks(kernel: str, args: AttentionArgs, head_dim: int) -> str |
     return None
 
 
+def _flat_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[B, H, T, d]`` -> ``[B*T, H, dim]``, the head size padded to ``dim``, last dim contiguous."""
+    padded = F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t
+    return padded.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], dim)
+
+
+def _fused_call(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    args: AttentionArgs,
+) -> torch.Tensor:
+    """One call of the fused ``kernel``: q ``[Tq, H, D]``, k and v ``[Tk, Hkv, D]`` (one head size, a
+    multiple of 8), segments bounded by ``cu_q`` / ``cu_k``; causal masks and windows align at the bottom
+    right of each segment, as both kernels document. Returns ``[Tq, H, D]``."""
+    window = (-1, 0) if args.window is None else (args.window - 1, 0)  # (left, right), -1: unbounded
+    if not args.causal:
+        window = (-1, -1)
+    if kernel == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p=args.dropout,
+            softmax_scale=args.scale,
+            causal=args.causal,
+            window_size=window,
+            softcap=args.softcap or 0.0,
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = {}
+    if q.shape[1] != k.shape[1]:
+        if _takes(varlen_attn, "enable_gqa"):
+            gqa = {"enable_gqa": True}
+        else:  # PyTorch < 2.13: each kv head repeated for the query heads that read it, as GQA does
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=args.scale, window_size=window, **gqa)
+
+
 def _fused_varlen(
     kernel: str, q, k, v, spans: list[Span], args: AttentionArgs, packed_cu: torch.Tensor | None
 ) -> torch.Tensor:
@@ -423,52 +488,177 @@ def _fused_varlen(
     else:
         cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=q.device)
     max_len = max(lens)
-    flat = [
-        (F.pad(t, (0, dim - t.shape[-1])) if t.shape[-1] != dim else t)
-        .transpose(1, 2)
-        .reshape(batch * length, t.shape[1], dim)
-        for t in (q, k, v)
-    ]  # [B*T, H, D], last dim contiguous
+    flat = [_flat_heads(t, dim) for t in (q, k, v)]  # [B*T, H, D]
     index = None
     if not (batch == 1 and spans[0][1] == 0 and spans[-1][2] == length):
         index = torch.cat(
             [torch.arange(r * length + s, r * length + e, device=q.device) for r, s, e in spans]
         )
         flat = [t[index] for t in flat]
-    window = (-1, 0) if args.window is None else (args.window - 1, 0)  # (left, right), -1: unbounded
-    if not args.causal:
-        window = (-1, -1)
-    if kernel == "flash_attn":
-        from flash_attn import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
-            *flat,
-            cu,
-            cu,
-            max_len,
-            max_len,
-            dropout_p=args.dropout,
-            softmax_scale=args.scale,
-            causal=args.causal,
-            window_size=window,
-            softcap=args.softcap or 0.0,
-        )
-    else:
-        from torch.nn.attention.varlen import varlen_attn
-
-        gqa = {}
-        if heads != k.shape[1]:
-            if _takes(varlen_attn, "enable_gqa"):
-                gqa = {"enable_gqa": True}
-            else:  # PyTorch < 2.13: each kv head repeated for the query heads that read it, as GQA does
-                flat[1:] = [t.repeat_interleave(heads // k.shape[1], dim=1) for t in flat[1:]]
-        out = varlen_attn(*flat, cu, cu, max_len, max_len, scale=args.scale, window_size=window, **gqa)
+    out = _fused_call(kernel, *flat, cu, cu, max_len, max_len, args)
     out = out[..., :out_dim]
     if index is not None:
         full = out.new_zeros(batch * length, heads, out_dim)
         full[index] = out
         out = full
     return out.reshape(batch, length, heads, out_dim)
+
+
+def _kernel(module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> str:
+    """The kernel this call runs (:func:`padless.forward.attention.varlen_kernel` of the choice the layer
+    carries, or exact attention where the fused kernel lacks an argument and the choice is ``auto``),
+    counted in :data:`KERNEL_CALLS`."""
+    choice = attention.kernel_of(module)
+    kernel = attention.varlen_kernel(query.device, query.dtype, choice)
+    if kernel != "sdpa":
+        lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
+        if lacking:
+            if choice != "auto":
+                raise AttentionError(
+                    f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
+                    "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
+                )
+            _log_once(
+                f"varlen: {kernel} has no {lacking} ({architecture(module)}): those layers run exact "
+                "per-sequence attention instead"
+            )
+            kernel = "sdpa"
+    KERNEL_CALLS[f"varlen:{kernel}"] += 1
+    return kernel
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tree rows (padless.forward.tree): each segment's queries against its ancestors' keys and its own
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeGroups:
+    """The segments of a tree row in few SDPA calls, one per (padded query length, padded key length)
+    (:func:`padded_length` of each): a segment's queries padded on the right, its keys (its ancestors',
+    then its own) likewise, and a mask per segment that aligns causality at the bottom right (query
+    ``i`` of a segment with ``a`` ancestor keys sees keys ``j <= a + i``), so no real query sees padding.
+    A group of segments without ancestors (roots, shared prefixes) is plain causal attention, as in
+    :class:`SequenceGroups`.
+
+    ``queries`` / ``keys`` ``[S]``: the row position each slot reads, group after group; ``back`` ``[R]``:
+    the query slot holding each row position's output; ``owner`` ``[S]``: the row position a query slot
+    holds, ``R`` for padding; ``offsets``: ``a`` of each segment, per group
+    (``None`` for a group of segments without ancestors).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    back: torch.Tensor
+    owner: torch.Tensor
+    padded: bool  # some query slot is padding
+    shapes: tuple[tuple[int, int, int], ...]  # (segments, padded queries, padded keys) of each group
+    offsets: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def plan(
+        cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int], device
+    ) -> TreeGroups:
+        groups: dict[tuple[int, int, bool], list[int]] = {}
+        for s, ((q0, q1), (k0, k1)) in enumerate(zip(pairwise(bounds_q), pairwise(bounds_k), strict=True)):
+            root = k1 - k0 == q1 - q0
+            groups.setdefault((padded_length(q1 - q0), padded_length(k1 - k0), root), []).append(s)
+        queries: list[int] = []
+        owner: list[int] = []
+        key_slots: list[int] = []
+        rows = bounds_q[-1]
+        back = [0] * rows
+        shapes, offsets = [], []
+        for (size_q, size_k, root), members in sorted(groups.items(), reverse=True):
+            for s in members:
+                q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+                back[q0:q1] = range(len(queries), len(queries) + q1 - q0)
+                queries += [*range(q0, q1), *[q1 - 1] * (size_q - (q1 - q0))]
+                owner += [*range(q0, q1), *[rows] * (size_q - (q1 - q0))]
+                key_slots += [*keys[k0:k1], *[keys[k1 - 1]] * (size_k - (k1 - k0))]
+            shapes.append((len(members), size_q, size_k))
+            gaps = [(bounds_k[s + 1] - bounds_k[s]) - (bounds_q[s + 1] - bounds_q[s]) for s in members]
+            offsets.append(None if root else torch.tensor(gaps, device=device))
+        padded = len(queries) > rows  # then _Gather's backward reads padding's (zero) gradient at row R
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            as_tensor(queries),
+            as_tensor(key_slots),
+            as_tensor(back),
+            as_tensor(owner),
+            padded,
+            tuple(shapes),
+            tuple(offsets),
+        )
+
+    @staticmethod
+    def allowed(offsets: torch.Tensor, size_q: int, size_k: int, window: int | None) -> torch.Tensor:
+        """``[n, 1, Lq, Lk]``: causal at the bottom right of each segment (and within ``window``)."""
+        i = torch.arange(size_q, device=offsets.device)[None, :, None] + offsets[:, None, None]
+        j = torch.arange(size_k, device=offsets.device)[None, None]
+        allowed = j <= i
+        if window is not None:
+            allowed &= i - j < window
+        return allowed[:, None]
+
+
+# cu_seq_lens_q tensor of a tree row -> its groups, planned once per batch like a packed row's.
+_TREES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _tree_attention(
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: AttentionArgs, kwargs
+) -> torch.Tensor:
+    """Attention of a tree row (:class:`padless.forward.tree.TreeRow`): segment ``s``'s queries (the row
+    between ``cu_seq_lens_q[s]`` and ``[s + 1]``) against the row positions ``tree_keys`` lists between
+    ``cu_seq_lens_k[s]`` and ``[s + 1]`` (its ancestors', then its own), causal at the bottom right.
+    Keys are gathered, so the gradient of a prefix's keys and values is the sum over its branches."""
+    problem = None
+    if q.shape[0] != 1:
+        problem = f"a tree row is one packed row, got a batch of {q.shape[0]} rows"
+    elif not args.causal:
+        problem = "it attends bidirectionally, so a shared prefix would see its branches"
+    elif attention_chunk(module) is not None:
+        problem = (
+            "its chunked attention counts chunks from each sequence's start, which branches do not share"
+        )
+    elif getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        problem = "its NoPE layers scale queries by their place in the row"
+    if problem:
+        raise AttentionError(
+            f"{architecture(module)} cannot run a tree row: {problem}; set train.tree_packing: off"
+        )
+    cu_q, cu_k, keys = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["tree_keys"]
+    kernel = _kernel(module, q, v, args)
+    heads, out_dim = q.shape[1], v.shape[-1]
+    if kernel != "sdpa":
+        dim = -(-max(q.shape[-1], out_dim) // 8) * 8
+        flat_q, flat_k, flat_v = (_flat_heads(t, dim) for t in (q, k, v))
+        flat_k, flat_v = flat_k.index_select(0, keys), flat_v.index_select(0, keys)
+        max_q, max_k = kwargs["max_length_q"], kwargs["max_length_k"]
+        out = _fused_call(kernel, flat_q, flat_k, flat_v, cu_q, cu_k, max_q, max_k, args)
+        return out[..., :out_dim].reshape(1, q.shape[2], heads, out_dim)
+    plan = _TREES.get(cu_q)
+    if plan is None:
+        plan = _TREES[cu_q] = TreeGroups.plan(
+            sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist(), q.device
+        )
+    flat_q, flat_k, flat_v = (t[0].transpose(0, 1) for t in (q, k, v))  # [R, H, D]
+    # queries and outputs: one slot per row position (padding slots' gradients are zero): gathers both
+    # ways; keys and values: a prefix's in every branch's slots, their gradients summed (index_select)
+    qs = _Gather.apply(flat_q, plan.queries, plan.back, False)
+    ks, vs = flat_k.index_select(0, plan.keys), flat_v.index_select(0, plan.keys)
+    outs, at_q, at_k = [], 0, 0
+    for (n, size_q, size_k), offsets in zip(plan.shapes, plan.offsets, strict=True):
+        group_q = qs[at_q : at_q + n * size_q].view(n, size_q, *qs.shape[1:]).transpose(1, 2)
+        group_k, group_v = (
+            t[at_k : at_k + n * size_k].view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (ks, vs)
+        )
+        allowed = None if offsets is None else TreeGroups.allowed(offsets, size_q, size_k, args.window)
+        out = _sequence_attention(group_q, group_k, group_v, args, allowed)
+        outs.append(out.transpose(1, 2).reshape(n * size_q, heads, out_dim))
+        at_q, at_k = at_q + n * size_q, at_k + n * size_k
+    return _Gather.apply(torch.cat(outs), plan.back, plan.owner, plan.padded)[None]
 
 
 def varlen_attention_forward(
@@ -517,6 +707,8 @@ def attend(
             "padless.rl.generate (which decodes with sdpa) or pass use_cache=False"
         )
     args = _attention_args(module, query, dropout, scaling, sliding_window, softcap, s_aux, is_causal, kwargs)
+    if kwargs.get("tree_keys") is not None:
+        return _tree_attention(module, query, key, value, args, kwargs), None
     batch, _, length, _ = query.shape
     spans = _spans(batch, length, attention_mask, kwargs)
     query = _query_temperature_per_sequence(module, query, spans)
@@ -524,22 +716,7 @@ def attend(
     chunk = attention_chunk(module)
     if chunk is not None:  # attention within chunks of each sequence: the chunks are the sequences
         spans = [(row, c, min(c + chunk, e)) for row, s, e in spans for c in range(s, e, chunk)]
-    choice = attention.kernel_of(module)
-    kernel = attention.varlen_kernel(query.device, query.dtype, choice)
-    if kernel != "sdpa":
-        lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
-        if lacking:
-            if choice != "auto":
-                raise AttentionError(
-                    f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
-                    "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
-                )
-            _log_once(
-                f"varlen: {kernel} has no {lacking} ({architecture(module)}): those layers run exact "
-                "per-sequence attention instead"
-            )
-            kernel = "sdpa"
-    KERNEL_CALLS[f"varlen:{kernel}"] += 1
+    kernel = _kernel(module, query, value, args)
     if not spans:  # every row is padding
         return query.new_zeros(batch, length, query.shape[1], value.shape[-1]), None
     if kernel == "sdpa" and args.causal:

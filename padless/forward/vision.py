@@ -179,7 +179,8 @@ def _saved_score_weight(path: str | Path) -> torch.Tensor:
 
 def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: str) -> None:
     """A reward or value model reads the policy's samples as they are: images (and M-RoPE positions) for a
-    vision-language policy, text for a text one. A mismatch would drop the images or misplace tokens."""
+    vision-language policy, text for a text one, and token ids its embeddings must cover. A mismatch would
+    drop the images, misplace tokens or index past the embeddings."""
 
     want, got = is_vision_config(unwrap(policy).config), is_vision_config(unwrap(other).config)
     if want != got:
@@ -187,6 +188,14 @@ def require_same_inputs(policy: torch.nn.Module, other: torch.nn.Module, role: s
         raise ValueError(
             f"{role} is {kind[got]} but the policy is {kind[want]}: it would read the policy's samples "
             f"without their {'images' if want else 'text positions'}; use {kind[want]} there too"
+        )
+    need = unwrap(policy).get_input_embeddings().num_embeddings
+    have = unwrap(other).get_input_embeddings().num_embeddings
+    if have < need:
+        raise ValueError(
+            f"{role} embeds {have} token ids, but the policy's vocabulary has {need}: it reads the policy's "
+            "token ids as they are, and a higher one would index past its embeddings; use a model built on "
+            "the policy's tokenizer there"
         )
 
 

@@ -1,4 +1,5 @@
-"""The invariance matrix: the same sequences in four layouts on every backend, compared per token.
+"""The invariance matrix: the same sequences in four layouts on every backend, compared per token, and the
+tree layout (sequences sharing prefixes computed once, :mod:`padless.forward.tree`) beside them.
 
 Reference: each sequence run alone with ``eager`` attention, transformers' own textbook kernel, which
 implements every argument of its architecture and has nothing to get wrong for one unpadded sequence.
@@ -8,13 +9,18 @@ Every cell reports the largest per-token |delta log-prob| against it, beside its
 A backend either produces its cells or is reported as unavailable on this machine (no CUDA, package
 missing) or refused for this model (loading it would stop: padless's probe or transformers said no,
 with the reason). :func:`run_zoo` runs the matrix over the tiny architectures of :mod:`padless.proof.zoo`.
+
+The tree cells run sequences that share nested prefixes (:func:`padless.proof.probe.tree_sequences`) as one
+tree row through the engine: ``tree`` compares the log-probs of every trained token with each sequence
+alone; ``tree-grad`` compares the gradient of a loss over them with the flat packed layout's, parameter
+by parameter. Where the model cannot run a tree (:func:`padless.forward.tree.tree_problem`) they say why.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -31,13 +37,28 @@ from padless.forward.attention import (
     pin_kernel,
     runtime_context,
 )
-from padless.forward.engine import forward_packed, forward_padded, loaded_backend, use_backend
+from padless.forward.engine import (
+    EngineSettings,
+    ModelEngine,
+    forward_packed,
+    forward_padded,
+    loaded_backend,
+    use_backend,
+)
 from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
-from padless.proof.probe import ReferenceForwardError, model_name, probe_reference, prove_packing
+from padless.forward.tree import tree_problem
+from padless.proof.probe import (
+    ReferenceForwardError,
+    model_name,
+    probe_reference,
+    prove_packing,
+    tree_sequences,
+)
 from padless.proof.tolerance import FORMULA, bound
 from padless.proof.zoo import LOGIT_TARGET, build_zoo_model, exercises, scale_head, zoo_names
 
 LAYOUTS = ("alone", "left", "right", "packed")
+TREE_LAYOUTS = ("tree", "tree-grad")
 DEFAULT_LENGTHS = (4, 19, 77, 160)
 
 
@@ -48,9 +69,12 @@ class Cell:
     max_delta: float | None = None
     bound: float | None = None
     error: str | None = None
+    not_run: str | None = None  # a tree cell of a model or backend that runs no tree: why
 
     @property
     def ok(self) -> bool:
+        if self.not_run is not None:
+            return True
         return self.error is None and self.max_delta is not None and self.max_delta <= self.bound
 
 
@@ -143,6 +167,73 @@ def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b, strict=True))
 
 
+@dataclass
+class TreeCase:
+    """Sequences sharing nested prefixes (:func:`padless.proof.probe.tree_sequences`), the prompt length
+    of each, and each run alone (the reference of the ``tree`` cells)."""
+
+    seqs: list[list[int]]
+    prompts: list[int]
+    alone: Alone
+
+    def batch(self, device: torch.device) -> PackedBatch:
+        """The sequences packed flat, the prompt of each untrained."""
+        examples = [
+            Example(s, [False] * p + [True] * (len(s) - p))
+            for s, p in zip(self.seqs, self.prompts, strict=True)
+        ]
+        return pack(examples, device=device)
+
+    def reference(self) -> list[torch.Tensor]:
+        """Each sequence's log-probs of its trained tokens, alone."""
+        return [x[p - 1 :] for x, p in zip(self.alone.logps, self.prompts, strict=True)]
+
+
+def tree_case(model: PreTrainedModel, seqs: list[list[int]], alone: Callable[..., Alone]) -> TreeCase:
+    """The tree cells' sequences, made of ``seqs``, and their reference (the model on eager)."""
+    branches, prompts = tree_sequences([torch.tensor(s) for s in seqs])
+    lists = [b.tolist() for b in branches]
+    return TreeCase(lists, prompts, alone(model, lists))
+
+
+def tree_cell(model: PreTrainedModel, backend: str, case: TreeCase, layout: str) -> Cell:
+    """A ``tree`` cell (log-probs of every trained token vs alone) or a ``tree-grad`` cell (the gradient of
+    a loss over those log-probs, tree row vs flat packed row, the worst parameter beside its bound), run
+    through the engine on ``backend``."""
+    problem = tree_problem(model, backend)
+    if problem:
+        return Cell(backend, layout, not_run=problem)
+    dtype = next(model.parameters()).dtype
+    batch = case.batch(next(model.parameters()).device)
+    tree = ModelEngine(model, settings=EngineSettings(tree_packing="on"))
+    if layout == "tree":
+        logps = tree(batch, logps=True).logps
+        got = [t[mask] for t, mask in zip(batch.split(logps), batch.split(batch.loss_mask[0]), strict=True)]
+        return Cell(backend, layout, max_delta(got, case.reference()), bound(dtype, case.alone.magnitude))
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.cos(torch.arange(batch.num_tokens, device=batch.input_ids.device, dtype=torch.float32))
+
+    def grads(engine: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            loss = (engine(batch, logps=True).logps * weights).sum()
+            return torch.autograd.grad(loss, params)
+
+    flat, shared = grads(ModelEngine(model)), grads(tree)
+    return Cell(backend, layout, *gradient_delta(flat, shared, dtype))
+
+
+def gradient_delta(
+    want: Sequence[torch.Tensor], got: Sequence[torch.Tensor], dtype: torch.dtype
+) -> tuple[float, float]:
+    """The largest |difference| between two computations of a model's gradients, and its bound: round-off
+    of the model's largest |gradient| (:func:`padless.proof.tolerance.bound`). A gradient is a sum over
+    every token, summed in another order by another layout; parameter by parameter that order moved
+    up to 10 eps times the parameter's own largest |gradient|, while a branch that sees a sibling moves
+    gradients by a percent of the largest."""
+    delta = max((a - b).abs().max().item() for a, b in zip(want, got, strict=True))
+    return delta, bound(dtype, max(a.abs().max().item() for a in want))
+
+
 def run_matrix(
     model: PreTrainedModel,
     seqs: list[Any],
@@ -159,6 +250,9 @@ def run_matrix(
     layout, pad_id)`` and ``alone(model, seqs)`` compute the layouts (image+text sequences bring their own:
     :mod:`padless.proof.check_vision`).
     """
+    tree_layouts = [lay for lay in layouts if lay in TREE_LAYOUTS]
+    if tree_layouts and logps is not None:
+        raise ValueError("the tree cells run token sequences only (no images)")
     logps, alone = logps or layout_logps, alone or alone_logps
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -177,6 +271,7 @@ def run_matrix(
                     f"reference of `padless check` for {', '.join(backends)}: {_one_line(e)[:300]}"
                 ) from e
             reference, limit = single.logps, bound(dtype, single.magnitude)
+            case = tree_case(model, seqs, alone) if tree_layouts else None
             purpose = f"the load-time probe of {', '.join(backends)}"
             own = probe_reference(model, purpose)
             for backend in backends:
@@ -199,6 +294,9 @@ def run_matrix(
                 with runtime_context(backend, device):
                     for layout in layouts:
                         try:
+                            if layout in TREE_LAYOUTS:
+                                row.cells.append(tree_cell(model, backend, case, layout))
+                                continue
                             got = logps(model, seqs, layout, pad_id)
                             row.cells.append(Cell(backend, layout, max_delta(got, reference), limit))
                         except Exception as e:  # a crash is a result here: report it in the cell
@@ -251,6 +349,8 @@ def failures(rows: list[BackendRow], requested: tuple[str, ...] | None = None) -
 
 
 def _cell_text(c: Cell) -> str:
+    if c.not_run:
+        return "not run"
     if c.error:
         return "ERROR"
     return f"{c.max_delta:.1e} {'<=' if c.ok else '> '} {c.bound:.1e}"
@@ -271,9 +371,15 @@ def format_matrix(rows: list[BackendRow], layouts: tuple[str, ...] = LAYOUTS) ->
             f"{r.backend:<18}{r.kernel or '?':<16}" + "".join(f"{_cell_text(c):>{width}}" for c in r.cells)
         )
         notes += [f"{r.backend}/{c.layout}: {c.error[:300]}" for c in r.cells if c.error]
+        notes += sorted({f"{r.backend}/tree: not run: {c.not_run}" for c in r.cells if c.not_run})
     lines.append(
         f"\nmax |delta log-prob| per token vs. each sequence alone on eager, beside its bound ({FORMULA})"
     )
+    if any(lay in TREE_LAYOUTS for lay in layouts):
+        lines.append(
+            "tree: sequences sharing nested prefixes as one tree row, trained tokens vs alone; tree-grad: "
+            "the gradient of a loss over them vs the flat packed row (M: the largest |gradient|)"
+        )
     lines += [f"  note: {n}" for n in notes]
     return "\n".join(lines)
 

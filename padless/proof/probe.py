@@ -30,7 +30,8 @@ from padless.forward.attention import (
 )
 from padless.forward.engine import backbone, logps_from_hidden, score_head
 from padless.forward.hybrid import installed_layers, require_packing
-from padless.forward.packing import IGNORE_INDEX
+from padless.forward.packing import IGNORE_INDEX, Example, pack
+from padless.forward.tree import share_prefixes, tree_inputs
 from padless.forward.varlen import KERNEL_CALLS
 from padless.forward.vision import uses_mrope
 from padless.proof.tolerance import bound
@@ -175,11 +176,29 @@ def model_name(model: torch.nn.Module) -> str:
 class ProbeReference:
     """The probe's random sequences (:func:`probe_lengths`) and each run alone through the model's own
     forward on eager attention: its logits ``[L, V]`` (fp32) and the hidden states its LM head received
-    ``[L, H]``. Independent of the backend proved: `padless check` computes it once per model."""
+    ``[L, H]``. Independent of the backend proved: `padless check` computes it once per model.
+
+    ``tree``: the same for :func:`tree_sequences` (sequences sharing nested prefixes, ``prompts`` leading
+    tokens of each untrained), when the tree layout is proven too."""
 
     seqs: list[torch.Tensor]
     logits: list[torch.Tensor]  # a scalar-head model's: its head's own per-token outputs ``[L, 1]``
     head_inputs: list[torch.Tensor]
+    prompts: list[int] | None = None
+    tree: ProbeReference | None = None
+
+
+def tree_sequences(seqs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Sequences that share prefixes at two depths, made of the probe's own: the longest one's first half
+    ``P`` and its next quarter ``Q``; then ``P Q`` + the second sequence, ``P Q`` + the first and ``P`` +
+    half of the third. Returns them and their prompt lengths (``P Q``, ``P Q``, ``P``): packed, they make
+    a tree with a node ``P``, a node ``Q`` below it and three leaves."""
+    longest = seqs[-1]
+    half, three_quarters = len(longest) // 2, 3 * len(longest) // 4
+    shared, deeper = longest[:half], longest[:three_quarters]
+    third = seqs[2][: max(1, len(seqs[2]) // 2)]
+    tree = [torch.cat([deeper, seqs[1]]), torch.cat([deeper, seqs[0]]), torch.cat([shared, third])]
+    return tree, [three_quarters, three_quarters, half]
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -188,21 +207,26 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return score_head(model) if model.get_output_embeddings() is None else None
 
 
-def probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
+def probe_reference(model: torch.nn.Module, purpose: str, tree: bool = False) -> ProbeReference:
     """``model(input_ids)`` on each probe sequence alone, eager attention, no cache: transformers' own
-    computation. A failure in it is transformers', and is said to be (``purpose``: what it is the
-    reference of, for the message)."""
-    with spans_within_probe(model):
-        return _probe_reference(model, purpose)
-
-
-def _probe_reference(model: torch.nn.Module, purpose: str) -> ProbeReference:
+    computation; with ``tree``, on each of :func:`tree_sequences` too. A failure in it is transformers',
+    and is said to be (``purpose``: what it is the reference of, for the message)."""
     config = text_config(model)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    seqs = [
-        torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
-    ]
+    with spans_within_probe(model):  # lengths past the spans as the probe cuts them
+        seqs = [
+            torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in probe_lengths(config)
+        ]
+        reference = _probe_reference(model, purpose, seqs)
+        if tree:
+            branches, prompts = tree_sequences(seqs)
+            reference.tree = _probe_reference(model, purpose, branches)
+            reference.tree.prompts = prompts
+    return reference
+
+
+def _probe_reference(model: torch.nn.Module, purpose: str, seqs: list[torch.Tensor]) -> ProbeReference:
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     scalar = output_head(model)
@@ -255,6 +279,7 @@ def probe_attention(
     backend: str,
     tolerance: float | None = None,
     reference: ProbeReference | None = None,
+    tree: bool = False,
 ) -> dict[str, Any]:
     """Prove that ``model`` on ``backend`` trains on the log-probs its own forward computes; raise if not.
 
@@ -266,11 +291,12 @@ def probe_attention(
     (:func:`padless.forward.hybrid.require_packing`: the model's structure, checked here and not at each
     forward). The hidden states the model's own head received are compared too, to say whether attention or
     the head differs. Bounds scale with the size of what is compared (:mod:`padless.proof.tolerance`);
-    ``tolerance`` overrides them.
+    ``tolerance`` overrides them. With ``tree``, the tree layout too (:func:`probe_tree`).
     """
     require_packing(model)
     assert_attention(model, backend)
-    reference = reference or probe_reference(model, f"the load-time probe of the {backend!r} backend")
+    if reference is None or (tree and reference.tree is None):
+        reference = probe_reference(model, f"the load-time probe of the {backend!r} backend", tree)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     layers = attention_layers(model)
@@ -339,6 +365,78 @@ def probe_attention(
         "bound": limit,
         "max_delta_hidden": delta_hidden,
         **({"spans_cut": cut} if cut else {}),
+        **({"tree": probe_tree(model, backend, reference, tolerance)} if tree else {}),
+    }
+
+
+def probe_tree(
+    model: torch.nn.Module, backend: str, reference: ProbeReference, tolerance: float | None = None
+) -> dict[str, Any]:
+    """Prove the tree layout (:mod:`padless.forward.tree`) on ``backend``; raise if it differs.
+
+    The tree sequences of ``reference`` (nested shared prefixes) and the probe's own sequences are packed in
+    one row and laid out as a tree; the hidden states of every token, unfolded to each sequence, and the
+    log-probs of every trained token are compared with each sequence run alone through the model's own
+    forward (eager). A kernel that lets a branch see a sibling, or a prefix see a branch, moves both."""
+    tree = reference.tree
+    assert tree is not None and tree.prompts is not None, "probe_reference(..., tree=True) first"
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    examples = [
+        Example(s.tolist(), [False] * p + [True] * (len(s) - p))
+        for s, p in zip(tree.seqs, tree.prompts, strict=True)
+    ]
+    batch = pack([*examples, *(Example(s.tolist()) for s in reference.seqs)], device=device)
+    row = share_prefixes(batch)
+    if row is None:
+        raise AttentionError("the probe's tree sequences share no prefix: padless.forward.tree found no tree")
+    decoder = model.get_decoder()
+    decoder = backbone(model) if decoder is model else decoder
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model):
+            inputs = tree_inputs(row, backend, dtype)
+            hidden = _packed_hidden(model, decoder, inputs, backend).index_select(0, row.unfold)
+            scalar = output_head(model)
+            if scalar is None:
+                labels = batch.labels[0]
+                ours = logps_from_hidden(model, hidden, labels).logps[labels != IGNORE_INDEX]
+            else:
+                ours = scalar(hidden)[:, 0].float()
+    finally:
+        model.train(was_training)
+    alone_hidden = torch.cat([*tree.head_inputs, *reference.head_inputs])
+    delta_hidden = (hidden.float() - alone_hidden).abs().max().item()
+    logits = [*tree.logits, *reference.logits]
+    if scalar is None:
+        firsts = [*tree.prompts, *[1] * len(reference.seqs)]  # the first trained token of each sequence
+        own = torch.cat(
+            [
+                _next_token_logps(x, s, 1.0)[first - 1 :]
+                for x, s, first in zip(logits, [*tree.seqs, *reference.seqs], firsts, strict=True)
+            ]
+        )
+        magnitude = max(own.abs().max().item(), max(x[:-1].abs().max().item() for x in logits))
+    else:
+        own = torch.cat(logits)[:, 0]
+        magnitude = own.abs().max().item()
+    delta = (ours - own).abs().max().item()
+    limit = tolerance if tolerance is not None else bound(dtype, magnitude)
+    limit_hidden = tolerance if tolerance is not None else bound(dtype, alone_hidden.abs().max().item())
+    if not (delta <= limit and delta_hidden <= limit_hidden):
+        raise AttentionError(
+            f"{model_name(model)}: tree packing on {backend!r} is not exact: per-token log-probs of branches "
+            f"sharing a prefix differ from each sequence alone (eager) by {delta:.3g} (bound {limit:.3g}), "
+            f"the hidden states by {delta_hidden:.3g} (bound {limit_hidden:.3g}): a branch sees a sibling or "
+            "its prefix wrongly. Set train.tree_packing: off, and report it with `padless doctor` output."
+        )
+    return {
+        "tokens": row.num_tokens,
+        "flat_tokens": batch.num_tokens,
+        "max_delta_logps": delta,
+        "bound": limit,
+        "max_delta_hidden": delta_hidden,
     }
 
 
@@ -417,7 +515,7 @@ def _float32(model: torch.nn.Module) -> Iterator[None]:
 
 
 def prove_packing(
-    model: torch.nn.Module, backend: str, reference: ProbeReference | None = None
+    model: torch.nn.Module, backend: str, reference: ProbeReference | None = None, tree: bool = False
 ) -> dict[str, Any]:
     """:func:`probe_attention`; for a 16-bit model, also the same probe on the same weights in float32.
 
@@ -429,21 +527,21 @@ def prove_packing(
     proven by the 16-bit probe). Float32 decides: it passing lets the run go on, the log carrying both
     measurements; it failing refuses the model, whatever 16 bits said. Where float32 cannot run (memory),
     a 16-bit pass stands and the log says the proof had 16-bit sensitivity. ``reference`` (16-bit)
-    serves the 16-bit probe.
+    serves the 16-bit probe. ``tree``: the tree layout is proven too (:func:`probe_tree`).
     """
     if next(model.parameters()).dtype not in SIXTEEN_BIT:
-        return probe_attention(model, backend, reference=reference)
+        return probe_attention(model, backend, reference=reference, tree=tree)
     low: dict[str, Any] | None = None
     low_error: AttentionError | None = None
     try:
-        low = probe_attention(model, backend, reference=reference)
+        low = probe_attention(model, backend, reference=reference, tree=tree)
     except ReferenceForwardError:
         raise
     except AttentionError as e:
         low_error = e
     try:
         with _float32(model), pinned(model, "auto"):
-            fine = probe_attention(model, backend)
+            fine = probe_attention(model, backend, tree=tree)
     except AttentionError as e:
         if low_error is not None:
             raise AttentionError(f"{low_error} (the same probe in float32 fails too: {e})") from low_error

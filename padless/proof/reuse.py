@@ -48,16 +48,16 @@ CODE_PREFIXES = (
 )
 
 
-def prove(model: torch.nn.Module, backend: str) -> dict[str, Any]:
-    """:func:`padless.proof.probe.prove_packing`, or its result for an identical model, backend and code
-    proven earlier in this process (then with ``reused: True``)."""
-    key = fingerprint(model, backend)
+def prove(model: torch.nn.Module, backend: str, tree: bool = False) -> dict[str, Any]:
+    """:func:`padless.proof.probe.prove_packing` (with the tree layout when ``tree``), or its result for an
+    identical model, backend, layouts and code proven earlier in this process (then with ``reused: True``)."""
+    key = fingerprint(model, backend, tree)
     if key is not None:
         for slot, (known, result) in _PROVEN.items():
             if _same(known, key):
                 _PROVEN.move_to_end(slot)
                 return {**result, "reused": True}
-    result = prove_packing(model, backend)
+    result = prove_packing(model, backend, tree=tree)
     if key is not None:
         _PROVEN[id(key)] = (key, dict(result))
         while len(_PROVEN) > KEPT:
@@ -65,13 +65,14 @@ def prove(model: torch.nn.Module, backend: str) -> dict[str, Any]:
     return result
 
 
-def fingerprint(model: torch.nn.Module, backend: str) -> tuple[Any, ...] | None:
+def fingerprint(model: torch.nn.Module, backend: str, tree: bool = False) -> tuple[Any, ...] | None:
     """Everything the probe's verdict depends on (``None``: not fingerprinted, see the module)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     if any(t.device.type != "cpu" for _, t in tensors):
         return None
     return (
         backend,
+        tree,
         kernel_of(model),
         torch.get_num_threads(),
         _weights(tensors),

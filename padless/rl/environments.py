@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from padless.errors import InputError, UserCodeError
+from padless.errors import InputError, UserCodeError, UserExit
 from padless.rl.rewards import first_number, load_callable
+from padless.run.interrupts import bounded
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -110,18 +111,33 @@ def tool_schema(spec: str, fn: Callable[..., Any]) -> dict[str, Any]:
 class Tools:
     """Tool functions by name, their schemas, and how calls parsed from a model turn run."""
 
-    def __init__(self, specs: Sequence[str | Callable[..., Any]], response_template: dict[str, Any] | None):
+    def __init__(
+        self,
+        specs: Sequence[str | Callable[..., Any]],
+        response_template: dict[str, Any] | None,
+        environment: tuple[str, Sequence[Callable[..., Any]]] = ("", ()),
+    ):
+        """``specs``: ``rollout.tools``; ``environment``: an environment's name and the tools it brings."""
         self.functions: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []
-        for spec in specs:
+        origins: dict[str, str] = {}
+        env_name, env_tools = environment
+        given = [(f"rollout.tools[{i}] ({spec!r})", spec) for i, spec in enumerate(specs)]
+        for origin, spec in given + [(f"environment {env_name!r}", fn) for fn in env_tools]:
             fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
             schema = tool_schema(str(spec), fn)
             name = schema["function"]["name"]
             if name in self.functions:
-                raise InputError(
-                    f"rollout.tools: two tools are named {name!r}; fix: give each tool function its own name"
+                fix = (
+                    "the environment brings it already: remove it from rollout.tools"
+                    if origin.startswith("environment")
+                    else "give each tool function its own name"
                 )
-            self.functions[name] = fn
+                raise InputError(
+                    f"rollout.tools: {origins[name]} and {origin} both bring a tool named {name!r}, and a "
+                    f"call can run only one of them; fix: {fix}"
+                )
+            self.functions[name], origins[name] = fn, origin
             self.schemas.append(schema)
         self.response_template = response_template
 
@@ -155,9 +171,11 @@ class Tools:
             result, ok = f"error: the arguments of {name} must be an object, got {str(arguments)[:80]}", False
         else:
             try:
-                value = fn(**arguments)
+                value = bounded(fn, **arguments)
                 result = value if isinstance(value, str) else json.dumps(value, default=str)
                 ok = True
+            except UserExit as e:  # sys.exit() in a tool is a failed call too, never the end of the run
+                result, ok = f"error: {name} {e}", False
             except Exception as e:  # the model's mistake (or the tool's): the model reads what happened
                 result, ok = f"error: {name} raised {type(e).__name__}: {first_line(e)}", False
         return {"role": "tool", "name": name, "content": result}, ok
@@ -185,13 +203,15 @@ def load_environment(spec: str | None) -> type:
 
 
 def user_call(spec: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call environment code; what it raises stops the run in one line naming the method."""
+    """Call environment code; what it raises (``sys.exit()`` included) stops the run in one line naming the
+    method."""
     try:
-        return fn(*args)
+        return bounded(fn, *args)
     except Exception as e:
+        did = str(e) if isinstance(e, UserExit) else f"raised {type(e).__name__}: {first_line(e)}"
         raise UserCodeError(
-            f"environment {spec!r}: {what} raised {type(e).__name__}: {first_line(e)}; fix the environment "
-            "(a tool's errors are handed to the model, an environment's stop the run)"
+            f"environment {spec!r}: {what} {did}; fix the environment (a tool's errors are handed to the "
+            "model, an environment's stop the run)"
         ) from e
 
 

@@ -28,11 +28,13 @@ order, and saved with a rollout checkpointed mid-way (as PNG). ``reset()``'s ima
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +43,7 @@ from padless.data.chat import ChatTemplateError
 from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
-from padless.forward.ranks import common_count
+from padless.forward.ranks import agreed, common_count
 from padless.rl.environments import (
     Environment,
     Step,
@@ -140,6 +142,48 @@ class EpisodeRunner:
                     "response-parsing schema for the template's tool-call syntax) or use a tokenizer that "
                     "ships one"
                 )
+            self.check_call_syntax()
+
+    def check_call_syntax(self) -> None:
+        """A tool call as the chat template writes it must read back as the same call through the response
+        template; otherwise every model turn would be a failed tool call and every episode would run to
+        ``max_turns``. Checked once, before any rollout, on a call to the first tool."""
+        schema = self.tools.schemas[0]["function"]
+        properties = schema.get("parameters", {}).get("properties", {})
+        call = {
+            "name": schema["name"],
+            "arguments": {k: EXAMPLE_ARGUMENT.get(v.get("type"), "a") for k, v in properties.items()},
+        }
+        user = [{"role": "user", "content": "Hello."}]
+        prefix = self.render(user, True)
+        written = self.render(
+            [
+                *user,
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            ],
+            False,
+        )
+        turn = written[len(prefix) :] if written.startswith(prefix) else ""
+        ends = [i for eos in self.eos_ids if (i := turn.find(self.tok.decode([eos]))) >= 0]
+        turn = turn[: min(ends)] if ends else turn
+        own = self.tools.response_template is getattr(self.tok, "response_template", None)
+        source = "the tokenizer's response_template" if own else "rollout.response_template"
+        if schema["name"] not in turn:
+            log.warning(
+                "rollout.tools: the chat template writes no tool call into an assistant turn, so the call "
+                "syntax %s reads cannot be checked against it",
+                source,
+            )
+            return
+        calls, problem = self.tools.parse(turn, prefix)
+        read = [{**c, "arguments": _as_object(c["arguments"])} for c in calls]
+        if read != [call]:
+            raise InputError(
+                f"{source} cannot read the tool calls the chat template writes: a call to {schema['name']} "
+                f"is written as {turn!r} and read back as {problem or calls or 'no call'}, so every model "
+                "turn would be a failed tool call; fix: set rollout.response_template to transformers' "
+                "response schema for the template's call syntax (or remove it to use the tokenizer's own)"
+            )
 
     # -- rendering --------------------------------------------------------------------------------------
 
@@ -202,13 +246,27 @@ class EpisodeRunner:
             )
         if self.images is None:
             text = self.render(messages, True)
-            return Episode(env, messages, self.encode(text), seed, text=text)
+            return Episode(env, messages, self.room(self.encode(text), prompt), seed, text=text)
         if prompt is None:
             raise ValueError("a vision-language policy's episodes start from their tokenized prompts")
         messages, ids, vision = self.with_images(row, messages, prompt)
         text = self.render(messages, True)
         origin = (prompt.source, prompt.row)
-        return Episode(env, messages, ids, seed, text=text, vision=vision, origin=origin)
+        return Episode(env, messages, self.room(ids, prompt), seed, text=text, vision=vision, origin=origin)
+
+    def room(self, ids: list[int], prompt: PromptExample | None) -> list[int]:
+        """An episode's first ids, refused when they leave the model no token of ``max_episode_tokens``
+        (every episode would end before its first turn, and the rollout train on nothing)."""
+        budget = self.rollout.max_episode_tokens
+        if budget is not None and len(ids) >= budget:
+            row = f" of row {prompt.row} of {prompt.source}" if prompt is not None else ""
+            raise InputError(
+                f"rollout.max_episode_tokens={budget}: the first messages{row} (reset() of environment "
+                f"{self.spec!r}) take {len(ids)} tokens, leaving the model no room to answer; fix: raise "
+                f"rollout.max_episode_tokens above {len(ids)} (e.g. by max_turns x max_new_tokens), or "
+                "shorten the prompts"
+            )
+        return ids
 
     def with_images(
         self, row: dict[str, Any], messages: list[dict[str, Any]], prompt: PromptExample
@@ -247,7 +305,9 @@ class EpisodeRunner:
         ``prompts[i]``: row ``i`` as tokenized (needed by a vision-language policy, for its images)."""
         r = self.rollout
         starts = prompts if prompts is not None else [None] * len(rows)
-        episodes = [self.start(*a) for a in zip(rows, seeds, starts, strict=True)]
+        # what the environment raises on one rank stops every rank here, together (they then checkpoint)
+        who = f"environment {self.spec!r}"
+        episodes = agreed(lambda: [self.start(*a) for a in zip(rows, seeds, starts, strict=True)], who)
         budget = r.max_episode_tokens
         for turn in range(r.max_turns):
             running = [e for e in episodes if not e.done]
@@ -267,12 +327,15 @@ class EpisodeRunner:
                 greedy,
                 None if self.images is None else [e.vision for e in batch],
             )
-            for e, c in zip(running, completions, strict=False):
-                self.take_turn(e, c, turn)
+            agreed(partial(self.take_turns, running, completions, turn), who)
         for e in episodes:
             if not e.done:
                 e.done, e.truncated = True, "max_turns"
         return episodes
+
+    def take_turns(self, running: list[Episode], completions: list[Completion], turn: int) -> None:
+        for e, c in zip(running, completions, strict=False):
+            self.take_turn(e, c, turn)
 
     def take_turn(self, e: Episode, c: Completion, turn: int) -> None:
         """Append the sampled turn; unless the episode ends, ask the environment and append its answer."""
@@ -351,6 +414,19 @@ class EpisodeRunner:
         e.text += appended
 
 
+EXAMPLE_ARGUMENT: dict[str | None, Any] = {"string": "a", "integer": 1, "number": 1.5, "boolean": True}
+
+
+def _as_object(arguments: Any) -> Any:
+    """A call's arguments as a mapping when a parser gave them as JSON text."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
 def same_vision(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
     """Whether two image inputs are the same images (same keys, equal tensors)."""
     if not a or not b:
@@ -412,8 +488,8 @@ def make_runner(
 
     response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
     env_cls = load_environment(rollout.environment)
-    tools = Tools([*rollout.tools, *getattr(env_cls, "tools", ())], response_template)
     spec = rollout.environment or "tools"
+    tools = Tools(rollout.tools, response_template, (spec, getattr(env_cls, "tools", ())))
     return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
 
 

@@ -63,6 +63,12 @@ class Scored:
     reward: float = 0.0
     parts: dict[str, float | None] = field(default_factory=dict)
 
+    @property
+    def unscored(self) -> bool:
+        """No source scored it (every reward function returned None): its reward of 0 means nothing, and
+        GRPO leaves it out of its group (advantage 0), as TRL does."""
+        return bool(self.parts) and all(v is None for v in self.parts.values())
+
 
 @dataclass(slots=True)
 class Passes:
@@ -118,6 +124,25 @@ class Sample(Example):
             **{name: asdict(getattr(self, name)) for name in GROUPS},
         }
 
+    def check(self) -> Sample:
+        """This sample as a saved state must be: ids and targets of one length, a prompt within them, and
+        one value per target in every per-target field (a hand-edited or foreign state fails here, named)."""
+        n = len(self.input_ids)
+        if len(self.loss_mask) != n or not 0 < self.drawn.prompt_length <= n:
+            raise ValueError(
+                f"a sample has {n} ids, {len(self.loss_mask)} target flags and a prompt of "
+                f"{self.drawn.prompt_length} tokens"
+            )
+        per_target = {
+            "drawn.logps": self.drawn.logps,
+            **{f"passes.{k}": getattr(self.passes, k) for k in ("old_logps", "ref_logps", "old_values")},
+            **{f"algorithm.{k}": getattr(self.algorithm, k) for k in ("advantages", "returns", "is_weights")},
+        }
+        for name, values in per_target.items():
+            if values is not None and len(values) != self.num_targets:
+                raise ValueError(f"a sample's {name} has {len(values)} values for {self.num_targets} targets")
+        return self
+
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Sample:
         """The sample :meth:`state` saved, without its image inputs."""
@@ -133,19 +158,22 @@ def per_target(values: Sequence[list[float] | None], device: torch.device) -> to
 
 
 def summary(samples: Sequence[Sample], prefix: str = "") -> dict[str, float]:
-    """What a rollout's samples say: reward mean / std and per source, completion lengths, truncation,
+    """What a rollout's samples say: reward mean / std (over the samples some source scored) and per
+    source, the share no source scored (when some), completion lengths, truncation,
     sampling tokens/s, staleness (sampling ahead) and episode statistics (multi-turn)."""
-    rewards = torch.tensor([s.scored.reward for s in samples])
+    rewards = torch.tensor([s.scored.reward for s in samples if not s.scored.unscored] or [math.nan])
+    unscored = sum(s.scored.unscored for s in samples)
     drawn = [s.drawn for s in samples]
     lengths = [d.length for d in drawn]
     sampling_s = max(d.sampling_s for d in drawn)  # ranks sample at once: the slowest counts
     return {
         f"{prefix}reward": rewards.mean().item(),
-        f"{prefix}reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        f"{prefix}reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         **{
             f"{prefix}reward/{k}": scored_mean([s.scored.parts[k] for s in samples])
             for k in samples[0].scored.parts
         },
+        **({f"{prefix}unscored_fraction": unscored / len(samples)} if unscored else {}),
         f"{prefix}completion_length": sum(lengths) / len(lengths),
         f"{prefix}completion_length_max": max(lengths),
         f"{prefix}truncated_fraction": sum(not d.finished for d in drawn) / len(drawn),

@@ -22,7 +22,9 @@ of failure it was (see :mod:`padless.faults`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -36,10 +38,12 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from padless.errors import InputError
-from padless.faults import doing
+from padless.faults import ChangedFile, doing
 from padless.forward.engine import inner_engine
 from padless.forward.vision import model_keys
 from padless.run.runfiles import own
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 
@@ -61,6 +65,43 @@ class TrainState:
     world_size: int = 1
     terms: dict[str, Any] = field(default_factory=dict)  # what the checkpoint belongs to (contract.py)
     files: list[str] = field(default_factory=list)  # the checkpoint's files, relative; [] before they were
+    digests: dict[str, list[Any]] = field(default_factory=dict)  # file -> [size, sha256] when written
+
+
+def file_digest(file: Path) -> list[Any]:
+    """A file's size and sha256, as a checkpoint records them."""
+    sha = hashlib.sha256()
+    with file.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            sha.update(chunk)
+    return [file.stat().st_size, sha.hexdigest()]
+
+
+def _checksum(record: dict[str, Any]) -> str:
+    """The sha256 of a ``trainer_state.json`` record without its checksum: an edit of the record shows."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def verify_files(path: Path) -> None:
+    """Every file checkpoint ``path`` lists has the size and sha256 it was written with, and its
+    ``trainer_state.json`` its checksum: a file changed in a well-formed way (a plan with half its samples,
+    a queue of rollouts replaced by ``[]``) is refused as surely as a truncated one, naming it. A
+    checkpoint without the record (an older padless) is said in the log and checked by format only."""
+    record = json.loads((path / STATE_FILE).read_text())
+    checksum = record.pop("checksum", None) if isinstance(record, dict) else None
+    if checksum is None:
+        log.warning("%s records no file digests (an older padless wrote it): formats are checked only", path)
+        return
+    if checksum != _checksum(record):
+        raise ChangedFile(f"{STATE_FILE} was changed after the checkpoint was written (its checksum differs)")
+    for name, (size, sha) in record.get("digests", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise ChangedFile(f"{name} is missing (the checkpoint lists it)")
+        found = file_digest(file)
+        if found != [size, sha]:
+            how = f"{found[0]} bytes, {size} then" if found[0] != size else "same size, other bytes"
+            raise ChangedFile(f"{name} was changed after the checkpoint was written ({how})")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -283,7 +324,9 @@ def _save(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        state.digests = {name: file_digest(tmp / name) for name in state.files}
+        record = asdict(state)
+        (tmp / STATE_FILE).write_text(json.dumps({**record, "checksum": _checksum(record)}, indent=2))
         if final.exists():  # a re-run reached the same step: replace it whole
             trash = root / f".old-checkpoint-{state.step}"
             os.replace(final, trash)
@@ -316,6 +359,7 @@ def load_checkpoint(
     the strategy and world size that wrote it."""
     fix = f"resume from an earlier checkpoint (train.resume_from_checkpoint=<its path>) or delete {path}"
     with doing(f"reading checkpoint {path}", path, corrupt_fix=fix):
+        verify_files(path)
         return _load(accelerator, model, optimizer, scheduler, path, strategy)
 
 
@@ -324,6 +368,16 @@ def read_state(path: Path) -> TrainState:
     saved = json.loads((path / STATE_FILE).read_text())
     known = set(TrainState.__dataclass_fields__)
     return TrainState(**{k: v for k, v in saved.items() if k in known})
+
+
+def written_terms(path: Path) -> dict[str, Any]:
+    """The resume terms checkpoint ``path`` records, read before it is verified (to name another trainer
+    rather than the files it lacks); empty when unreadable, which verification then reports."""
+    try:
+        terms = json.loads((path / STATE_FILE).read_text()).get("terms")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return terms if isinstance(terms, dict) else {}
 
 
 def read_recipe_state(path: Path, rank: int) -> Any | None:

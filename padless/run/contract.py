@@ -30,7 +30,14 @@ from padless.errors import InputError
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"  # the parameter group without a learning rate of its own
-PLAN_SETTINGS = ("batching", "max_tokens_per_batch", "batch_size", "gradient_accumulation_steps", "seed")
+PLAN_SETTINGS = (
+    "batching",
+    "max_tokens_per_batch",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "tree_packing",  # a tree row counts a shared prompt once in the token budget
+)
 NEW_RUN = (
     "start a new run from it instead (model.name=<that checkpoint>, another train.output_dir, "
     "train.resume_from_checkpoint=null)"
@@ -81,11 +88,7 @@ def check(
     if not saved:
         log.warning("%s records no resume terms (written by an older padless): they are not checked", path)
         return []
-    if saved["trainer"] != current["trainer"]:
-        raise InputError(
-            f"{path} was written by {saved['trainer']}, this run is {current['trainer']}: a checkpoint "
-            f"resumes only the trainer that wrote it; fix: run the command that wrote it, or {NEW_RUN}"
-        )
+    check_trainer(path, saved, current)
     was, now = saved["model"], current["model"]
     if was["shape"] != now["shape"]:
         differs = {k: (v, now["shape"].get(k)) for k, v in was["shape"].items() if now["shape"].get(k) != v}
@@ -124,6 +127,19 @@ def check(
     if saved.get("total_steps") not in (None, total):
         applied.append(f"last step {saved['total_steps']} -> {total} (schedule stretched to the new length)")
     return applied
+
+
+def check_trainer(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """The trainer first: a checkpoint of another trainer holds other files (no value model in a GRPO
+    one), which is not what is wrong with it."""
+    if saved.get("trainer", current["trainer"]) != current["trainer"]:
+        was, now = (
+            f"padless {t.removesuffix('Recipe').lower()}" for t in (saved["trainer"], current["trainer"])
+        )
+        raise InputError(
+            f"{path} was written by {was} ({saved['trainer']}), this run is {now} ({current['trainer']}): "
+            f"a checkpoint resumes only the trainer that wrote it; fix: resume it with {was}, or {NEW_RUN}"
+        )
 
 
 def _settings_changes(

@@ -22,15 +22,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
-from padless.errors import Terminated
+from padless.errors import Terminated, UserExit
+
+T = TypeVar("T")
 
 _arrived: list[KeyboardInterrupt] = []  # the interruption of the command running now, if any
 _held: list[KeyboardInterrupt] = []  # one that arrived inside a deferred() block, raised at its end
 _deferring = [0]  # depth of deferred() blocks open now
 _forks_reset = False
+_active = [False]  # whether this command's handlers are installed (then every real signal is recorded)
 
 
 def _in_child() -> None:
@@ -69,9 +72,11 @@ def handled() -> Iterator[None]:
     if previous and not _forks_reset:
         os.register_at_fork(after_in_child=_in_child)
         _forks_reset = True
+    _active[0] = bool(previous)
     try:
         yield
     finally:
+        _active[0] = False
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -89,6 +94,32 @@ def deferred() -> Iterator[None]:
         raise _held.pop()
 
 
+def take_held() -> KeyboardInterrupt | None:
+    """The signal a :func:`deferred` block holds, taken out of it: its caller raises it where it chooses."""
+    return _held.pop() if _held else None
+
+
 def interruption(error: BaseException) -> BaseException:
     """The interruption that arrived during the command, else ``error`` itself."""
     return _arrived[0] if _arrived else error
+
+
+def from_signal(error: BaseException) -> bool:
+    """Whether ``error`` is an interruption this command received (Ctrl-C, SIGTERM) rather than one user code
+    raised itself: with the handlers installed every signal is recorded as it arrives; without them (the
+    Python API) every ``KeyboardInterrupt`` counts as one."""
+    return isinstance(error, KeyboardInterrupt) and (not _active[0] or bool(_arrived))
+
+
+def bounded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call user code (a tool, an environment, a reward function): ``sys.exit()`` or a ``KeyboardInterrupt``
+    of its own comes out as :class:`~padless.errors.UserExit`, an ``Exception`` its caller handles like any
+    other; a real interruption passes through."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as e:
+        raise UserExit(f"called sys.exit({e.code!r})") from None
+    except KeyboardInterrupt as e:
+        if from_signal(e):
+            raise
+        raise UserExit("raised KeyboardInterrupt") from None

@@ -126,6 +126,12 @@ def describe_run(accelerator: Any, model: Any, name: str, dtype_setting: str) ->
             f"; probed with {key} {probe_value} instead of {value}, so that its sequences cross it"
             for key, (value, probe_value) in probe.get("spans_cut", {}).items()
         )
+        + (
+            f"; tree rows (shared prefixes computed once) vs each sequence alone, max |delta log-prob| "
+            f"{probe['tree']['max_delta_logps']:.1e}"
+            if "tree" in probe
+            else ""
+        )
         + ")"
         if probe
         else "kernel not probed"

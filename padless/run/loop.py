@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from padless.errors import DivergenceError, InputError, UserCodeError, is_input_error
+from padless.errors import DivergenceError, InputError, Terminated, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
 from padless.forward import ranks
 from padless.forward.engine import ModelEngine
@@ -39,12 +39,14 @@ from padless.run.checkpoint import (
     load_checkpoint,
     read_recipe_state,
     read_state,
+    recipe_file,
     save_checkpoint,
+    written_terms,
 )
 from padless.run.guard import DivergenceGuard
-from padless.run.interrupts import deferred
+from padless.run.interrupts import deferred, take_held
 from padless.run.reporting import Reporter
-from padless.run.rundir import branch, end_run, resume_checkpoint, rotate_checkpoints
+from padless.run.rundir import branch, checkpoints, end_run, resume_checkpoint, rotate_checkpoints
 from padless.run.strategy import expected_strategy, verify_strategy
 from padless.run.verify import verify_checkpoint
 
@@ -212,7 +214,8 @@ class Trainer:
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator)
+        float16 = any(p.dtype == torch.float16 for p in model.parameters())
+        self.guard = DivergenceGuard(settings.on_nonfinite, accelerator, float16)
         self.strategy = expected_strategy(accelerator)
         verify_strategy(accelerator, self.model, self.strategy)
         recipe.bind(self.model)
@@ -312,6 +315,7 @@ class Trainer:
             with doing(
                 f"checking checkpoint {resume}", resume, corrupt_fix=f"resume from another or delete {resume}"
             ):
+                contract.check_trainer(resume, written_terms(resume), self.terms)  # named before its files
                 verify_checkpoint(resume, self.model)
             saved = read_state(resume)
             applied = contract.check(
@@ -347,10 +351,16 @@ class Trainer:
         state.terms = self.terms
         self.model.train()
         self._saved_step, self._in_step = state.step, False
+        # several processes: a signal waits for a step boundary every rank reaches (see _stop_together)
+        held = deferred() if acc.num_processes > 1 else contextlib.nullcontext()
         try:
-            self._loop(state, reporter, bar, window, counts, last)
+            with held:
+                self._loop(state, reporter, bar, window, counts, last)
         except BaseException as e:  # Ctrl-C and SIGTERM too: the trained steps are checkpointed first
             self._stop_on(e, state)
+            if isinstance(e, KeyboardInterrupt):  # resume advice only where a checkpoint exists
+                found = checkpoints(cfg.output_dir)
+                e.checkpoint = found[-1] if found else None  # type: ignore[attr-defined]
             reporter.close(failed=True)
             raise
         bar.close()
@@ -376,7 +386,29 @@ class Trainer:
                 resume,
             )
             return
-        self.recipe.restore(saved.epoch, kept)
+        try:
+            self.recipe.restore(saved.epoch, kept)
+        except (ValueError, KeyError, TypeError) as e:  # the file is whole, its contents do not fit this run
+            file = recipe_file(resume, self.acc.process_index)
+            raise InputError(
+                f"{file}: {e}; fix: resume from another checkpoint (train.resume_from_checkpoint=<its path>) "
+                f"or delete {resume}"
+            ) from None
+
+    def _stop_together(self) -> None:
+        """With several processes a signal is held until here, a step boundary every rank reaches (the loop
+        runs inside :func:`~padless.run.interrupts.deferred`): the ranks agree whether any of them received
+        one, and if so all stop, together, so that they checkpoint the trained steps first, as one process
+        does wherever a signal arrives. A rank that received none stops with the others' signal."""
+        if self.acc.num_processes == 1:
+            return
+        held = take_held()
+        kind = 0 if held is None else 2 if isinstance(held, Terminated) else 1
+        agreed = int(self.acc.gather(torch.tensor([kind], device=self.acc.device)).max().item())
+        if agreed:
+            error = held or (Terminated() if agreed == 2 else KeyboardInterrupt())
+            error.every_rank = True  # type: ignore[attr-defined]
+            raise error
 
     def _stop_on(self, error: BaseException, state: TrainState) -> None:
         """The run stops on ``error``: name the step in the message of a failure in user code or evaluation,
@@ -434,7 +466,9 @@ class Trainer:
         cfg = self.cfg
         window_tokens, window_time = 0, 0.0
         while state.step < self.total_steps:
+            self._stop_together()
             steps = self.steps_of(state.epoch)
+            self._stop_together()  # a signal during a rollout: its samples are drawn again on resume
             if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
                 reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
             started = time.perf_counter()

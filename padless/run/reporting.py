@@ -279,6 +279,15 @@ class Reporter:
             return
         steps = [(line, _step(line)) for line in self.jsonl.read_text().splitlines()]
         kept = [line for line, at in steps if at is not None and at <= step]
+        torn = [line for line, at in steps if at is None and line.strip()]
+        if torn:
+            log.warning(
+                "%s: dropped %d line(s) that are not whole records (cut short when the run was stopped "
+                "mid-write): %s",
+                self.jsonl,
+                len(torn),
+                ", ".join(repr(line[:60]) for line in torn[:3]),
+            )
         write_atomic(self.jsonl, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

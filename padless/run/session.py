@@ -52,6 +52,7 @@ class Session:
             trust_remote_code=self.model_cfg.trust_remote_code,
             pad_id=pad_token_id(self.tokenizer),
             varlen_kernel=self.settings.varlen_kernel,
+            tree_packing=self.settings.probed_tree(),
         )
         return model if trainable else model.requires_grad_(False)
 
@@ -62,6 +63,11 @@ class Session:
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` as a prepared frozen engine (reference, reward model): sharded like the trained one."""
         return prepare_frozen(self.accelerator, ModelEngine(model, settings=self.settings))
+
+
+def _tree_packing(train: Any) -> str:
+    """``train.tree_packing``, off where rows are padded (no packed row to lay out as a tree)."""
+    return "off" if train.batching == "padded" else train.tree_packing
 
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -81,7 +87,9 @@ def start_session(
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
-    settings = EngineSettings(model_cfg.varlen_kernel, config.train.logits_memory_mb, topology)
+    settings = EngineSettings(
+        model_cfg.varlen_kernel, config.train.logits_memory_mb, topology, _tree_packing(config.train)
+    )
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
     model = load_trainable(model_cfg, accelerator.device, dtype, task, pad_token_id(tokenizer), settings)
@@ -117,6 +125,7 @@ def load_trainable(
         trust_remote_code=model_cfg.trust_remote_code,
         pad_id=pad_id,
         varlen_kernel=settings.varlen_kernel,
+        tree_packing=settings.probed_tree(),
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,14 +134,36 @@ def load_trainable(
         from peft import LoraConfig, get_peft_model
 
         lora = model_cfg.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
-            ),
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
         )
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as e:  # no module matches, or one matches that adapters cannot go into
+            raise InputError(lora_problem(model, lora.target_modules, e)) from None
     return model
+
+
+def lora_problem(model: torch.nn.Module, targets: list[str] | str, error: Exception) -> str:
+    """Why peft refused ``model.lora.target_modules``, with the names of the model's linear layers."""
+    names = sorted(
+        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        - {"lm_head", "score"}
+    )
+    said = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip("( ")
+    regex = isinstance(targets, str) and targets != "all-linear"
+    how = (
+        " (a single string is a regular expression matched against whole module paths such as "
+        "model.layers.0.self_attn.q_proj; a list matches the last part of a name)"
+        if regex
+        else ""
+    )
+    return (
+        f"model.lora.target_modules={targets!r}: peft puts no adapter there (peft: {said}){how}; the "
+        f"model's linear layers are named {', '.join(names)}; fix: list some of them, e.g. "
+        f"[{', '.join(names[:2])}], or use all-linear"
+    )

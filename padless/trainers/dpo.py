@@ -50,6 +50,7 @@ class DPORecipe(PairRecipe):
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
         The pass is split between ranks (each runs its share of the packed batches) and summed once."""
+        super().bind(model)
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
         for pairs in (self.pairs, self.eval_pairs):
@@ -61,7 +62,7 @@ class DPORecipe(PairRecipe):
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
             topology, budget = inner_engine(model).topology, self.cfg.max_tokens_per_batch
-            ref = lockstep_pass(range(len(pairs)), pairs.lengths, run, budget, share=topology)
+            ref = lockstep_pass(range(len(pairs)), self.lengths(pairs), run, budget, share=topology)
             pairs.set_meta(
                 "ref_logps", [tuple(r.tolist()) for r in ref]
             )  # pairs are read from disk when used

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from padless.config.schema import TrainSettings
@@ -12,7 +13,7 @@ from padless.data import PairExample
 from padless.data.images import ImageInputs
 from padless.data.preference import PairLayout
 from padless.data.tokenized import ExampleSet, as_set, load_set
-from padless.forward.engine import BatchLayout
+from padless.forward.engine import BatchLayout, inner_engine
 from padless.forward.packing import PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.run.loop import MicroBatch, Recipe
 from padless.run.reporting import report_data
@@ -20,7 +21,11 @@ from padless.run.reporting import report_data
 
 class PairRecipe(Recipe):
     """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs.
-    Plans come from the sets' length column; a micro-batch's pairs are read when it runs."""
+    Plans come from the sets' length column; a micro-batch's pairs are read when it runs. Where the engine
+    runs tree rows (``train.tree_packing``), a pair's prompt is computed once and counts once in the
+    token budget (:meth:`lengths`)."""
+
+    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(
         self,
@@ -34,11 +39,19 @@ class PairRecipe(Recipe):
         self.layout = BatchLayout.of(cfg, pad_id)
         self.eval_pairs = as_set(eval_pairs or [])
 
+    def bind(self, model: torch.nn.Module) -> None:
+        self.tree = inner_engine(model).tree
+
+    def lengths(self, pairs: ExampleSet[PairExample]) -> np.ndarray:
+        """Tokens each pair's forward computes: both sides, their shared prompt once in a tree row."""
+        return pairs.lengths - pairs.shared if self.tree else pairs.lengths
+
     def _micros(self, pairs: ExampleSet[PairExample], seed: int, shuffle: bool) -> list[MicroBatch]:
+        lengths = self.lengths(pairs)
         if self.cfg.batching == "padded":
             groups = fixed_count_batches(len(pairs), self.cfg.batch_size, seed=seed, shuffle=shuffle)
         else:
-            groups = budget_batches(pairs.lengths, self.cfg.max_tokens_per_batch, seed=seed, shuffle=shuffle)
+            groups = budget_batches(lengths, self.cfg.max_tokens_per_batch, seed=seed, shuffle=shuffle)
         return [MicroBatch(pairs.select(g), units=len(g), tokens=int(pairs.lengths[g].sum())) for g in groups]
 
     def plan(self, epoch: int) -> list[MicroBatch]:

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from padless.forward.engine import reference_engine
-from padless.forward.packing import PackedBatch, budget_batches, pack
+from padless.forward.engine import inner_engine, reference_engine
+from padless.forward.packing import PackedBatch, pack
 from padless.forward.passes import lockstep_pass
 from padless.forward.ranks import equal_share, gather_shares
+from padless.forward.tree import plan_batches
 from padless.rl.correction import correct
 from padless.rl.sample import Sample, per_target, summary
 from padless.rl.sampler import Request, revive
@@ -39,6 +40,7 @@ class RolloutRecipe(Recipe):
 
     updates: int = 1
     mini_batches: int = 1
+    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(self, setup: RolloutSetup):
         self.setup, self.cfg, self.prompts, self.policy = setup, setup.cfg, setup.prompts, setup.policy
@@ -48,9 +50,24 @@ class RolloutRecipe(Recipe):
         self.rollout: tuple[int, list[Sample]] | None = None  # the current epoch's samples
         self._order: tuple[int, np.ndarray] | None = None
         self._vision: dict[int, Any] | None = None  # each training prompt row's image inputs (VLMs)
+        self.check_episode_budget()
         self.sampler = make_sampler(
             Parts(self.cfg, setup.engine, setup.tokenizer, setup.policy, setup.images, self.scheduled)
         )
+
+    def check_episode_budget(self) -> None:
+        """At start, not after sampling: a prompt as long as ``rollout.max_episode_tokens`` leaves its
+        episodes no model turn (each environment's first messages are checked again when an episode
+        starts)."""
+        budget = self.cfg.rollout.max_episode_tokens
+        longest = max(self.prompts, key=len, default=None) if budget is not None else None
+        if longest is not None and len(longest) >= budget:
+            raise ValueError(  # an input error (exit 2), as every ValueError
+                f"rollout.max_episode_tokens={budget}: row {longest.row} of {longest.source} is a prompt of "
+                f"{len(longest)} tokens, leaving its episodes no room for the model's turn; fix: raise "
+                f"rollout.max_episode_tokens above {len(longest)} (e.g. by max_turns x max_new_tokens), or "
+                "shorten the prompts (data.max_prompt_length with data.skip_bad_rows leaves longer ones out)"
+            )
 
     # -- planning: which prompts, which seeds -----------------------------------------------------------
 
@@ -126,14 +143,16 @@ class RolloutRecipe(Recipe):
             return out
 
         budget = self.cfg.train.max_tokens_per_batch
-        stored = lockstep_pass(samples, [len(s) for s in samples], run, budget, filler)
+        stored = lockstep_pass(samples, [len(s) for s in samples], run, budget, filler, tree=self.tree)
         for s, values in zip(samples, stored, strict=True):
             for key, kept in values.items():
                 setattr(s.passes, key, kept)
 
     def bind(self, model: torch.nn.Module) -> None:
-        """Sample and score through the prepared engine from now on."""
+        """Sample and score through the prepared engine from now on; plan micro-batches by the tokens of
+        its tree rows where it runs them (a group's prompt once)."""
         self.policy = model
+        self.tree = inner_engine(model).tree
         self.sampler.bind(model)
 
     def logps_pass(self, model: torch.nn.Module) -> Pass:
@@ -204,11 +223,45 @@ class RolloutRecipe(Recipe):
 
     def restore(self, epoch: int, state: dict[str, Any]) -> None:
         """Take back what :meth:`state` saved: a resumed run trains on those very samples. Image inputs come
-        from the prompts (a checkpoint holds tokens), then those of the images an environment showed."""
+        from the prompts (a checkpoint holds tokens), then those of the images an environment showed. What
+        does not fit this run is refused (``ValueError``): a rollout of another size, a sample whose values
+        do not match its targets, rollouts queued ahead other than the next ``max_staleness`` or of another
+        size."""
+        if not isinstance(state, dict) or set(state) != {"rollout", "ahead"}:
+            raise ValueError("it is not a rollout state ({'rollout': ..., 'ahead': ...})")
+        rollout = self.cfg.rollout
         if state["rollout"] is not None:
-            self.rollout = (epoch, [self.revive(s) for s in state["rollout"]])
+            size = rollout.prompts_per_step * rollout.num_generations
+            if len(state["rollout"]) != size:
+                raise ValueError(
+                    f"its rollout holds {len(state['rollout'])} samples; this run's rollouts hold {size} "
+                    "(rollout.prompts_per_step x rollout.num_generations)"
+                )
+            self.rollout = (epoch, [self.revive(s).check() for s in state["rollout"]])
+        if rollout.max_staleness > 0:
+            self.check_ahead(epoch + 1 if state["rollout"] is not None else epoch, state["ahead"] or [])
         if state["ahead"] is not None:
-            self.sampler.restore(state["ahead"], self.revive)
+            self.sampler.restore(state["ahead"], lambda s: self.revive(s).check())
+
+    def check_ahead(self, first: int, ahead: list[dict[str, Any]]) -> None:
+        """The rollouts sampled ahead in a checkpoint must be the queue this run keeps from rollout ``first``
+        on (the next ``max_staleness`` scheduled ones: queued when the one before ``first`` was sampled), each
+        of this rank's size and at most ``max_staleness`` updates old."""
+        k, group = self.cfg.rollout.max_staleness, self.cfg.rollout.num_generations
+        wanted = [e for e in range(first, first + k) if self.scheduled(e) is not None]
+        queued = [r["epoch"] for r in ahead]
+        if queued != wanted:
+            raise ValueError(
+                f"it holds the rollouts {queued} sampled ahead; with rollout.max_staleness={k} the queue "
+                f"there holds {wanted}"
+            )
+        for r in ahead:
+            size = len(self.scheduled(r["epoch"]).prompts) * group
+            if not 0 <= r["epoch"] - r["version"] <= k or len(r["samples"]) != size:
+                raise ValueError(
+                    f"its rollout {r['epoch']} sampled ahead holds {len(r['samples'])} samples from the "
+                    f"weights of rollout {r['version']}; this rank samples {size}, at most {k} updates old"
+                )
 
     def revive(self, state: dict[str, Any]) -> Sample:
         if self.images is not None and self._vision is None:
@@ -245,7 +298,7 @@ class RolloutRecipe(Recipe):
             size = len(order) // self.mini_batches
             for m in range(self.mini_batches):
                 mini = [samples[i] for i in order[m * size : (m + 1) * size]]
-                for b in budget_batches([len(s) for s in mini], budget, seed=epoch + update + m):
+                for b in plan_batches(mini, budget, self.tree, seed=epoch + update + m, shuffle=True):
                     chunk = [mini[i] for i in b]
                     micros.append(MicroBatch(chunk, self.units(chunk), sum(len(s) for s in chunk), step=step))
                 step += 1

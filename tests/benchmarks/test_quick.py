@@ -18,8 +18,13 @@ OWN_TEST = {
     "vllm_rollout.py": "tests/rl/test_vllm_engine.py",
     "row_to_loss.py": "tests/benchmarks/test_row_to_loss.py",
 }
+# benchmarks whose --quick another benchmark's --quick runs whole (not run twice): the GPU run's smoke runs
+# the tree-packing benchmark's
+RUN_BY = {"tree_packing.py": "gpu.py"}
 SCRIPTS = sorted(
-    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py" and p.name not in OWN_TEST
+    p.name
+    for p in (ROOT / "benchmarks").glob("*.py")
+    if p.name != "common.py" and p.name not in OWN_TEST and p.name not in RUN_BY
 )
 # the trainer benchmarks (benchmarks/common.py options): one timed step and no warm-up runs every contender's
 # code to its table; the warm-up and the second step of --quick run the same code again
@@ -50,6 +55,8 @@ def test_every_benchmark_is_found():
         assert "parse_benchmark_args" in (ROOT / "benchmarks" / script).read_text(), script
     for script, test in OWN_TEST.items():  # each one left out here is run where it says
         assert "benchmarks" in (ROOT / test).read_text() and script in (ROOT / test).read_text(), script
+    for script, runner in RUN_BY.items():
+        assert f"{script.removesuffix('.py')}.main(" in (ROOT / "benchmarks" / runner).read_text(), script
 
 
 @pytest.mark.slow

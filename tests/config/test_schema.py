@@ -957,7 +957,8 @@ def another_value(spec: Any, default: Any) -> Any:
 
 
 def choice_values(owner: Any, key: str) -> list[Any]:
-    """The values a choice key may take (its Literal members, both bools, or a stand-in)."""
+    """The values a choice key may take (its Literal members, both bools, its lowest bound, or a
+    stand-in)."""
     section, _, name = key.rpartition(".")
     owner = getattr(owner, section) if section else owner
     spec = type(owner).model_fields[name]
@@ -965,7 +966,8 @@ def choice_values(owner: Any, key: str) -> list[Any]:
     tp = spec.annotation
     literal = next((m for m in (tp, *get_args(tp)) if get_origin(m) is Literal), None)
     both = [True, False] if bool in get_args(tp) else []
-    return candidates + (list(get_args(literal)) if literal else []) + both
+    lowest = [bounds(spec)["ge"]] if "ge" in bounds(spec) else []  # e.g. grpo.beta: 0 turns the KL off
+    return candidates + (list(get_args(literal)) if literal else []) + both + lowest
 
 
 def inert_cases(cls: type) -> list[tuple[list[str], str, bool]]:

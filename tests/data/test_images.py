@@ -233,3 +233,19 @@ def test_per_turn_examples_carry_the_images_their_context_shows(inputs, folder):
     for ex, answer in ((first, "Red."), (second, "Blue.")):
         trained = [t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
         assert inputs.tokenizer.decode(trained) == f"{answer}<|im_end|>"
+
+
+def test_an_image_too_large_to_decode_names_its_file_row_and_fix(inputs, folder, monkeypatch):
+    """PIL refuses to decode more than twice ``MAX_IMAGE_PIXELS`` (a 20000 x 20000 image at its default of
+    about 89 M): the row, the field, the file and the fix are named (the limit is lowered here so that a
+    small file is "too large")."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 56 * 84 // 4)
+    row = {"messages": _conversation(PARTS), "images": ["img/red.png", "img/blue.png"]}
+    with pytest.raises(DataError) as info:
+        _sft(inputs, _write(folder, [row]))
+    message = str(info.value)
+    assert (
+        f"{folder}/data.jsonl row 1 (line 1): field 'images[0]' is too large to decode (img/red.png)"
+        in message
+    )
+    assert "decompression bomb" in message and "Downscale the image" in message

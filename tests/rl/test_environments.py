@@ -84,3 +84,36 @@ def test_tools_need_a_template_that_renders_them_and_a_way_to_read_calls(tokeniz
     silent.response_template = None
     with pytest.raises(InputError, match=r"no response_template"):
         make_runner(silent, cfg.rollout, {tokenizer.eos_token_id})
+
+
+def test_a_response_template_that_cannot_read_the_templates_calls_is_refused_at_start(tokenizer):
+    """A call to the first tool is written by the chat template and read back before any rollout: a parser
+    looking for another syntax would turn every model turn into a failed call."""
+    cfg = load_config(GRPOConfig, None, ["rollout.environment=calculator"])
+    fields = tokenizer.response_template["fields"]
+    other = {**fields["tool_calls"], "open": "<tool>", "close": "</tool>"}
+    cfg.rollout.response_template = {**tokenizer.response_template, "fields": {**fields, "tool_calls": other}}
+    with pytest.raises(InputError) as info:
+        make_runner(tokenizer, cfg.rollout, {tokenizer.eos_token_id})
+    message = str(info.value)
+    assert message.startswith("rollout.response_template cannot read the tool calls the chat template writes")
+    assert '<call>{"name": "calculate", "arguments": {"expression": "a"}}</call>' in message
+    assert "read back as no call" in message and "fix: set rollout.response_template" in message
+    broken = copy.deepcopy(tokenizer)
+    broken.response_template = cfg.rollout.response_template
+    cfg.rollout.response_template = None
+    with pytest.raises(InputError, match=r"^the tokenizer's response_template cannot read"):
+        make_runner(broken, cfg.rollout, {tokenizer.eos_token_id})
+
+
+def test_a_tool_brought_twice_names_where_each_comes_from(tokenizer):
+    cfg = load_config(GRPOConfig, None, ["rollout.environment=calculator", "rollout.tools=[calculate]"])
+    with pytest.raises(InputError) as info:
+        make_runner(tokenizer, cfg.rollout, {tokenizer.eos_token_id})
+    assert str(info.value) == (
+        "rollout.tools: rollout.tools[0] ('calculate') and environment 'calculator' both bring a tool named "
+        "'calculate', and a call can run only one of them; fix: the environment brings it already: remove it "
+        "from rollout.tools"
+    )
+    with pytest.raises(InputError, match=r"rollout.tools\[0\] .* and rollout.tools\[1\] .* own name$"):
+        Tools(["calculate", calculate], None)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,7 @@ from padless.config.loading import load_config
 from padless.config.schema import GRPOConfig
 from padless.data import PromptExample
 from padless.data.chat import ChatTemplateError
-from padless.errors import UserCodeError
+from padless.errors import InputError, UserCodeError
 from padless.forward.engine import ModelEngine, forward_packed
 from padless.forward.packing import Example, pack
 from padless.proof.check import alone_logps, layout_logps
@@ -30,6 +31,7 @@ from padless.rl.environments import Environment, Step, Tools, Turn
 from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
 from padless.rl.setup import RolloutSetup
+from padless.run.interrupts import handled
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -166,14 +168,50 @@ class Endless(Environment):
         return Step([{"role": "user", "content": "and again, with a longer message this time"}], reward=0.5)
 
 
+class Exits(Environment):
+    def step(self, turn):
+        sys.exit(0)
+
+
+class Interrupts(Environment):
+    def reset(self):
+        raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
-    [(Raises, "step\\(\\) raised KeyError: 'score'"), (WrongType, "step\\(\\) returned list; fix: return")],
+    [
+        (Raises, "step\\(\\) raised KeyError: 'score'"),
+        (WrongType, "step\\(\\) returned list; fix: return"),
+        (Exits, "step\\(\\) called sys.exit\\(0\\); fix the environment"),
+        (Interrupts, "reset\\(\\) raised KeyboardInterrupt; fix the environment"),
+    ],
 )
 def test_a_failing_environment_stops_in_one_line(tok, env, message):
-    with pytest.raises(UserCodeError, match=message) as info:
+    """Whatever an environment raises, sys.exit() and a KeyboardInterrupt of its own included, is an error
+    naming it (never the end of the command: the run checkpoints and says which code failed)."""
+    # handled(): as under the command line, where a real signal is recorded (this one is the code's own)
+    with handled(), pytest.raises(UserCodeError, match=message) as info:
         runner(tok, env).run(Scripted(tok, ["1"]), [{"prompt": "q"}], [0], False)
     assert "\n" not in str(info.value) and "test-env" in str(info.value)
+    assert getattr(info.value, "every_rank", False)  # every rank stops here, together
+
+
+def leaves(code: int) -> int:
+    """Leave.
+
+    Args:
+        code: the exit status
+    """
+    sys.exit(code)
+
+
+def test_a_tool_that_exits_is_a_failed_call_the_model_reads(tok):
+    turns = ['<call>{"name": "leaves", "arguments": {"code": 3}}</call>', "done"]
+    with handled():
+        [e] = runner(tok, tools=(leaves,)).run(Scripted(tok, turns), [{"prompt": "q"}], [0], False)
+    assert (e.turns, e.calls, e.failed_calls, e.truncated) == (2, 1, 1, None)
+    assert {"role": "tool", "name": "leaves", "content": "error: leaves called sys.exit(3)"} in e.messages
 
 
 def test_an_endless_environment_is_cut_at_max_turns_and_the_token_budget(tok):
@@ -593,3 +631,30 @@ def test_unreadable_environment_images_and_other_reset_images_are_refused_in_one
         run.run(Scripted(processor.tokenizer, ["a"]), [data], [0], False, prompts[:1])
     assert "\n" not in str(info.value) and "'pictures'" in str(info.value)
     assert "skip_bad_rows" not in str(info.value)  # no data setting skips an environment's turn
+
+
+def test_a_prompt_that_fills_max_episode_tokens_is_refused_at_start(tokenizer):
+    """Before any rollout, the longest data prompt is held against the episode budget (the key is named,
+    not max_new_tokens, which a run of empty episodes would otherwise blame)."""
+    cfg = load_config(GRPOConfig, None, ["rollout.environment=calculator", "rollout.max_episode_tokens=12"])
+    prompts = [PromptExample([5] * n, meta={"row": i, "source": "p.jsonl"}) for i, n in enumerate((4, 12, 7))]
+    engine = ModelEngine(load_model("tiny-llama"))
+    sampling = HFEngine(engine, tokenizer, cfg.rollout)
+    with pytest.raises(ValueError) as info:  # an input error: exit 2 on the command line
+        GRPORecipe(RolloutSetup(prompts, cfg, tokenizer, engine, sampling, torch.device("cpu")))
+    said = "rollout.max_episode_tokens=12: row 1 of p.jsonl is a prompt of 12 tokens, leaving its episodes"
+    assert str(info.value).startswith(said)
+    GRPORecipe(RolloutSetup(prompts[::2], cfg, tokenizer, engine, sampling, torch.device("cpu")))  # 7 < 12
+
+
+def test_first_messages_that_fill_max_episode_tokens_are_refused_naming_the_key(tok):
+    """A prompt as long as the episode's budget leaves the model no turn: refused before sampling, naming
+    rollout.max_episode_tokens (not max_new_tokens, which every empty episode would otherwise blame)."""
+    engine, probe = Scripted(tok, ["4"]), runner(tok)
+    first = len(probe.encode(probe.render([{"role": "user", "content": "q"}], True)))
+    with pytest.raises(InputError) as info:
+        runner(tok, max_episode_tokens=first).run(engine, [{"prompt": "q"}], [0], False)
+    assert str(info.value).startswith(f"rollout.max_episode_tokens={first}: the first messages")
+    assert f"take {first} tokens" in str(info.value) and engine.calls == 0
+    [e] = runner(tok, max_episode_tokens=first + 2).run(engine, [{"prompt": "q"}], [0], False)
+    assert e.turns == 1

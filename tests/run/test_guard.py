@@ -107,3 +107,18 @@ def test_skip_is_refused_where_the_engine_steps_inside_backward():
     with pytest.raises(InputError, match="cannot drop a step under DeepSpeed"):
         DivergenceGuard("skip", deepspeed)
     assert DivergenceGuard("stop", deepspeed).steps_in_backward
+
+
+def test_float16_weights_are_advised_out_of_float16_first():
+    """A float16 run's divergence is its range (65504) before its learning rate: that advice comes first;
+    other dtypes keep the learning-rate advice."""
+    fixes = {}
+    for float16 in (True, False):
+        guard = DivergenceGuard("stop", SINGLE, float16)
+        guard.step = 3
+        with pytest.raises(DivergenceError, match="training diverged at step 3: gradient norm inf") as info:
+            guard.allow_step(math.inf)
+        fixes[float16] = str(info.value).partition("Fix: ")[2]
+    assert fixes[True].startswith("the model trains in float16, whose range ends at 65504")
+    assert "set model.dtype to bfloat16" in fixes[True] and fixes[True].endswith(fixes[False])
+    assert fixes[False].startswith("lower train.learning_rate") and "model.dtype" not in fixes[False]

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from safetensors.torch import load_file
 
 BASE = [
     "model.name=tiny-llama",
@@ -74,8 +76,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two(command: str, *overrides: str) -> list[str]:
-    """``padless <command>`` on 2 CPU processes (gloo) under ``accelerate launch``."""
+def launch_two(command: str, *overrides: str, machine: int | None = None, port: int = 0) -> list[str]:
+    """``padless <command>`` on 2 CPU processes (gloo) under ``accelerate launch``: both on this machine, or
+    (``machine`` 0 or 1) this one of two "machines" of one process each meeting at ``port`` on this host,
+    accelerate's multi-machine launch as each node of a cluster runs it."""
+    where = ["--num_machines", "1"]
+    if machine is not None:
+        where = ["--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1"]
     return [
         sys.executable,
         "-m",
@@ -83,14 +90,13 @@ def launch_two(command: str, *overrides: str) -> list[str]:
         "--multi_gpu",
         "--num_processes",
         "2",
-        "--num_machines",
-        "1",
+        *where,
         "--mixed_precision",
         "no",
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(free_port()),
+        str(port or free_port()),
         "-m",
         "padless.cli",
         command,
@@ -225,3 +231,71 @@ def test_a_reward_function_failing_on_one_of_two_processes_stops_both_with_a_che
     assert state["step"] == 1 and state["world_size"] == 2
     assert all((run / "checkpoint-1" / f).is_file() for f in state["files"])
     assert not (run / "run.lock").exists()
+
+
+def start_machines(command: str, *overrides: str) -> list[subprocess.Popen]:
+    port = free_port()
+    launches = [launch_two(command, *overrides, machine=r, port=port) for r in (0, 1)]
+    return [subprocess.Popen(launch, env=ENV, stderr=subprocess.PIPE) for launch in launches]
+
+
+def worker_of(launcher: subprocess.Popen) -> psutil.Process:
+    """The padless process a launcher started (accelerate launch runs it as a child)."""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        found = [
+            p for p in psutil.Process(launcher.pid).children(recursive=True) if "padless.cli" in p.cmdline()
+        ]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError("the launcher started no padless process")
+
+
+@pytest.mark.slow
+def test_two_machines_stopped_by_a_signal_resume_to_what_one_machine_with_two_processes_trains(tmp_path):
+    """Two "machines" of one process each on this host (accelerate's multi-machine launch; one run folder
+    and one data cache, as nodes share a file system). SIGTERM reaches one of them between steps: both
+    checkpoint the trained steps at the same step boundary and stop (exit 143); resumed, they end with the
+    losses and weights of one machine with two processes run straight through. The data cache is built once
+    (nothing left over), the metrics and checkpoints are written once."""
+    common = [*BASE, "data.train=tiny:sft_eval", "train.max_steps=12"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    result = subprocess.run(
+        launch_two("sft", *common, f"train.output_dir={one}", f"data.cache_dir={tmp_path / 'own-cache'}"),
+        env=ENV,
+        capture_output=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    shared = [*common, f"train.output_dir={two}", f"data.cache_dir={tmp_path / 'cache'}"]
+    machines = start_machines("sft", *shared)
+    second = worker_of(machines[1])
+    deadline = time.time() + 600
+    while '"step": 2,' not in (
+        (two / "metrics.jsonl").read_text() if (two / "metrics.jsonl").exists() else ""
+    ):
+        assert all(m.poll() is None for m in machines) and time.time() < deadline, "the run ended first"
+        time.sleep(0.05)
+    second.send_signal(signal.SIGTERM)
+    errors = [m.communicate(timeout=600)[1].decode() for m in machines]
+    assert [m.returncode for m in machines] != [0, 0], errors[0][-2000:]
+    assert "terminated (SIGTERM); continue from" in errors[0], errors[0][-2000:]  # the main process's line
+    [stopped] = [int(p.name.split("-")[1]) for p in two.glob("checkpoint-*")]
+    assert 2 <= stopped < 12  # the trained steps, checkpointed by both ranks together
+    assert sorted(f.name for f in (two / f"checkpoint-{stopped}" / "state").glob("optimizer-*.json")) == [
+        "optimizer-0.json",
+        "optimizer-1.json",
+    ]
+    resumed = start_machines("sft", *shared, "train.resume_from_checkpoint=latest")
+    errors = [m.communicate(timeout=600)[1].decode() for m in resumed]
+    assert [m.returncode for m in resumed] == [0, 0], errors[0][-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(b) == list(range(1, 13)) and b == pytest.approx(a, rel=1e-6, abs=0)
+    steps = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(12) == 1 and steps == sorted(steps)  # one writer
+    mine, theirs = (load_file(run / "checkpoint-12" / "model.safetensors") for run in (two, one))
+    assert mine.keys() == theirs.keys()
+    assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) <= 1e-6
+    entries = list((tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and not entries[0].name.startswith("."), entries  # built once, nothing left over

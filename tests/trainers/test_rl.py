@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from padless.config.loading import load_config
 from padless.config.schema import GRPOConfig, PPOConfig, PPOSettings, SFTConfig
 from padless.data import load_rows
+from padless.errors import InputError
 from padless.forward.engine import ModelEngine, forward_packed, hidden_states
 from padless.forward.packing import Example, pack
 from padless.losses import gae, whiten
@@ -433,6 +434,39 @@ def test_dynamic_sampling_drops_constant_groups_and_refills_them(monkeypatch):
         "dynamic_sampling/refill_rounds": 1.0,
         "dynamic_sampling/constant_groups_kept": 1.0,
     }
+
+
+def test_dynamic_sampling_says_when_it_cannot_fill_and_stops_after_empty_refills(monkeypatch, caplog):
+    """Rewards that are equal within every group, always: each rollout dynamic sampling cannot fill is
+    logged, and once ``grpo.dynamic_sampling_empty_refills`` (3) refill rounds in a row found no group with
+    different rewards (two in the first rollout, the third in the next) the run stops, on every rank alike;
+    a refill that finds one starts the count again."""
+    cfg = load_config(
+        GRPOConfig,
+        None,
+        ["rollout.prompts_per_step=2", "rollout.num_generations=2", "grpo.dynamic_sampling_rounds=2"],
+    )
+    prompts = [SimpleNamespace(meta={"row": i}) for i in range(10)]
+    recipe = GRPORecipe(RolloutSetup(prompts, cfg, None, None, None, torch.device("cpu")))
+    varied = iter([False, False, False, False, True, False, False, False, False, False])
+
+    def collect(prompts, group, seed, greedy=False, epoch=None):
+        first = 1.0 if next(varied) else 0.0
+        return [Sample([1, 2], scored=Scored(r)) for _ in prompts for r in (first, 0.0)]
+
+    monkeypatch.setattr(recipe, "collect", collect)
+    with caplog.at_level("WARNING", logger="padless"):
+        recipe.sample(epoch=0)  # sampled, refilled twice: nothing found
+    assert recipe.empty_refills == 2
+    said = "rollout 0: dynamic sampling found 0 of 2 groups with different rewards after 2 refill round(s)"
+    assert said in caplog.text
+    _, metrics = recipe.sample(epoch=1)  # its first refill finds groups: the count starts again
+    assert recipe.empty_refills == 0 and metrics["dynamic_sampling/constant_groups_kept"] == 0.0
+    recipe.sample(epoch=2)
+    assert recipe.empty_refills == 2
+    with pytest.raises(InputError, match=r"empty_refills=3: 3 refill rounds in a row found no group") as info:
+        recipe.sample(epoch=3)
+    assert info.value.every_rank and "fix:" in str(info.value)
 
 
 def test_grpo_soft_overlong_penalty_and_dynamic_sampling_in_a_run(tmp_path):

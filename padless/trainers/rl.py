@@ -264,6 +264,7 @@ class RolloutRecipe(Recipe):
                 )
 
     def revive(self, state: dict[str, Any]) -> Sample:
+        """A saved sample back, with its training prompt's image inputs (vision-language policies)."""
         if self.images is not None and self._vision is None:
             self._vision = {p.row: p.vision for p in self.prompts}
         row = state["drawn"]["prompt_row"]

@@ -15,7 +15,7 @@ import padless.forward.engine as engine_module
 import padless.forward.tree as tree_module
 from padless.data import load_rows, tokenize_preference
 from padless.errors import AttentionError
-from padless.forward.attention import pin_kernel
+from padless.forward.attention import kernel_of, pin_kernel, pinned
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.forward.tree import (
@@ -240,15 +240,17 @@ def _alone(model, examples: list[Example]) -> tuple[list[torch.Tensor], float]:
 
 
 def _run(model, examples, tree: bool, kernel: str | None):
-    """Trained log-probs per sequence and the gradient of a loss over them, through the engine."""
+    """Trained log-probs per sequence and the gradient of a loss over them, through the engine (which pins
+    ``kernel`` on the model's layers: the model's own pin is back afterwards)."""
     batch = pack(examples)
-    engine = ModelEngine(
-        model, settings=EngineSettings(varlen_kernel=kernel, tree_packing="on" if tree else "off")
-    )
-    params = list(model.parameters())
-    logps = engine(batch, logps=True).logps
-    weights = torch.cos(torch.arange(batch.num_tokens, dtype=torch.float32))
-    grads = torch.autograd.grad((logps * weights).sum(), params)
+    with pinned(model, kernel_of(model)):
+        engine = ModelEngine(
+            model, settings=EngineSettings(varlen_kernel=kernel, tree_packing="on" if tree else "off")
+        )
+        params = list(model.parameters())
+        logps = engine(batch, logps=True).logps
+        weights = torch.cos(torch.arange(batch.num_tokens, dtype=torch.float32))
+        grads = torch.autograd.grad((logps * weights).sum(), params)
     mask = batch.loss_mask[0]
     return [t[m] for t, m in zip(batch.split(logps.detach()), batch.split(mask), strict=True)], grads
 

@@ -113,14 +113,16 @@ def write_rows(args: argparse.Namespace, folder: Path) -> dict[str, Path]:
     return files
 
 
-def common_args(args: argparse.Namespace, steps: int, result: Path) -> list[str]:
-    out = ["--device", args.device, "--threads", str(args.threads), "--model", args.model]
-    out += ["--steps", str(steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-    return [*out, "--json", str(result)]
+def common_args(args: argparse.Namespace, tree: str, steps: int, result: Path) -> list[str]:
+    """The options both workloads pass their benchmark: contenders (``tree``: padless's on tree rows),
+    machine, model, steps and where the results go."""
+    contenders = tree + (",padless-flat" if args.flat else "") + (",trl" if args.with_trl else "")
+    out = ["--contenders", contenders, "--device", args.device, "--threads", str(args.threads)]
+    out += ["--model", args.model, "--steps", str(steps), "--warmup", str(args.warmup)]
+    return [*out, "--repeats", str(args.repeats), "--json", str(result)]
 
 
 def run_grpo(args: argparse.Namespace, data: Path, result: Path) -> int:
-    contenders = "padless" + (",padless-flat" if args.flat else "") + (",trl" if args.with_trl else "")
     argv = [
         "--data",
         str(data),
@@ -134,15 +136,12 @@ def run_grpo(args: argparse.Namespace, data: Path, result: Path) -> int:
         str(args.max_new_tokens),
         "--max-tokens-per-batch",
         "16384",
-        "--contenders",
-        contenders,
-        *common_args(args, args.steps or (1 if args.quick else 3), result),
+        *common_args(args, "padless", args.steps or (1 if args.quick else 3), result),
     ]
     return grpo_throughput.main(argv)
 
 
 def run_dpo(args: argparse.Namespace, data: Path, result: Path) -> int:
-    contenders = "padless-packed" + (",padless-flat" if args.flat else "") + (",trl" if args.with_trl else "")
     argv = [
         "--data",
         str(data),
@@ -150,9 +149,7 @@ def run_dpo(args: argparse.Namespace, data: Path, result: Path) -> int:
         str(args.prompt_tokens + 1024),  # tiny:preference's longest sides are about 600 tokens
         "--batch-size",
         "4" if args.quick else "8",
-        "--contenders",
-        contenders,
-        *common_args(args, args.steps or (1 if args.quick else 6), result),
+        *common_args(args, "padless-packed", args.steps or (1 if args.quick else 6), result),
     ]
     return dpo_throughput.main(argv)
 

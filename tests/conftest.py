@@ -3,6 +3,7 @@ computation of per-token log-probs that runs each sequence alone through a plain
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -172,3 +173,35 @@ def _library_logs_follow_stderr() -> None:
             if type(handler) is logging.StreamHandler:
                 handler.stream = sys.stderr
                 vars(handler).pop("flush", None)  # transformers pins the first stream's flush on it
+
+
+@pytest.fixture
+def sibling_leak(monkeypatch) -> None:
+    """A planted leak: every tree row (padless.forward.tree) built in the test lets its second leaf see its
+    first sibling's keys too (placed before its own, so causality still holds within each)."""
+    import padless.forward.tree as tree
+    import padless.proof.probe as probe
+
+    honest = tree.share_prefixes
+
+    def leaky(batch):
+        row = honest(batch)
+        cu_q, cu_k, keys = row.cu_seqlens.tolist(), row.cu_keys.tolist(), row.keys.tolist()
+        lists = [keys[cu_k[s] : cu_k[s + 1]] for s in range(len(row.parents))]
+        first, second = next(
+            (a, b)
+            for b in range(len(row.parents))
+            for a in range(b)
+            if row.parents[a] == row.parents[b] >= 0 and b not in row.parents and a not in row.parents
+        )
+        own = cu_q[second + 1] - cu_q[second]
+        lists[second] = (
+            lists[second][:-own] + list(range(cu_q[first], cu_q[first + 1])) + lists[second][-own:]
+        )
+        row.keys = torch.tensor([k for ks in lists for k in ks])
+        row.cu_keys = torch.tensor([0, *itertools.accumulate(map(len, lists))], dtype=torch.int32)
+        row.max_keys = max(map(len, lists))
+        return row
+
+    monkeypatch.setattr(tree, "share_prefixes", leaky)
+    monkeypatch.setattr(probe, "share_prefixes", leaky)

@@ -16,15 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from padless.forward.packing import IGNORE_INDEX
 
-if TYPE_CHECKING:
-    from padless.forward.engine import LogitsHead
+
+class Head(Protocol):
+    """What the distillation head needs of the engine's LM head (:class:`padless.forward.engine.LogitsHead`):
+    its module, its vocabulary and its finishing of raw logits (scale, temperature) into fp32 logits."""
+
+    module: torch.nn.Module
+
+    @property
+    def vocab(self) -> int: ...
+
+    def finish(self, raw: torch.Tensor) -> torch.Tensor: ...
+
 
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (student, teacher logits [n, V]) -> [n]
 
@@ -65,7 +75,7 @@ def chunk_rows(vocab: int, logits_memory_mb: int) -> int:
 
 
 def _chunk(
-    head: LogitsHead,
+    head: Head,
     d: Distillation,
     h: torch.Tensor,
     th: torch.Tensor,
@@ -86,7 +96,7 @@ def _chunk(
 
 
 def distill_from_hidden(
-    head: LogitsHead,
+    head: Head,
     hidden: torch.Tensor,
     labels: torch.Tensor,
     d: Distillation,

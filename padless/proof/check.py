@@ -198,13 +198,16 @@ def tree_case(model: PreTrainedModel, seqs: list[list[int]], alone: Callable[...
 
 def tree_cell(model: PreTrainedModel, backend: str, case: TreeCase, layout: str) -> Cell:
     """A ``tree`` cell (log-probs of every trained token vs alone) or a ``tree-grad`` cell (the gradient of
-    a loss over those log-probs, tree row vs flat packed row, the worst parameter beside its bound), run
-    through the engine on ``backend``."""
-    problem = tree_problem(model, backend)
+    a loss over those log-probs, tree row vs flat packed row, the largest difference beside its bound),
+    run through the engine on ``backend``."""
+    device = next(model.parameters()).device
+    problem = tree_problem(model, backend) or (
+        backend_problem(backend, device, training=True) if layout == "tree-grad" else None
+    )
     if problem:
         return Cell(backend, layout, not_run=problem)
     dtype = next(model.parameters()).dtype
-    batch = case.batch(next(model.parameters()).device)
+    batch = case.batch(device)
     tree = ModelEngine(model, settings=EngineSettings(tree_packing="on"))
     if layout == "tree":
         logps = tree(batch, logps=True).logps
@@ -371,7 +374,7 @@ def format_matrix(rows: list[BackendRow], layouts: tuple[str, ...] = LAYOUTS) ->
             f"{r.backend:<18}{r.kernel or '?':<16}" + "".join(f"{_cell_text(c):>{width}}" for c in r.cells)
         )
         notes += [f"{r.backend}/{c.layout}: {c.error[:300]}" for c in r.cells if c.error]
-        notes += sorted({f"{r.backend}/tree: not run: {c.not_run}" for c in r.cells if c.not_run})
+        notes += [f"{r.backend}/{c.layout}: not run: {c.not_run}" for c in r.cells if c.not_run]
     lines.append(
         f"\nmax |delta log-prob| per token vs. each sequence alone on eager, beside its bound ({FORMULA})"
     )

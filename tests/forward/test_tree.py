@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import padless.forward.engine as engine_module
-import padless.forward.tree as tree_module
 from padless.data import load_rows, tokenize_preference
 from padless.errors import AttentionError
 from padless.forward.attention import kernel_of, pin_kernel, pinned
@@ -280,29 +279,10 @@ def test_tree_equals_alone_per_token_and_flat_in_gradient(policy, tokenizer, cas
     assert got <= limit, (got, limit)
 
 
-def test_a_planted_sibling_leak_fails(policy, tokenizer, monkeypatch):
+def test_a_planted_sibling_leak_fails(policy, tokenizer, sibling_leak):
     """A tree row whose second leaf also sees the first leaf's keys: per-token log-probs move far past the
-    bound, so the comparison above (and the load-time probe, tests/proof/test_probe.py) would fail."""
+    bound, so the comparison above (and the load-time probe, tests/proof/test_probe.py) fails."""
     examples = _cases(tokenizer)["grpo group"]
-    honest = share_prefixes
-
-    def leaky(batch):
-        row = honest(batch)
-        cu_q, cu_k, keys = row.cu_seqlens.tolist(), row.cu_keys.tolist(), row.keys.tolist()
-        first, second = 1, 2  # leaves of the prompt's node
-        assert row.parents[first] == row.parents[second] == 0
-        own = list(range(cu_q[first], cu_q[first + 1]))
-        lists = [keys[cu_k[s] : cu_k[s + 1]] for s in range(len(row.parents))]
-        mine = cu_q[second + 1] - cu_q[second]
-        lists[second] = lists[second][:-mine] + own + lists[second][-mine:]
-        row.keys = torch.tensor([x for ks in lists for x in ks])
-        row.cu_keys = torch.tensor(
-            [0, *torch.tensor([len(x) for x in lists]).cumsum(0).tolist()], dtype=torch.int32
-        )
-        row.max_keys = max(len(x) for x in lists)
-        return row
-
-    monkeypatch.setattr(tree_module, "share_prefixes", leaky)
     alone, magnitude = _alone(policy, examples)
     tree_logps, _ = _run(policy, examples, True, None)
     delta = max((t - a).abs().max().item() for t, a in zip(tree_logps, alone, strict=True))

@@ -327,3 +327,16 @@ def test_llama4_temperature_tuning_is_refused_where_only_varlen_corrects_it():
         assert_attention(model, "sdpa")
     with pytest.raises(SequenceParallelError, match="under sequence parallelism"):
         check_model(_llama4(8, 32), 2)
+
+
+def test_the_tree_layout_is_proven_where_it_runs():
+    """probe_attention(tree=True): branches sharing nested prefixes, run as a tree row, equal each sequence
+    alone (hidden states and log-probs); the run log's probe line carries it."""
+    model = load_model("tiny-llama", probe=False)
+    info = probe_attention(model, "varlen", tree=True)["tree"]
+    assert info["max_delta_logps"] <= info["bound"] and info["tokens"] < info["flat_tokens"]
+
+
+def test_a_sibling_leak_fails_the_tree_probe(sibling_leak):
+    with pytest.raises(AttentionError, match="tree packing on 'varlen' is not exact"):
+        probe_attention(load_model("tiny-llama", probe=False), "varlen", tree=True)

@@ -400,12 +400,15 @@ def free_port() -> int:
 
 
 def two_process_overrides(tmp_path: Path) -> list[str]:
-    overrides = [
-        *rl_overrides(tmp_path, "unused", "rollout.num_generations=2", "train.max_steps=2"),
+    """rl_overrides with these changed (each key given once: a repeated one is refused)."""
+    changed = [
+        "rollout.num_generations=2",
+        "train.max_steps=2",
         "rollout.prompts_per_step=4",
         "train.save_steps=10",
     ]
-    return [o for o in overrides if not o.startswith("train.output_dir")]
+    replaced = {o.partition("=")[0] for o in changed} | {"train.output_dir"}
+    return [o for o in rl_overrides(tmp_path, "unused") if o.partition("=")[0] not in replaced] + changed
 
 
 def grpo_records(launch: list[str], overrides: list[str], run: Path) -> list[dict]:

@@ -27,7 +27,7 @@ from padless.rl.generate import HFEngine
 from padless.rl.sample import Passes, Sample, Scored
 from padless.rl.sampling import ENGINES, make_engine
 from padless.rl.setup import RolloutSetup, start_rl
-from padless.run.checkpoint import recipe_file
+from padless.run.checkpoint import _checksum, recipe_file
 from padless.run.loop import Trainer
 from padless.run.session import Session
 from padless.tiny import build_tiny_model, tiny_tokenizer
@@ -701,11 +701,12 @@ def test_stale_run_resumed_equals_the_uninterrupted_one(tmp_path, kind):
     assert not recipe_file(tmp_path / "a" / "checkpoint-3", 0).exists()  # nothing left ahead
     for name in ("b", "c"):
         shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / name / "checkpoint-1")
-    recipe_file(tmp_path / "c" / "checkpoint-1", 0).unlink()  # and from its manifest:
+    recipe_file(tmp_path / "c" / "checkpoint-1", 0).unlink()  # and from its manifest, as if never written:
     manifest = tmp_path / "c" / "checkpoint-1" / "trainer_state.json"
     state = json.loads(manifest.read_text())
+    del state["checksum"], state["digests"]["state/recipe-0.json"]
     state["files"].remove("state/recipe-0.json")
-    manifest.write_text(json.dumps(state))
+    manifest.write_text(json.dumps({**state, "checksum": _checksum(state)}))
     resumed = stale_run(tmp_path, kind, "b", *stale, "train.resume_from_checkpoint=latest")
     resampled = stale_run(tmp_path, kind, "c", *stale, "train.resume_from_checkpoint=latest")
     for key in ("train/loss", "rollout/reward", "rollout/staleness_max", "mismatch/logp_diff_max"):

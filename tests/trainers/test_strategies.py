@@ -158,7 +158,11 @@ CONFIGS = {
 
 
 def argv(kind: str, out: Path, *extra: str) -> list[str]:
-    return [kind.split("_")[0], *COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
+    """The command line of ``kind``: a key the kind (or ``extra``) sets replaces the common value (a key
+    given twice on the command line is refused)."""
+    given = [*COMMON, *TRAINERS[kind], f"train.output_dir={out}", *extra]
+    last = {o.partition("=")[0]: o for o in given}
+    return [kind.split("_")[0], *last.values()]
 
 
 def losses(run: Path, key: str = "train/loss") -> dict[int, float]:

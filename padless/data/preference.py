@@ -33,14 +33,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import pyarrow.compute as pc
 
-from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
 from padless.data.records import (
     DataError,
+    RawRows,
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
     good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
     type_name,
@@ -141,25 +144,34 @@ class _PairEncoder(ChatEncoder):
                 reason="wrong type",
             )
         done = chat_messages(row, name, value)
-        if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
+        if (
+            len(done) != 1
+            or done[0]["role"] != "assistant"
+            or not (done[0].get("content") or done[0].get("tool_calls"))
+        ):
             raise row.error(
                 name,
                 f"must be a list with exactly one assistant message with content, got {len(done)} message(s) "
                 f"with role(s) {[m['role'] for m in done]}",
                 reason="wrong type",
             )
-        full = self.render(row, prompt_messages + done, generation_prompt=False)
+        messages = prompt_messages + done
+        full = self.render(row, messages, generation_prompt=False)
         if full[: len(prompt_ids)] != prompt_ids:
             raise self._unstable(row, "the prompt plus the generation prompt", prompt_ids, full)
-        segment = full[len(prompt_ids) :]
-        if not segment:
+        head, end = len(prompt_ids), len(full)
+        if end == head:
             raise ChatTemplateError(
                 f"{row.where}: rendering the assistant message of '{name}' added no token after the "
                 "generation prompt, so the completion cannot be located. Check the chat template."
             )
-        ends = [k for k, t in enumerate(segment) if t in self.end_of_turn_ids]
-        completion = segment[: ends[-1] + 1] if ends else [*segment, self.eos]
-        self.check_content(row, done[0], f"'{name}'", self.tok.decode(completion), _CONTENT_FIX)
+        stop, appended = self.turn_stop(row, messages, len(prompt_messages), full, head, end)
+        full += appended
+        mask = [True] * len(full)
+        self.prove_turn(
+            row, messages, len(prompt_messages), full, head, stop, mask, end, f"'{name}'", _CONTENT_FIX
+        )
+        completion = full[head : stop + 1]
         return completion
 
     # -- row forms -------------------------------------------------------------------------------------------
@@ -360,15 +372,97 @@ def pair_fields(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[tuple[str, ..
     return SIDES, "preference rows"
 
 
+def pair_example(
+    row: Row,
+    enc: _PairEncoder,
+    needed: tuple[str, ...],
+    how: str,
+    *,
+    max_length: int,
+    truncation: Truncation,
+    require_margin: bool,
+    images: ImageInputs | None = None,
+) -> PairExample:
+    """One row as a pair; a bad row raises :class:`DataError` (see :func:`tokenize_preference`)."""
+    _require(row, needed, how)
+    row, pictures = _prepare(row, images)
+    if "prompt" in present_fields(row):
+        prompt_ids, completions, prompt_field = enc.explicit(row)
+    else:
+        prompt_ids, completions, prompt_field = enc.implicit(row)
+    vision = None
+    if images is not None:
+        prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+    if completions[0] == completions[1]:
+        raise _equal(row)
+    _fit_prompt(row, prompt_ids, prompt_field, max_length)
+    fitted = [
+        _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
+        for s, ids in zip(SIDES, completions, strict=True)
+    ]
+    if fitted[0] == fitted[1]:
+        raise _equal(row, f" once both are truncated to max_length={max_length}")
+    meta: dict[str, Any] = {"row": row.index, "source": row.source}
+    margin = _margin(row, require_margin)
+    if margin is not None:
+        meta["margin"] = margin
+    chosen, rejected = (
+        _example(
+            images,
+            prompt_ids + ids,
+            [False] * len(prompt_ids) + [True] * len(ids),
+            vision,
+            {"row": row.index, "source": row.source, "side": side},
+        )
+        for side, ids in zip(SIDES, fitted, strict=True)
+    )
+    return PairExample(chosen, rejected, meta)
+
+
 def tokenize_preference(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
+    max_length: int,
+    truncation: Truncation = "error",
+    skip_bad_rows: bool = False,
+    require_margin: bool = False,
     images: ImageInputs | None = None,
-    **options: Any,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[list[PairExample], SkipStats]:
-    """Preference rows tokenized in memory: :meth:`PairLayout.tokenize`, ``options`` the layout's fields."""
-    return PairLayout(**options).tokenize(rows, tokenizer, images)
+    """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
+
+    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is a
+    bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
+    ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
+    ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
+    unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
+    :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
+    prompt, so chosen and rejected share them. ``stop_ids``: the tokens the model stops at besides the
+    tokenizer's eos (its generation config's), which end a chat completion.
+    """
+    check_args(max_length, truncation)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    needed, how = pair_fields(rows, skip_bad_rows)
+    enc = _PairEncoder(tokenizer, stop_ids)
+    pairs = good_rows(
+        rows,
+        lambda row: pair_example(
+            row,
+            enc,
+            needed,
+            how,
+            max_length=max_length,
+            truncation=truncation,
+            require_margin=require_margin,
+            images=images,
+        ),
+        skip_bad_rows,
+        stats,
+    )
+    return pairs, stats
 
 
 def tokenize_scoring(
@@ -380,6 +474,7 @@ def tokenize_scoring(
     skip_bad_rows: bool = False,
     stats: SkipStats | None = None,
     images: ImageInputs | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> list[Example]:
     """Sequences for scoring ``{"prompt", "response"}`` rows with a reward model (``loss_mask`` is None).
 
@@ -389,7 +484,7 @@ def tokenize_scoring(
     """
     check_args(max_length, truncation)
     stats = stats if stats is not None else SkipStats()
-    enc = _PairEncoder(tokenizer)
+    enc = _PairEncoder(tokenizer, stop_ids)
 
     def scoring_example(row: Row) -> Example:
         _require(row, ("prompt", "response"), "scoring rows")
@@ -409,79 +504,41 @@ def tokenize_scoring(
 
 @dataclass
 class PairLayout(Layout[PairExample]):
-    """Preference rows into pairs (see the module docstring for the accepted forms); stored as the shared
-    ``prompt_ids`` once, each side's completion, and ``margin``.
+    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
 
-    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is
-    a bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
-    ``"truncate"``. Bad rows raise :class:`DataError` unless ``skip_bad_rows``, which counts them; template
-    problems raise :class:`ChatTemplateError` regardless. A numeric ``margin`` field is required with
-    ``require_margin`` (reward models trained with ``rm.margin``) and stored either way; ``keep_margin``
-    puts it into the pair's meta. Images (with the model's image side) belong to the prompt, so chosen and
-    rejected share them.
+    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
+    column is stored either way.
     """
 
     name: ClassVar[str] = "preference"
-    read_options = ("keep_margin",)
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin", "stop_ids")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
     require_margin: bool = False
     keep_margin: bool = True
+    stop_ids: tuple[int, ...] = ()
     _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
 
-    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
-        needed, how = pair_fields(rows, self.skip_bad_rows)
-        self._state = (_PairEncoder(tokenizer), needed, how)
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        needed, how = pair_fields(raw, self.skip_bad_rows)
+        self._state = (_PairEncoder(tokenizer, self.stop_ids), needed, how)
 
-    def example(self, row: Row, images: ImageInputs | None = None) -> PairExample:
+    def example(self, row: Row) -> PairExample:
         assert self._state is not None, "prepare() first"
         enc, needed, how = self._state
-        _require(row, needed, how)
-        row, pictures = _prepare(row, images)
-        if "prompt" in present_fields(row):
-            prompt_ids, completions, prompt_field = enc.explicit(row)
-        else:
-            prompt_ids, completions, prompt_field = enc.implicit(row)
-        vision = None
-        if images is not None:
-            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-        if completions[0] == completions[1]:
-            raise _equal(row)
-        _fit_prompt(row, prompt_ids, prompt_field, self.max_length)
-        fitted = [
-            _fit_completion(row, s, len(prompt_ids), ids, self.max_length, self.truncation)
-            for s, ids in zip(SIDES, completions, strict=True)
-        ]
-        if fitted[0] == fitted[1]:
-            raise _equal(row, f" once both are truncated to max_length={self.max_length}")
-        meta: dict[str, Any] = {"row": row.index, "source": row.source}
-        margin = _margin(row, self.require_margin)
-        if margin is not None:
-            meta["margin"] = margin
-        chosen, rejected = (
-            _example(
-                images,
-                prompt_ids + ids,
-                [False] * len(prompt_ids) + [True] * len(ids),
-                vision,
-                {"row": row.index, "source": row.source, "side": side},
-            )
-            for side, ids in zip(SIDES, fitted, strict=True)
+        return pair_example(
+            row,
+            enc,
+            needed,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            require_margin=self.require_margin,
         )
-        return PairExample(chosen, rejected, meta)
-
-    def tokenize(
-        self, rows: Sequence[Row], tokenizer: Any, images: ImageInputs | None = None
-    ) -> tuple[list[PairExample], SkipStats]:
-        pairs, stats = super().tokenize(rows, tokenizer, images)
-        if not self.keep_margin:  # as a stored set is read back
-            for p in pairs:
-                p.meta.pop("margin", None)
-        return pairs, stats
 
     def columns(self, item: PairExample) -> dict[str, Any]:
         n = item.prompt_length
@@ -534,3 +591,21 @@ class PairLayout(Layout[PairExample]):
                 meta["margin"] = margin
             pairs.append(PairExample(*sides, meta))
         return pairs
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PairExample], SkipStats]:
+        pairs, stats = tokenize_preference(
+            rows,
+            tokenizer,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            skip_bad_rows=self.skip_bad_rows,
+            require_margin=self.require_margin,
+            images=images,
+            stop_ids=self.stop_ids,
+        )
+        if not self.keep_margin:
+            for p in pairs:
+                p.meta.pop("margin", None)
+        return pairs, stats

@@ -17,13 +17,22 @@ right answer is, so a prompt longer than ``max_prompt_length`` is a bad row.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
-from padless.data.records import RawRows, Row, SkipStats, reject_images, type_name
+from padless.data.records import (
+    RawRows,
+    Row,
+    SkipStats,
+    chat_messages,
+    good_rows,
+    nonempty_str,
+    reject_images,
+    type_name,
+)
 from padless.data.tokenized import Layout, ids_feature
 
 if TYPE_CHECKING:
@@ -146,15 +155,57 @@ def prompt_encoder(tokenizer: PreTrainedTokenizerBase, chat_template: bool | Non
     return enc
 
 
+def prompt_example(
+    row: Row, enc: _PromptEncoder, max_prompt_length: int, images: ImageInputs | None = None
+) -> PromptExample:
+    """One row as a prompt; a bad row raises :class:`DataError` (see :func:`tokenize_prompts`)."""
+    vision = None
+    if images is None:
+        reject_images(row)
+        ids, text = enc.prompt(row)
+    else:
+        prepared = images.prepare(row)
+        row = prepared.row
+        ids, text = enc.prompt(row)
+        ids, _, vision = images.expand(row, ids, None, prepared.images)
+    if len(ids) > max_prompt_length:
+        raise row.error(
+            PROMPT,
+            f"is {len(ids)} tokens as rendered, more than max_prompt_length={max_prompt_length} "
+            "(prompts are never truncated: a cut question no longer matches its answer)",
+            reason="prompt too long",
+            fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
+            "to skip it.",
+        )
+    fields = {k: v for k, v in row.data.items() if k != PROMPT}
+    return PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision)
+
+
 def tokenize_prompts(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
+    max_prompt_length: int,
+    chat_template: bool | None = None,
+    skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
-    **options: Any,
 ) -> tuple[list[PromptExample], SkipStats]:
-    """RL prompt rows tokenized in memory: :meth:`PromptLayout.tokenize`, ``options`` the layout's fields."""
-    return PromptLayout(**options).tokenize(rows, tokenizer, images)
+    """Tokenize RL prompt rows; see the module docstring for how prompts are rendered.
+
+    Bad rows (missing, mistyped or empty prompt, a prompt longer than ``max_prompt_length`` tokens) raise
+    :class:`DataError` unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`.
+    Tokenizer problems (``chat_template=True`` or message prompts without a template) raise
+    :class:`ChatTemplateError` regardless, since no row can fix them.
+    """
+    check_args(max_prompt_length, chat_template)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    enc = prompt_encoder(tokenizer, chat_template)
+    out = good_rows(
+        rows, lambda row: prompt_example(row, enc, max_prompt_length, images), skip_bad_rows, stats
+    )
+    return out, stats
 
 
 def reward_inputs(
@@ -177,55 +228,30 @@ def reward_inputs(
 
 @dataclass
 class PromptLayout(Layout[PromptExample]):
-    """RL prompt rows into prompts (see the module docstring for how they are rendered); stored as
-    ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
+    """RL prompts: ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
 
-    Bad rows (missing, mistyped or empty prompt, a prompt longer than ``max_prompt_length`` tokens) raise
-    :class:`DataError` unless ``skip_bad_rows``, which counts them. Tokenizer problems (``chat_template=True``
-    or message prompts without a template) raise :class:`ChatTemplateError` regardless, since no row can fix
-    them. Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values);
-    rows read from Arrow keep them as columns of their own types (``field.<name>``).
+    Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values); rows
+    read from Arrow keep them as columns of their own types (``field.<name>``).
     """
 
     name: ClassVar[str] = "prompts"
+    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
     max_prompt_length: int
     chat_template: bool | None = None
     skip_bad_rows: bool = False
-    _state: _PromptEncoder | None = field(default=None, repr=False)
+    _state: Any = field(default=None, repr=False)
     _fields: dict[str, Any] | None = field(default=None, repr=False)  # Arrow rows: name -> feature
 
     def __post_init__(self) -> None:
         check_args(self.max_prompt_length, self.chat_template)
 
-    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         self._state = prompt_encoder(tokenizer, self.chat_template)
-
-    def store(self, raw: RawRows) -> None:
         if raw.decoder.numbering is None:
             self._fields = {k: v for k, v in raw.dataset.features.items() if k != "prompt"}
 
-    def example(self, row: Row, images: ImageInputs | None = None) -> PromptExample:
-        assert self._state is not None, "prepare() first"
-        vision = None
-        if images is None:
-            reject_images(row)
-            ids, text = self._state.prompt(row)
-        else:
-            prepared = images.prepare(row)
-            row = prepared.row
-            ids, text = self._state.prompt(row)
-            ids, _, vision = images.expand(row, ids, None, prepared.images)
-        if len(ids) > self.max_prompt_length:
-            raise row.error(
-                PROMPT,
-                f"is {len(ids)} tokens as rendered, more than max_prompt_length={self.max_prompt_length} "
-                "(prompts are never truncated: a cut question no longer matches its answer)",
-                reason="prompt too long",
-                fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
-                "to skip it.",
-            )
-        fields = {k: v for k, v in row.data.items() if k != PROMPT}
-        return PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision)
+    def example(self, row: Row) -> PromptExample:
+        return prompt_example(row, self._state, self.max_prompt_length)
 
     def columns(self, item: PromptExample) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_ids": item.prompt_ids, "text": item.text}
@@ -258,3 +284,15 @@ class PromptLayout(Layout[PromptExample]):
                 fields = {c.removeprefix("field."): columns[c][k] for c in own}
             out.append(PromptExample(ids, fields, {"row": row, "source": source}, text))
         return out
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[PromptExample], SkipStats]:
+        return tokenize_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=self.max_prompt_length,
+            chat_template=self.chat_template,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+        )

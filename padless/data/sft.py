@@ -13,14 +13,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from padless.data.chat import ChatEncoder, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, trained_turns
 from padless.data.images import ImageInputs
 from padless.data.records import (
+    RawRows,
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
+    good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
+    turn_flags,
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature
@@ -85,25 +90,35 @@ class SftEncoder(ChatEncoder):
     """The chat encoder plus SFT's three row formats."""
 
     def messages_row(self, row: Row) -> tuple[list[int], list[bool]]:
-        return self.chat(row, self._conversation(row))
+        messages, trains = self._conversation(row)
+        return self.chat(row, messages, trains=trains)
 
     def turn_rows(self, row: Row) -> list[tuple[list[int], list[bool], int]]:
-        """Per-turn mode: for each assistant turn, the conversation up to it with only that turn trained,
-        and how many messages it holds. Its context is rendered as the template renders it for generation
-        (e.g. earlier reasoning stripped), the turn itself as the template renders a last turn."""
-        messages = self._conversation(row)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        """Per-turn mode: for each trained assistant turn, the conversation up to it with only that turn
+        trained, and how many messages it holds. Its context is rendered as the template renders it for
+        generation (e.g. earlier reasoning stripped), the turn itself as the template renders a last turn."""
+        messages, trains = self._conversation(row)
+        turns = trained_turns(messages, trains=trains)
         return [(*self.chat(row, messages[: i + 1], last_only=True), i + 1) for i in turns]
 
-    def _conversation(self, row: Row) -> list[dict[str, Any]]:
-        messages = chat_messages(row, "messages", row.data["messages"])
-        if not any(m["role"] == "assistant" and m.get("content") for m in messages):
+    def _conversation(self, row: Row) -> tuple[list[dict[str, Any]], list[bool]]:
+        """The row's messages and which of them are trained turns (a turn's ``loss`` / ``train`` /
+        ``weight`` flag decides; an assistant turn without one trains)."""
+        messages = chat_messages(row, "messages", row.data["messages"], flags=True)
+        trains = turn_flags(row, "messages", row.data["messages"])
+        if not any(m["role"] == "assistant" and (m.get("content") or m.get("tool_calls")) for m in messages):
             raise row.error(
                 "messages",
                 "has no assistant message with content, so there is nothing to train on",
                 reason="no assistant message",
             )
-        return messages
+        if not any(trains):
+            raise row.error(
+                "messages",
+                "has no assistant turn to train: every one is flagged off (loss / train false, or weight 0)",
+                reason="no trained turn",
+            )
+        return messages, trains
 
     def prompt_completion_row(self, row: Row, completion_only_loss: bool) -> tuple[list[int], list[bool]]:
         prompt, completion = row.data["prompt"], row.data["completion"]
@@ -128,16 +143,22 @@ class SftEncoder(ChatEncoder):
                 reason="wrong type",
             )
 
+        trains = None
         if isinstance(completion, list):
-            done = chat_messages(row, "completion", completion)
-            if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
+            done = chat_messages(row, "completion", completion, flags=True)
+            if (
+                len(done) != 1
+                or done[0]["role"] != "assistant"
+                or not (done[0].get("content") or done[0].get("tool_calls"))
+            ):
                 raise row.error(
                     "completion",
                     "must be a list with exactly one assistant message with content, got "
                     f"{len(done)} message(s) with role(s) {[m['role'] for m in done]}",
                     reason="wrong type",
                 )
-            ids, mask = self.chat(row, prompt_msgs + done)
+            trains = [False] * len(prompt_msgs) + turn_flags(row, "completion", completion)
+            ids, mask = self.chat(row, prompt_msgs + done, trains=trains)
             if ids[: len(prompt_ids)] != prompt_ids:
                 raise self._unstable(row, "the prompt plus the generation prompt", prompt_ids, ids)
             start = len(prompt_ids)
@@ -154,8 +175,9 @@ class SftEncoder(ChatEncoder):
                 f"must be a string or a list with one assistant message, got {type_name(completion)}",
                 reason="wrong type",
             )
-        if not completion_only_loss:
-            mask = [True] * len(ids)
+        if not completion_only_loss:  # every token, but a completion flagged off stays out
+            off = trains is not None and not trains[-1]
+            mask = [True] * len(prompt_ids) + [not off] * (len(ids) - len(prompt_ids))
         return ids, mask
 
     def text_row(self, row: Row) -> tuple[list[int], list[bool]]:
@@ -193,6 +215,15 @@ def _fit(
     return ids, mask
 
 
+def check_sft_args(format: str, max_length: int, truncation: str) -> None:
+    if format not in ("auto", *FORMAT_FIELDS):
+        raise ValueError(f"unknown SFT format {format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
+    if truncation not in ("error", "truncate"):
+        raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
+    if not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+
+
 def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> tuple[str, str]:
     """The format every row must have and how it was decided (for messages): ``format`` unless ``"auto"``,
     else detected from the first row (the first well-formed one when skipping bad rows). Reads rows only
@@ -209,92 +240,150 @@ def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> t
 
 def _images_in(messages: list[dict[str, Any]]) -> int:
     return sum(
-        p.get("type") == "image" for m in messages if isinstance(m["content"], list) for p in m["content"]
+        p.get("type") == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"]
     )
+
+
+def sft_examples(
+    row: Row,
+    enc: SftEncoder,
+    fmt: str,
+    how: str,
+    *,
+    max_length: int,
+    truncation: Truncation,
+    completion_only_loss: bool,
+    per_turn: bool = False,
+    images: ImageInputs | None = None,
+) -> list[Example]:
+    """A row's examples: one, or with ``per_turn`` one per assistant turn of a chat; a bad row raises
+    :class:`DataError` (see :func:`tokenize_sft`)."""
+    _check_fields(row, fmt, how)
+    pictures: list[Any] = []
+    if images is None:
+        reject_images(row)
+    else:
+        prepared = images.prepare(row)
+        row, pictures = prepared.row, prepared.images
+    if fmt == "messages" and per_turn:
+        parts = enc.turn_rows(row)
+        parts = [(ids, mask, _images_in(row.data["messages"][:n])) for ids, mask, n in parts]
+    elif fmt == "messages":
+        parts = [(*enc.messages_row(row), len(pictures))]
+    elif fmt == "prompt_completion":
+        parts = [(*enc.prompt_completion_row(row, completion_only_loss), len(pictures))]
+    else:
+        parts = [(*enc.text_row(row), len(pictures))]
+    out = []
+    for ids, mask, seen in parts:
+        meta = {"row": row.index, "source": row.source}
+        if images is None:
+            out.append(Example(*_fit(row, ids, mask, max_length, truncation), meta))
+            continue
+        ids, mask, vision = images.expand(row, ids, mask, pictures[:seen])
+        if truncation == "truncate":
+            ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
+        ids, mask = _fit(row, ids, mask, max_length, truncation)
+        out.append(images.example(ids, mask, vision, meta))
+    return out
 
 
 def tokenize_sft(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
+    format: SftFormat = "auto",
+    max_length: int,
+    truncation: Truncation = "error",
+    completion_only_loss: bool = True,
+    per_turn: bool = False,
+    skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
-    **options: Any,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[list[Example], SkipStats]:
-    """SFT rows tokenized in memory: :meth:`SFTLayout.tokenize`, ``options`` the layout's fields."""
-    return SFTLayout(**options).tokenize(rows, tokenizer, images)
+    """Tokenize SFT rows into examples whose ``loss_mask`` marks the tokens to train on.
+
+    ``format="auto"`` takes the format from the first row (the first well-formed one when skipping bad
+    rows); every row must then have that format's fields. Bad rows raise :class:`DataError` unless
+    ``skip_bad_rows``, in which case they are counted in the returned :class:`SkipStats`.
+    Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
+    model's processor, see :mod:`padless.data.images`); without it they are bad rows. ``per_turn`` makes each
+    assistant turn of a chat its own example (see :meth:`SftEncoder.turn_rows`). ``stop_ids``: the tokens the
+    model stops at besides the tokenizer's eos (its generation config's), which end a chat turn.
+    """
+    check_sft_args(format, max_length, truncation)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    fmt, how = sft_format(rows, format, skip_bad_rows)
+    enc = SftEncoder(tokenizer, stop_ids)
+    rows_examples = good_rows(
+        rows,
+        lambda row: sft_examples(
+            row,
+            enc,
+            fmt,
+            how,
+            max_length=max_length,
+            truncation=truncation,
+            completion_only_loss=completion_only_loss,
+            per_turn=per_turn,
+            images=images,
+        ),
+        skip_bad_rows,
+        stats,
+    )
+    examples = [example for got in rows_examples for example in got]
+    return examples, stats
 
 
 @dataclass
 class SFTLayout(Layout[Example]):
-    """SFT rows into examples whose ``loss_mask`` marks the tokens to train on; stored as ``input_ids``,
-    ``loss_mask`` and ``targets`` (trained predictions, for normalisers).
-
-    ``format="auto"`` takes the format from the first row (the first well-formed one when skipping bad
-    rows); every row must then have that format's fields. A row longer than ``max_length`` is a bad row
-    with ``truncation="error"`` and cut with ``"truncate"``. Bad rows raise :class:`DataError` unless
-    ``skip_bad_rows``, which counts them; template problems raise :class:`ChatTemplateError` regardless.
-    Rows with images need the model's image side (see :mod:`padless.data.images`); without it they are bad
-    rows. ``per_turn`` makes each assistant turn of a chat its own example (see
-    :meth:`SftEncoder.turn_rows`).
-    """
+    """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
 
     name: ClassVar[str] = "sft"
+    fingerprinted = (
+        "max_length",
+        "format",
+        "truncation",
+        "completion_only_loss",
+        "per_turn",
+        "skip_bad_rows",
+        "stop_ids",
+    )
     max_length: int
-    format: SftFormat = "auto"
+    format: str = "auto"
     truncation: Truncation = "error"
     completion_only_loss: bool = True
     per_turn: bool = False
     skip_bad_rows: bool = False
+    stop_ids: tuple[int, ...] = ()
     _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.format not in ("auto", *FORMAT_FIELDS):
-            raise ValueError(f"unknown SFT format {self.format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
-        if self.truncation not in ("error", "truncate"):
-            raise ValueError(f"unknown truncation {self.truncation!r}; valid: error, truncate")
-        if not isinstance(self.max_length, int) or self.max_length <= 0:
-            raise ValueError(f"max_length must be a positive integer, got {self.max_length!r}")
+        check_sft_args(self.format, self.max_length, self.truncation)
 
-    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
-        fmt, how = sft_format(rows, self.format, self.skip_bad_rows)
-        self._state = (SftEncoder(tokenizer), fmt, how)
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
+        self._state = (SftEncoder(tokenizer, self.stop_ids), fmt, how)
 
-    def example(self, row: Row, images: ImageInputs | None = None) -> Example:
-        (example,) = self.examples(row, images)  # per-turn rows go through examples()
+    def example(self, row: Row) -> Example:
+        (example,) = self.examples(row)  # per-turn rows go through examples()
         return example
 
-    def examples(self, row: Row, images: ImageInputs | None = None) -> list[Example]:
-        """A row's examples: one, or with ``per_turn`` one per assistant turn of a chat."""
+    def examples(self, row: Row) -> list[Example]:
         assert self._state is not None, "prepare() first"
         enc, fmt, how = self._state
-        _check_fields(row, fmt, how)
-        pictures: list[Any] = []
-        if images is None:
-            reject_images(row)
-        else:
-            prepared = images.prepare(row)
-            row, pictures = prepared.row, prepared.images
-        if fmt == "messages" and self.per_turn:
-            parts = enc.turn_rows(row)
-            parts = [(ids, mask, _images_in(row.data["messages"][:n])) for ids, mask, n in parts]
-        elif fmt == "messages":
-            parts = [(*enc.messages_row(row), len(pictures))]
-        elif fmt == "prompt_completion":
-            parts = [(*enc.prompt_completion_row(row, self.completion_only_loss), len(pictures))]
-        else:
-            parts = [(*enc.text_row(row), len(pictures))]
-        out = []
-        for ids, mask, seen in parts:
-            meta = {"row": row.index, "source": row.source}
-            if images is None:
-                out.append(Example(*_fit(row, ids, mask, self.max_length, self.truncation), meta))
-                continue
-            ids, mask, vision = images.expand(row, ids, mask, pictures[:seen])
-            if self.truncation == "truncate":
-                ids, mask, vision = images.fit(row, ids, mask, vision, self.max_length)
-            ids, mask = _fit(row, ids, mask, self.max_length, self.truncation)
-            out.append(images.example(ids, mask, vision, meta))
-        return out
+        return sft_examples(
+            row,
+            enc,
+            fmt,
+            how,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
+        )
 
     def columns(self, item: Example) -> dict[str, Any]:
         return {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "targets": item.num_targets}
@@ -316,3 +405,19 @@ class SFTLayout(Layout[Example]):
             Example(ids, mask, {"row": row, "source": source})
             for row, ids, mask in zip(columns["row"], columns["input_ids"], columns["loss_mask"], strict=True)
         ]
+
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[Example], SkipStats]:
+        return tokenize_sft(
+            rows,
+            tokenizer,
+            format=self.format,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            completion_only_loss=self.completion_only_loss,
+            per_turn=self.per_turn,
+            skip_bad_rows=self.skip_bad_rows,
+            images=images,
+            stop_ids=self.stop_ids,
+        )

@@ -242,6 +242,27 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def stop_token_ids(name: str | Path) -> tuple[int, ...]:
+    """The ids a model stops generating at, as its ``generation_config.json`` lists them (``eos_token_id``:
+    some models stop at a role header or a tool-call token besides the tokenizer's eos); an adapter folder
+    without one: its base model's. Embedded models stop at the tokenizer's eos alone: none."""
+    if embedded(str(name)):
+        return ()
+    folder = local_folder(name)
+    file = folder / "generation_config.json"
+    if not file.exists() and (folder / ADAPTER_CONFIG).exists():
+        return stop_token_ids(adapter_base(folder))
+    if not file.exists():
+        return ()
+    eos = _read_json(file).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InputError(
+            f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}; fix: restore the file"
+        )
+    return tuple(sorted(set(ids)))
+
+
 def processor_chat_template(folder: Path) -> str | None:
     """The chat template a folder keeps for its processor (``chat_template.json``, as Hub vision-language
     folders ship it) when the tokenizer files hold none: transformers' processor loader reads it there."""

@@ -7,13 +7,13 @@ is all that planning micro-batches needs. :func:`load_set` is the entry point: i
 tokenizer and settings, builds the set on a cache miss (:mod:`padless.data.cache`) and returns an
 :class:`ArrowSet` with the report of skipped rows.
 
-Each task has one tokenizing driver, its :class:`Layout`, which sits beside the task's rows (``SFTLayout``
-in :mod:`padless.data.sft`, ``PairLayout`` in :mod:`padless.data.preference`, ``PromptLayout`` in
-:mod:`padless.data.prompts`) and holds the task's data options. A layout makes each item from its row and
-turns it into columns and back; the same layout tokenizes rows in memory, row by row (:meth:`Layout.tokenize`,
-what ``tokenize_sft`` and its siblings call), so both paths give the same examples and the same errors.
-Errors are not raised inside the workers: a bad row becomes a row of error columns, and once the map is
-done the error the row-by-row driver would have raised first is raised (any unreadable line, then the
+Each task lays its items out in columns with a :class:`Layout`, which sits beside the task's rows
+(``SFTLayout`` in :mod:`padless.data.sft`, ``PairLayout`` in :mod:`padless.data.preference`,
+``PromptLayout`` in :mod:`padless.data.prompts`). A layout makes each item with the task's own per-row
+function — the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``,
+``tokenize_prompts``) — and turns it into columns and back, so both paths give the same examples and the same
+errors. Errors are not raised inside the workers: a bad row becomes a row of error columns, and once the map
+is done the error the row-by-row driver would have raised first is raised (any unreadable line, then the
 first bad row), or the bad rows are counted as skipped, in row order, whatever the number of processes.
 
 What recipes plan micro-batches from is an :class:`ExampleSet`: an :class:`ArrowSet` reads only its
@@ -26,14 +26,13 @@ embedded image sets stay on the in-memory path: their items hold pixel tensors.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
@@ -46,7 +45,6 @@ from padless.data.records import (
     RawRows,
     Row,
     SkipStats,
-    good_rows,
     no_rows,
     open_source,
     raw_rows,
@@ -73,53 +71,30 @@ READ, FATAL, SKIPPED = 0, 1, 2  # error_kind: an unreadable line, an error to ra
 
 
 class Layout(ABC, Generic[T]):
-    """How one task's items are made from rows (the task's one tokenizing driver, with its data options as
-    fields), stored in columns and read back.
+    """How one task's items are made from rows, stored in columns and read back.
 
     Every set also has ``row`` (the row's number in its source) and ``length`` (tokens of the item).
     """
 
     name: ClassVar[str]
-    # options that change how a set is read back, not its content (left out of its fingerprint)
-    read_options: ClassVar[tuple[str, ...]] = ()
+    fingerprinted: ClassVar[tuple[str, ...]]  # the settings that change a set's content
     skip_bad_rows: bool
 
     def settings(self) -> dict[str, Any]:
-        """The options that change the set's content (part of its fingerprint): every field of the layout
-        but the private ones and :attr:`read_options`."""
-        names = (f.name for f in dataclasses.fields(self))
-        return {n: getattr(self, n) for n in names if not n.startswith("_") and n not in self.read_options}
+        """The settings that change the set's content (part of its fingerprint)."""
+        return {k: getattr(self, k) for k in self.fingerprinted}
 
     @abstractmethod
-    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         """Decide what the first rows decide (the format...) and build the encoder, in the main process."""
 
-    def store(self, raw: RawRows) -> None:
-        """Decide what the columns of ``raw``'s items depend on besides the settings (a source's own column
-        types); nothing by default."""
-
     @abstractmethod
-    def example(self, row: Row, images: ImageInputs | None = None) -> T:
-        """One row's item; a bad row raises :class:`DataError`. ``images``: the model's image side
-        (vision-language models, whose rows are tokenized in memory)."""
+    def example(self, row: Row) -> T:
+        """One row's item; a bad row raises :class:`DataError` (the task's per-row function)."""
 
-    def examples(self, row: Row, images: ImageInputs | None = None) -> list[T]:
+    def examples(self, row: Row) -> list[T]:
         """One row's items: one, unless the layout makes several of a row (SFT's per-turn mode)."""
-        return [self.example(row, images)]
-
-    def tokenize(
-        self, rows: Sequence[Row], tokenizer: Any, images: ImageInputs | None = None
-    ) -> tuple[list[T], SkipStats]:
-        """The items of ``rows``, tokenized in memory, row by row (rows with images, the embedded image
-        sets, rows a test builds): bad rows raise :class:`DataError`, or with ``skip_bad_rows`` are
-        counted in the returned :class:`SkipStats`; template and tokenizer problems raise whatever the
-        setting, as in the Arrow map."""
-        stats = SkipStats()
-        if not rows:
-            return [], stats
-        self.prepare(rows, tokenizer)
-        made = good_rows(rows, lambda row: self.examples(row, images), self.skip_bad_rows, stats)
-        return [item for items in made for item in items], stats
+        return [self.example(row)]
 
     @abstractmethod
     def columns(self, item: T) -> dict[str, Any]:
@@ -136,6 +111,12 @@ class Layout(ABC, Generic[T]):
     @abstractmethod
     def decode(self, columns: dict[str, list[Any]], source: str) -> list[T]:
         """Items back from a batch of columns."""
+
+    @abstractmethod
+    def in_memory(
+        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
+    ) -> tuple[list[T], SkipStats]:
+        """The row-by-row driver with these settings (rows with images take this path)."""
 
     def shared(self, dataset: datasets.Dataset) -> np.ndarray:
         """Tokens per item that a tree row computes once although its sequences all hold them
@@ -495,7 +476,7 @@ def load_set(
         rows = every[selected]
         if not rows:
             raise no_rows(spec, len(every))
-        items, stats = layout.tokenize(rows, tokenizer, images)
+        items, stats = layout.in_memory(rows, tokenizer, images)
         return InMemory(items), stats
     settings = layout.settings()
     key = cache.digest(
@@ -519,7 +500,6 @@ def load_set(
         try:
             raw = raw_rows(source, selected, spec, workdir)
             layout.prepare(raw, tokenizer)
-            layout.store(raw)
             log.info("data %s: not in the cache; tokenizing %d rows into %s", spec, len(raw.dataset), path)
             done = _build(raw, layout, out, workdir, num_proc)
         finally:

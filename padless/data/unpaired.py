@@ -20,17 +20,16 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from padless.data.images import ImageInputs
 from padless.data.preference import (
-    PairLayout,
     _fit_completion,
     _fit_prompt,
     _PairEncoder,
     _require,
     check_args,
+    pair_example,
     pair_fields,
 )
-from padless.data.records import Row, SkipStats, Truncation, present_fields, reject_images
+from padless.data.records import RawRows, Row, SkipStats, Truncation, good_rows, present_fields, reject_images
 from padless.data.tokenized import ArrowSet, ExampleSet, Layout, ids_feature
 from padless.forward.packing import Example
 
@@ -56,9 +55,67 @@ def _labelled(example: Example, desirable: bool) -> Example:
     return Example(example.input_ids, example.loss_mask, meta)
 
 
-def tokenize_unpaired(rows: Sequence[Row], tokenizer: Any, **options: Any) -> tuple[list[Example], SkipStats]:
-    """Unpaired rows tokenized in memory: :meth:`UnpairedLayout.tokenize`, ``options`` the layout's fields."""
-    return UnpairedLayout(**options).tokenize(rows, tokenizer)
+def unpaired_examples(
+    row: Row,
+    enc: _PairEncoder,
+    form: Form,
+    needed: tuple[str, ...],
+    how: str,
+    *,
+    max_length: int,
+    truncation: Truncation,
+) -> list[Example]:
+    """The row's labelled completions (two for a pair); a bad row raises
+    :class:`~padless.data.records.DataError`."""
+    if form == "pairs":
+        pair = pair_example(
+            row, enc, needed, how, max_length=max_length, truncation=truncation, require_margin=False
+        )
+        return [_labelled(pair.chosen, True), _labelled(pair.rejected, False)]
+    _require(row, needed, how)
+    reject_images(row)
+    label = row.data["label"]
+    if not isinstance(label, bool):
+        raise row.error(
+            "label",
+            f"must be true (a desirable completion) or false (an undesirable one), got {label!r}",
+            reason="wrong type",
+        )
+    prompt_ids, messages = enc.prompt(row, row.data["prompt"])
+    completion = enc.completion(row, "completion", row.data["completion"], prompt_ids, messages)
+    _fit_prompt(row, prompt_ids, "prompt", max_length)
+    completion = _fit_completion(row, "completion", len(prompt_ids), completion, max_length, truncation)
+    mask = [False] * len(prompt_ids) + [True] * len(completion)
+    return [
+        Example(prompt_ids + completion, mask, {"row": row.index, "source": row.source, "desirable": label})
+    ]
+
+
+def tokenize_unpaired(
+    rows: Sequence[Row],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    truncation: Truncation = "error",
+    skip_bad_rows: bool = False,
+) -> tuple[list[Example], SkipStats]:
+    """Tokenize unpaired rows (or pairs, two completions each) into labelled completions; bad rows as in
+    :func:`padless.data.preference.tokenize_preference`."""
+    check_args(max_length, truncation)
+    stats = SkipStats()
+    if not rows:
+        return [], stats
+    form, needed, how = unpaired_form(rows, skip_bad_rows)
+    enc = _PairEncoder(tokenizer)
+    made = good_rows(
+        rows,
+        lambda row: unpaired_examples(
+            row, enc, form, needed, how, max_length=max_length, truncation=truncation
+        ),
+        skip_bad_rows,
+        stats,
+    )
+    return [e for got in made for e in got], stats
 
 
 def prompt_length(example: Example) -> int:
@@ -76,56 +133,31 @@ def desirable_flags(items: ExampleSet[Example]) -> np.ndarray:
 
 @dataclass
 class UnpairedLayout(Layout[Example]):
-    """Unpaired rows (or pairs, two completions each) into labelled completions; stored as ``prompt_ids``,
-    ``completion_ids`` and ``desirable``. Bad rows as in :class:`padless.data.preference.PairLayout`; text
-    only (a row with images is a bad row)."""
+    """Labelled completions: ``prompt_ids``, ``completion_ids`` and ``desirable``."""
 
     name: ClassVar[str] = "unpaired"
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
     _state: tuple[_PairEncoder, Form, tuple[str, ...], str] | None = field(default=None, repr=False)
-    _pairs: PairLayout | None = field(default=None, repr=False)  # pair rows: made as pairs are
 
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
 
-    def prepare(self, rows: Iterable[Row], tokenizer: Any) -> None:
-        enc, (form, needed, how) = _PairEncoder(tokenizer), unpaired_form(rows, self.skip_bad_rows)
-        self._state = (enc, form, needed, how)
-        self._pairs = PairLayout(self.max_length, self.truncation, _state=(enc, needed, how))
+    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
+        self._state = (_PairEncoder(tokenizer), *unpaired_form(raw, self.skip_bad_rows))
 
-    def example(self, row: Row, images: ImageInputs | None = None) -> Example:
-        (example,) = self.examples(row, images)  # pairs go through examples()
+    def example(self, row: Row) -> Example:
+        (example,) = self.examples(row)  # pairs go through examples()
         return example
 
-    def examples(self, row: Row, images: ImageInputs | None = None) -> list[Example]:
-        """The row's labelled completions (two for a pair); a bad row raises
-        :class:`~padless.data.records.DataError`."""
+    def examples(self, row: Row) -> list[Example]:
         assert self._state is not None, "prepare() first"
         enc, form, needed, how = self._state
-        if form == "pairs":
-            assert self._pairs is not None
-            pair = self._pairs.example(row)
-            return [_labelled(pair.chosen, True), _labelled(pair.rejected, False)]
-        _require(row, needed, how)
-        reject_images(row)
-        label = row.data["label"]
-        if not isinstance(label, bool):
-            raise row.error(
-                "label",
-                f"must be true (a desirable completion) or false (an undesirable one), got {label!r}",
-                reason="wrong type",
-            )
-        prompt_ids, messages = enc.prompt(row, row.data["prompt"])
-        completion = enc.completion(row, "completion", row.data["completion"], prompt_ids, messages)
-        _fit_prompt(row, prompt_ids, "prompt", self.max_length)
-        completion = _fit_completion(
-            row, "completion", len(prompt_ids), completion, self.max_length, self.truncation
+        return unpaired_examples(
+            row, enc, form, needed, how, max_length=self.max_length, truncation=self.truncation
         )
-        mask = [False] * len(prompt_ids) + [True] * len(completion)
-        meta = {"row": row.index, "source": row.source, "desirable": label}
-        return [Example(prompt_ids + completion, mask, meta)]
 
     def columns(self, item: Example) -> dict[str, Any]:
         n = prompt_length(item)
@@ -162,3 +194,12 @@ class UnpairedLayout(Layout[Example]):
                 strict=True,
             )
         ]
+
+    def in_memory(self, rows: list[Row], tokenizer: Any, images: Any) -> tuple[list[Example], SkipStats]:
+        return tokenize_unpaired(
+            rows,
+            tokenizer,
+            max_length=self.max_length,
+            truncation=self.truncation,
+            skip_bad_rows=self.skip_bad_rows,
+        )

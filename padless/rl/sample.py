@@ -38,6 +38,7 @@ class EpisodeStats:
     env_tokens: int
     env_reward: float
     truncated_by: str | None
+    template_differs: bool = False  # a sampled turn the chat template would render otherwise
 
 
 @dataclass(slots=True)
@@ -193,7 +194,8 @@ def staleness(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
 
 def episode_metrics(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
     """Multi-turn episodes: turns, tool calls and their success rate, environment tokens (masked from the
-    loss), and the share of episodes truncated (by max_turns, the token budget or a turn's length)."""
+    loss), the share of episodes truncated (by max_turns, the token budget or a turn's length), and the share
+    with a turn the chat template would render otherwise than the model wrote it."""
     if drawn[0].episode is None:
         return {}
     stats = [d.episode for d in drawn if d.episode is not None]
@@ -205,4 +207,5 @@ def episode_metrics(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
         f"{prefix}tool_call_success": (calls - failed) / calls if calls else math.nan,
         f"{prefix}env_tokens": sum(s.env_tokens for s in stats) / n,
         f"{prefix}truncated_episodes": sum(s.truncated_by is not None for s in stats) / n,
+        f"{prefix}template_differs": sum(s.template_differs for s in stats) / n,
     }

@@ -29,6 +29,10 @@ from padless.rl.vllm_engine import logprobs_mode
 
 
 def _vllm(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
+    if cfg.rollout.vllm_mode == "server":
+        from padless.rl.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length)
     from padless.rl.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
@@ -36,7 +40,9 @@ def _vllm(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
 
 ENGINES: dict[str, Callable[[Any, torch.nn.Module, Any], Engine]] = {
     "hf": lambda cfg, policy, tokenizer: HFEngine(policy, tokenizer, cfg.rollout),  # generate() on the policy
-    "vllm": _vllm,  # a colocated vLLM engine, the policy's weights copied in before every rollout
+    # vLLM colocated in the training process, or a server (rollout.vllm_mode); either is sent the policy's
+    # weights before every rollout
+    "vllm": _vllm,
 }
 
 

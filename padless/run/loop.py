@@ -465,12 +465,14 @@ class Trainer:
     ) -> None:
         cfg = self.cfg
         window_tokens, window_time = 0, 0.0
+        planned: dict[str, float] = {}  # what planning the latest epoch measured (a rollout's metrics)
         while state.step < self.total_steps:
             self._stop_together()
             steps = self.steps_of(state.epoch)
             self._stop_together()  # a signal during a rollout: its samples are drawn again on resume
-            if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
-                reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
+            if state.step_in_epoch == 0 and (measured := self.recipe.plan_metrics(state.epoch)):
+                reporter.log(state.step + 1, measured)  # e.g. what a rollout measured
+                planned = measured
             started = time.perf_counter()
             self.guard.step = state.step + 1
             self._in_step = True
@@ -493,9 +495,8 @@ class Trainer:
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last.clear()  # the caller's dict: train() returns it
-                last.update({f"train/{k}": v / counts[k] for k, v in window.items()})
-                last.update(
+                logged = {f"train/{k}": v / counts[k] for k, v in window.items()}
+                logged.update(
                     {
                         "train/lr": lr,
                         "train/tokens_per_s": window_tokens / window_time,
@@ -503,7 +504,9 @@ class Trainer:
                         **self.guard.metrics(),
                     }
                 )
-                reporter.log(state.step, last)
+                reporter.log(state.step, logged)
+                last.clear()  # the caller's dict: train() returns it, the latest rollout's metrics too
+                last.update({**planned, **logged})
                 window.clear()
                 counts.clear()
                 window_tokens, window_time = 0, 0.0

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from padless.config.schema import DistillConfig, DistillSettings, RolloutSettings, TrainSettings
-from padless.data.sft import SFTLayout
-from padless.data.tokenized import ExampleSet, as_set, load_set
+from padless.data.sources import stop_token_ids
+from padless.data.tokenized import ExampleSet, as_set
 from padless.errors import InputError
 from padless.forward import ranks
 from padless.forward.distill import Distillation
@@ -40,10 +40,9 @@ from padless.rl.generate import generate
 from padless.rl.sample import Sample, per_target
 from padless.rl.setup import RolloutSetup, start_rl
 from padless.run.loop import MicroBatch, Recipe, Trainer
-from padless.run.reporting import report_data
 from padless.run.session import Session, start_session
 from padless.trainers.rl import Pass, RolloutRecipe
-from padless.trainers.sft import group_examples
+from padless.trainers.sft import group_examples, load_examples
 
 log = logging.getLogger(__name__)
 
@@ -305,18 +304,10 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         )
     teacher, vocab = load_teacher(session, cfg.distill, cfg.model.name)
 
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the student's stop tokens
+
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        layout = SFTLayout(
-            max_length=data.max_length,
-            format=data.format,
-            truncation=data.truncation,
-            completion_only_loss=data.completion_only_loss,
-            per_turn=data.per_turn,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        examples, stats = load_set(spec, layout, tokenizer, cache_dir=data.cache_dir, num_proc=data.num_proc)
-        report_data(stats, role, spec, cfg.train.output_dir)
-        return examples
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, stop_ids)
 
     recipe = DistillRecipe(
         tokenize(data.train, "train"),

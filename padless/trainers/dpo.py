@@ -9,6 +9,7 @@ import torch
 
 from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
+from padless.data.sources import stop_token_ids
 from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.passes import lockstep_pass
 from padless.losses import dpo_loss
@@ -119,14 +120,17 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
         ref_model = session.frozen(session.companion(cfg.dpo.ref_model))
     pad_id = pad_token_id(tokenizer)
     images = session.images
+    stops = stop_token_ids(cfg.model.name)
     recipe = DPORecipe(
-        load_pairs(data.train, tokenizer, data, cfg.train, "train", images=images),
+        load_pairs(data.train, tokenizer, data, cfg.train, "train", images=images, stop_ids=stops),
         cfg.train,
         cfg.dpo,
         pad_id,
         acc.device,
         ref_model,
-        load_pairs(data.eval, tokenizer, data, cfg.train, "eval", images=images) if data.eval else None,
+        load_pairs(data.eval, tokenizer, data, cfg.train, "eval", images=images, stop_ids=stops)
+        if data.eval
+        else None,
     )
     saved = images.processor if images else tokenizer  # written beside each checkpoint
     return Trainer(recipe, session.engine(), saved, cfg.train, acc).train()

@@ -12,8 +12,10 @@ from accelerate import PartialState
 
 from padless.config.schema import SFTConfig, TrainSettings
 from padless.data import load_rows
+from padless.data.images import ImageInputs
 from padless.data.prompts import tokenize_prompts
 from padless.data.sft import SFTLayout
+from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.faults import doing
 from padless.forward.engine import BatchLayout, inner_engine
@@ -157,26 +159,42 @@ def eval_prompt_ids(rows: list[Any], tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
+def load_examples(
+    spec: str,
+    role: str,
+    data: Any,
+    tokenizer: Any,
+    output_dir: str,
+    stop_ids: Sequence[int],
+    images: ImageInputs | None = None,
+) -> ExampleSet[Example]:
+    """The tokenized SFT examples of ``data.<role>`` (``spec``), as ``data`` says, each turn ended by one of
+    the model's ``stop_ids``; skips reported."""
+    layout = SFTLayout(
+        max_length=data.max_length,
+        format=data.format,
+        truncation=data.truncation,
+        completion_only_loss=data.completion_only_loss,
+        per_turn=data.per_turn,
+        skip_bad_rows=data.skip_bad_rows,
+        stop_ids=stop_ids,
+    )
+    examples, stats = load_set(
+        spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
+    )
+    report_data(stats, role, spec, output_dir)
+    return examples
+
+
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
     images = session.images
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the model's stop tokens
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        layout = SFTLayout(
-            max_length=data.max_length,
-            format=data.format,
-            truncation=data.truncation,
-            completion_only_loss=data.completion_only_loss,
-            per_turn=data.per_turn,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        examples, stats = load_set(
-            spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc
-        )
-        report_data(stats, role, spec, cfg.train.output_dir)
-        return examples
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, stop_ids, images)
 
     examples = tokenize(data.train, "train")
     eval_examples, eval_prompts, eval_vision = None, None, None

@@ -229,9 +229,9 @@ def encoded(monkeypatch) -> list[int]:
     for cls in (SFTLayout, PairLayout, PromptLayout):
         original = cls.examples
 
-        def examples(self: Any, row: Any, images: Any = None, original: Any = original) -> Any:
+        def examples(self: Any, row: Any, original: Any = original) -> Any:
             calls.append(row.index)
-            return original(self, row, images)
+            return original(self, row)
 
         monkeypatch.setattr(cls, "examples", examples)
     return calls

@@ -30,6 +30,8 @@ from padless.proof.check import (
     max_delta,
     probe_sequences,
     run_matrix,
+    tree_case,
+    tree_cell,
     zoo_failures,
 )
 from padless.proof.load import load_model
@@ -182,6 +184,18 @@ def test_a_leaking_kernel_is_refused_and_its_cells_would_show_it(qwen2, probe_se
         packed = layout_logps(qwen2, probe_seqs, "packed", pad_id)
     assert max_delta(alone, reference.logps) <= limit
     assert max_delta(packed, reference.logps) > 1e3 * limit
+
+
+def test_a_sibling_leak_fails_the_tree_cells(qwen2, probe_seqs, sibling_leak):
+    """``padless check``'s tree cells on a tree row whose second leaf also sees its sibling's keys: both the
+    log-probs against each sequence alone and the gradient against the flat packed row leave their bound."""
+    qwen2.eval()
+    with torch.no_grad():
+        case = tree_case(qwen2, probe_seqs, alone_logps)
+        cell = tree_cell(qwen2, "varlen", case, "tree")
+    grad = tree_cell(qwen2, "varlen", case, "tree-grad")
+    assert not cell.ok and cell.max_delta > 100 * cell.bound, cell
+    assert not grad.ok and grad.max_delta > 100 * grad.bound, grad
 
 
 def _row(backend="sdpa", deltas=(1e-6, 2e-6), limit=1e-5, **kw):

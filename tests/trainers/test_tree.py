@@ -1,5 +1,6 @@
-"""Tree packing in the trainers: DPO and reward-model pairs and GRPO groups (every no-grad pass, the plan and
-the update) give the flat packed layout's numbers while computing each shared prompt once."""
+"""Tree packing in the trainers: DPO and reward-model pairs, GRPO and PPO groups and groups of episodes
+(every no-grad pass, the plan and the update) give the flat packed layout's numbers while computing each
+shared prompt once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from padless.config.loading import load_config
-from padless.config.schema import DPOSettings, GRPOConfig, TrainSettings
+from padless.config.schema import DPOSettings, GRPOConfig, PPOConfig, TrainSettings
 from padless.data import load_rows, tokenize_preference
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import pack
@@ -25,6 +26,7 @@ from padless.rl.setup import RolloutSetup
 from padless.run.loop import MicroBatch
 from padless.trainers.dpo import DPORecipe
 from padless.trainers.grpo import GRPORecipe
+from padless.trainers.ppo import PPORecipe
 from padless.trainers.rm import RMRecipe
 
 CPU = torch.device("cpu")
@@ -90,52 +92,66 @@ def test_dpo_and_reward_model_pairs_on_tree_rows_equal_flat(pairs, tokenizer, ca
 
 
 def _group(prompt: list[int], completions: list[list[int]], advantages: list[float]) -> list[Sample]:
+    """A group's samples; a completion given as several lists is an episode: model turns (trained) and
+    environment messages between them (not trained)."""
     samples = []
     for c, a in zip(completions, advantages, strict=True):
-        sample = Sample(prompt + c, [False] * len(prompt) + [True] * len(c))
-        sample.algorithm.advantages = [a] * len(c)
+        turns = c if isinstance(c[0], list) else [c]
+        trained = [i % 2 == 0 for i, turn in enumerate(turns) for _ in turn]
+        sample = Sample(prompt + [t for turn in turns for t in turn], [False] * len(prompt) + trained)
+        sample.algorithm.advantages = [a] * sample.num_targets
+        sample.algorithm.returns = [a / 2] * sample.num_targets  # PPO's value targets
         samples.append(sample)
     return samples
 
 
-def test_grpo_passes_plan_and_update_on_tree_rows_equal_flat(tokenizer):
-    """Two groups of four completions: the stored reference and old log-probs equal the flat layout's per
-    token, the plan keeps each group in one micro-batch, and the update's loss and gradient (two
-    updates per rollout, so the old log-probs are a stored pass) equal the flat plan's."""
+@pytest.mark.parametrize("trainer", ["grpo", "ppo"])
+def test_rl_passes_plan_and_update_on_tree_rows_equal_flat(tokenizer, trainer):
+    """A GRPO group of four completions and a group of four multi-turn episodes: every stored no-grad pass
+    (reference and old log-probs; PPO's old values) equals the flat layout's per token, the plan keeps
+    both groups in one micro-batch, and the update's loss and gradient (two updates per rollout, so the old
+    log-probs are a stored pass; PPO's policy and value losses through the one engine) equal the flat
+    plan's."""
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
         return torch.randint(3, 4096, (n,), generator=gen).tolist()
 
     prompts = [ids(60), ids(45)]
-    completions = [[ids(n) for n in (3, 11, 7, 1)], [ids(n) for n in (9, 2, 14, 5)]]
+    episodes = [[ids(4), ids(6), ids(5)], [ids(2)], [ids(7), ids(3), ids(1)], [ids(3), ids(8), ids(2)]]
+    completions = [[ids(n) for n in (3, 11, 7, 1)], episodes]
     advantages = [[1.0, -0.5, 0.25, -0.75], [-1.0, 0.5, 0.75, -0.25]]
-    seqs = [p + c for p, cs in zip(prompts, completions, strict=True) for c in cs]
-    policy = _realistic(load_model("tiny-llama", training=True, probe=False), seqs)
+    samples = [s for p, c, a in zip(prompts, completions, advantages, strict=True) for s in _group(p, c, a)]
+    policy = _realistic(load_model("tiny-llama", training=True, probe=False), [s.input_ids for s in samples])
     ref = ModelEngine(copy.deepcopy(policy))  # the starting policy: a KL of round-off size, not of exp(30)
-    overrides = ["train.max_tokens_per_batch=200", "grpo.updates_per_rollout=2", "grpo.beta=0.04"]
-    cfg = load_config(GRPOConfig, None, overrides)
+    value = load_model("tiny-llama", task="score", training=True, probe=False) if trainer == "ppo" else None
+    overrides = ["train.max_tokens_per_batch=200", f"{trainer}.updates_per_rollout=2"]
+    if trainer == "grpo":
+        overrides.append("grpo.beta=0.04")
+    cfg = load_config(PPOConfig if value else GRPOConfig, None, overrides)
+    keys = ("ref_logps", "old_logps", "old_values")[: 2 + bool(value)]
     stored, results = {}, {}
     for name, settings in (("flat", FLAT), ("tree", TREE)):
-        engine = ModelEngine(policy, settings=settings)
+        engine = ModelEngine(policy, value=value, settings=settings)
         sampler = HFEngine(engine, tokenizer, cfg.rollout)
-        recipe = GRPORecipe(RolloutSetup([], cfg, tokenizer, engine, sampler, CPU, ref_model=ref))
+        setup = RolloutSetup([], cfg, tokenizer, engine, sampler, CPU, ref_model=ref)
+        recipe = PPORecipe(setup) if value else GRPORecipe(setup)
         recipe.bind(engine)
-        samples = [
-            s for p, c, a in zip(prompts, completions, advantages, strict=True) for s in _group(p, c, a)
-        ]
+        assert recipe.tree == (name == "tree")
+        samples = [copy.deepcopy(s) for s in samples]
         recipe.store(samples, recipe.passes(), filler=samples[0])
         stored[name] = {
-            key: torch.tensor([v for s in samples for v in getattr(s.passes, key)])
-            for key in ("ref_logps", "old_logps")
+            key: torch.tensor([v for s in samples for v in getattr(s.passes, key)]) for key in keys
         }
         plan = [m for m in recipe.micro_batches(samples, 0) if m.step == 0]
         results[name] = (plan, *_grads(recipe, engine, plan, sum(m.units for m in plan)))
     for key, flat in stored["flat"].items():
         limit = bound(torch.float32, flat.abs().max().item())
         assert (stored["tree"][key] - flat).abs().max().item() <= limit, key
-    (micro,) = results["tree"][0]  # both groups in one row of 163 tokens; flat, 472 tokens need three
-    assert share_prefixes(pack(micro.data)).num_tokens == 163 and len(results["flat"][0]) >= 3
+    (micro,) = results["tree"][0]  # both groups in one tree row: each prompt but its last token once
+    shared = sum(len(p) - 1 for p in prompts) * (len(samples) // len(prompts) - 1)
+    assert share_prefixes(pack(micro.data)).num_tokens == sum(map(len, samples)) - shared
+    assert len(results["flat"][0]) >= 3  # flat, their 400-odd tokens need three rows of 200
     assert results["tree"][1] == pytest.approx(results["flat"][1], rel=1e-5, abs=1e-7)
     delta, limit = gradient_delta(results["flat"][2], results["tree"][2], torch.float32)
     assert delta <= limit, (delta, limit)

@@ -66,6 +66,9 @@ class ModelSettings(ConfigModel):
     """init seed for embedded tiny models"""
     trust_remote_code: bool = False
     """run Python code shipped in a model folder (auto_map); never a prompt"""
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    """mixture of experts: weight of the router load-balancing loss its own objective adds (null: its
+    config's router_aux_loss_coef; 0: off); refused for a model without one"""
 
     applies = (
         Applies(
@@ -657,6 +660,9 @@ class RolloutSettings(ConfigModel):
     """lower bound C_min of the ratio (null: none)"""
     max_staleness: NonNegativeInt = 0
     """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+    routing_replay: bool = False
+    """mixture of experts: record the experts each sampled token was routed to and route the same ones in
+    the old-log-prob and update passes (hf engine, single completions on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
     bundled: tools, the plain tool loop; calculator; verifiers, a verifiers task per row of data.train:

@@ -418,11 +418,17 @@ PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "t
 
 
 def _processor_class(folder: Path) -> str | None:
-    """The processor class a model folder names, in whichever file its layout puts it."""
+    """The processor class a model folder names, in whichever file its layout puts it; where none names
+    one, the class transformers' ``AutoProcessor`` maps its ``config.json``'s ``model_type`` to."""
     for name in PROCESSOR_CLASS_FILES:
         if (file := folder / name).exists() and (cls_name := _read_json(file).get("processor_class")):
             return str(cls_name)
-    return None
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = (
+        _read_json(folder / "config.json").get("model_type") if (folder / "config.json").exists() else None
+    )
+    return PROCESSOR_MAPPING_NAMES.get(model_type)
 
 
 def image_inputs(name_or_path: str | Path, model: torch.nn.Module) -> ImageInputs | None:
@@ -457,8 +463,9 @@ def load_processor(name_or_path: str | Path) -> Any:
     if cls_name is None or not hasattr(transformers, cls_name):
         raise ValueError(
             f"{path}: AutoProcessor needs torchvision for this model's video processor and no "
-            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)} to build an image-only one; "
-            "install torchvision or add processor_config.json with the processor_class"
+            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)}, nor does config.json's "
+            "model_type map to one, to build an image-only one; install torchvision or add "
+            "processor_config.json with the processor_class"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)

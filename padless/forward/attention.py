@@ -191,7 +191,12 @@ def attention_in_use(model: torch.nn.Module) -> str:
 # Layer kinds that mix tokens only through attention, which padless isolates per sequence (chunked
 # attention, Llama 4: varlen attends within each chunk of each sequence, see
 # padless.forward.varlen.attention_chunk; transformers' masks count chunks from the packed position ids).
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# Attention whose keys an indexer chooses per query (DeepSeek-V3.2 / GLM-5 sparse attention): varlen takes
+# the chosen keys as ``indices`` and keeps them within each sequence (padless.forward.varlen).
+INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
+ATTENTION_LAYER_TYPES = (
+    frozenset({"full_attention", "sliding_attention", "chunked_attention"}) | INDEXED_LAYER_TYPES
+)
 
 
 # Layer kinds that call the attention function once each: attention layers, and Falcon-H1's hybrid blocks

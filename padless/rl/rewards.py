@@ -174,14 +174,12 @@ def math_verify(
             "the math_verify reward needs an 'answer' column (each prompt's expected answer); the data has "
             f"none (columns: {sorted(fields) or 'only prompt'}). Add one, or use another reward function"
         )
-    out: list[float | None] = []
-    for completion, expected in zip(completions, answer, strict=True):
-        if expected is None:
-            out.append(None)
-            continue
+
+    def same(completion: str, expected: Any) -> bool:
         gold = parse(str(expected) if "$" in str(expected) or "\\" in str(expected) else f"${expected}$")
-        out.append(float(bool(gold) and verify(gold, parse(completion))))
-    return out
+        return bool(gold) and verify(gold, parse(completion))
+
+    return _per_sample(completions, answer, same)
 
 
 def reasoning_gym(
@@ -199,14 +197,18 @@ def reasoning_gym(
             "the reasoning_gym reward scores rows of data.train: reasoning_gym:<task> (their reasoning_gym "
             f"column holds each task's entry); the data has none (columns: {sorted(fields) or 'only prompt'})"
         )
-    out: list[float | None] = []
-    for completion, entry in zip(completions, reasoning_gym, strict=True):
-        if entry is None:
-            out.append(None)
-            continue
-        score = gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
-        out.append(float(score(final_answer(completion), entry)))
-    return out
+
+    def score(completion: str, entry: Any) -> float:
+        return gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(final_answer(completion), entry)
+
+    return _per_sample(completions, reasoning_gym, score)
+
+
+def _per_sample(
+    completions: list[str], column: list[Any], score: Callable[[str, Any], float]
+) -> list[float | None]:
+    """``score(completion, its row's value)`` for each sample; None where the row has no value."""
+    return [None if v is None else float(score(c, v)) for c, v in zip(completions, column, strict=True)]
 
 
 BUNDLED: dict[str, RewardFunction] = {

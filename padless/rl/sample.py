@@ -55,6 +55,8 @@ class Drawn:
     staleness: int | None = None  # updates between the weights that sampled it and now (sampling ahead)
     episode: EpisodeStats | None = None
     env_images: list[str] = field(default_factory=list)  # images an environment showed, as PNG text
+    # routing replay: the experts each token was routed to while sampling, [token][router][k] (-1: any)
+    routes: list[list[list[int]]] | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class Passes:
     old_logps: list[float] | None = None
     ref_logps: list[float] | None = None
     old_values: list[float] | None = None
+    unreplayed_logps: list[float] | None = None  # routing replay: the old log-probs routed anew
 
 
 @dataclass(slots=True)
@@ -112,6 +115,11 @@ class Sample(Example):
             rope_positions=example.rope_positions,
             drawn=drawn,
         )
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """The sampler's routes ``[L, routers, k]`` (routing replay), replayed by the trainer's passes."""
+        return None if self.drawn.routes is None else torch.tensor(self.drawn.routes, dtype=torch.long)
 
     @property
     def completion_ids(self) -> list[int]:

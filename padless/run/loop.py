@@ -284,7 +284,12 @@ class Trainer:
             last = k == len(step.micros) - 1
             self.acc.sync_gradients = last
             with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
-                loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
+                with self._routed() as routed:
+                    loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
+                if routed is not None and routed.weighted is not None:
+                    # a MoE's load-balancing loss, each forward weighted by its share of the step's tokens
+                    loss = loss + routed.weighted / step.tokens
+                    metrics = {**metrics, "aux_loss": routed.plain / step.tokens}
                 self.guard.watch(loss, k, len(step.micros))
                 # Ranks average gradients; the normaliser is already global, so undo the mean. Under
                 # sequence parallelism each rank's gradient is its chunk's share: the sum over all
@@ -306,6 +311,12 @@ class Trainer:
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
             metrics["grad_norm"] /= self.topology.world
         return metrics
+
+    def _routed(self) -> contextlib.AbstractContextManager:
+        """The engine's record of the router load-balancing terms of a micro-batch's training forwards
+        (:mod:`padless.forward.routers`); yields ``None`` where there are none."""
+        engine = getattr(self.model, "module", self.model)
+        return engine.recording() if isinstance(engine, ModelEngine) else contextlib.nullcontext()
 
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc

@@ -19,6 +19,7 @@ from padless.data.sources import image_inputs
 from padless.errors import InputError
 from padless.forward import hybrid, ranks
 from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward.routers import SPLIT_ROWS, RouterLoss
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
 from padless.run.logs import describe_run, log_to_file, setup_logging
@@ -88,7 +89,11 @@ def start_session(
     set_seed(seed)
     topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
     settings = EngineSettings(
-        model_cfg.varlen_kernel, config.train.logits_memory_mb, topology, _tree_packing(config.train)
+        model_cfg.varlen_kernel,
+        config.train.logits_memory_mb,
+        topology,
+        _tree_packing(config.train),
+        model_cfg.router_aux_loss_coef,
     )
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)
     tokenizer = load_tokenizer(model_cfg.name, model_cfg.trust_remote_code)
@@ -96,6 +101,11 @@ def start_session(
     problem = hybrid.sharded_problem(model, expected_strategy(accelerator), accelerator.num_processes)
     if problem:
         raise InputError(problem)
+    router = RouterLoss.of(model, model_cfg.router_aux_loss_coef)  # an override on a dense model: refused
+    if router is not None:
+        if router.coef and config.train.sequence_parallel > 1:
+            raise InputError(SPLIT_ROWS)
+        log.info(router.describe(model_cfg.name, model_cfg.router_aux_loss_coef))
     log.info(describe_run(accelerator, model, model_cfg.name, model_cfg.dtype))
     for note in precedence_notes(config):  # keys another key overrides by design (max_steps, warmup_steps)
         log.info(note)

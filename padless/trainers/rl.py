@@ -12,6 +12,7 @@ recipe learns about each sample is a typed :class:`~padless.rl.sample.Sample`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -33,6 +34,11 @@ from padless.rl.setup import RolloutSetup
 from padless.run.loop import MicroBatch, Recipe
 
 Pass = Callable[[PackedBatch], torch.Tensor]
+
+
+def unreplayed(run: Pass) -> Pass:
+    """``run`` on batches without the sampler's routes (routing replay): the model routes as it does."""
+    return lambda batch: run(dataclasses.replace(batch, routes=None))
 
 
 class RolloutRecipe(Recipe):
@@ -124,6 +130,8 @@ class RolloutRecipe(Recipe):
             passes = self.passes()
             if filler.drawn.logps is not None:  # the trainer's side of the mismatch, at sampling time
                 passes.setdefault("old_logps", self.logps_pass(self.policy))
+                if self.cfg.rollout.routing_replay:  # and what it would be without the sampler's routes
+                    passes["unreplayed_logps"] = unreplayed(self.logps_pass(self.policy))
             self.store(samples, passes, filler)
         return gather_shares(samples, self.topology)
 
@@ -167,7 +175,7 @@ class RolloutRecipe(Recipe):
             with reference_engine(self.policy, self.setup.ref_model) as model:
                 return self.logps_pass(model)(batch)
 
-        return reference
+        return unreplayed(reference)  # the reference routes its own way
 
     def is_weights(self, samples: list[Sample]) -> torch.Tensor | None:
         """The policy loss's per-target importance weights, None when the correction is off."""

@@ -380,7 +380,7 @@ def test_varlen_function_refuses_what_it_does_not_implement():
     q, k, v = _qkv(1, sum(LENS))
     layer = _Attention(model_type="t5")
     with pytest.raises(AttentionError, match=r"_Attention \(t5\) passes alibi_slopes, position_bias to its"):
-        varlen_attention_forward(layer, q, k, v, None, position_bias=1, alibi_slopes=None, cu_seq_lens_q=CU)
+        varlen_attention_forward(layer, q, k, v, None, position_bias=1, alibi_slopes=2, cu_seq_lens_q=CU)
     with pytest.raises(AttentionError, match="output_attentions=True"):
         varlen_attention_forward(layer, q, k, v, None, output_attentions=True, cu_seq_lens_q=CU)
     with pytest.raises(AttentionError, match="bidirectional sliding-window"):
@@ -402,13 +402,14 @@ def test_varlen_function_refuses_what_it_does_not_implement():
         output_attentions=False,
         output_router_logits=False,
         logits_to_keep=0,  # the head's argument, handed down by LLaVA-OneVision-style wrappers
+        encoder_hidden_states=None,  # an argument given as None asks for nothing (BERT-style decoders)
         cu_seq_lens_q=CU,
     )
     torch.testing.assert_close(out[0], _expected_packed(q, k, v, 8**-0.5), rtol=0, atol=1e-5)
 
 
 def _with_extra_kwarg(module, query, key, value, attention_mask, **kwargs):
-    return varlen_attention_forward(module, query, key, value, attention_mask, alibi_slopes=None, **kwargs)
+    return varlen_attention_forward(module, query, key, value, attention_mask, alibi_slopes=2.0, **kwargs)
 
 
 def test_unknown_attention_argument_stops_at_load_time(monkeypatch):
@@ -863,3 +864,67 @@ def test_llama4_query_temperature_is_taken_at_the_place_in_each_sequence():
     short = _Llama4Layer("full_attention", use_rope=False, floor_scale=sum(LENS) + 1)
     out, _ = varlen_attention_forward(short, q, k, v, None, scaling=0.4, cu_seq_lens_q=CU)
     torch.testing.assert_close(out[0], _expected_packed(q, k, v, 0.4), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Indexed sparse attention (DeepSeek-V3.2 / GLM-5): the indexer's top-k chosen within each sequence
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _indexer_choices(model, seqs: list[list[int]]) -> list[list[set[int]]]:
+    """Per layer and query of the packed row: the keys the indexer chose that attention may use (of the
+    query's own sequence, at or before it), as positions within that sequence."""
+    batch = pack([Example(s) for s in seqs])
+    starts = batch.cu_seqlens.tolist()
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda _, __, out: chosen.append(out[0]))
+        for m in model.modules()
+        if type(m).__name__.endswith("Indexer")
+    ]
+    try:
+        with torch.no_grad():
+            forward_packed(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = []
+    for picked in chosen:
+        queries = []
+        for s, e in itertools.pairwise(starts):
+            for q in range(s, e):
+                queries.append({k - s for k in picked[q].tolist() if s <= k <= q})
+        layers.append(queries)
+    return layers
+
+
+def test_indexed_attention_chooses_keys_within_each_sequence(probe_seqs):
+    """The indexer (top-8 keys per query, sequences of 3 to 90 tokens) chooses in the packed row exactly
+    what it chooses for each sequence alone; and told the row's plain causal mask instead of the packed
+    one (the planted leak: its top-k taken over earlier sequences too), the probe refuses the model.
+    (Exact on varlen, sdpa and eager: tests/proof/test_zoo.py.)"""
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+    model = load_model_from_zoo("deepseek_v32")
+    assert model.config.index_topk == 8 < max(len(s) for s in probe_seqs)
+    packed = _indexer_choices(model, probe_seqs)
+    each = [_indexer_choices(model, [s]) for s in probe_seqs]  # per sequence, per layer, per query
+    alone = [[query for seq in each for query in seq[layer]] for layer in range(len(packed))]
+    assert packed == alone and any(len(c) == 8 for c in packed[0])  # the top-k binds: choices were made
+
+    def whole_row(*args, **kwargs):
+        return varlen.sdpa_mask(*args, **{**kwargs, "mask_function": causal_mask_function})
+
+    with mock.patch.dict(AttentionMaskInterface._global_mapping, {VARLEN_NAME: whole_row}):
+        assert _indexer_choices(model, probe_seqs) != packed
+        with pytest.raises(AttentionError, match="leaks between packed sequences"):
+            probe_attention(model, "varlen")
+
+
+def load_model_from_zoo(name: str):
+    from padless.proof.check import zoo_model
+
+    model = zoo_model(name, [list(range(3, 40))])
+    model.set_attn_implementation(VARLEN_NAME)
+    model.padless_attention = "varlen"
+    return model

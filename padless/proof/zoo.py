@@ -462,6 +462,14 @@ def _tiny_kwargs(defaults: dict[str, object]) -> dict[str, object]:
     for key, kept in kinds.items():
         kwargs[key] = [kept[i % len(kept)] for i in range(layers)]
     kwargs.update({k: layers for k in TINY_SIZES if TINY_SIZES[k] == LAYERS and k in defaults})
+    depth = defaults.get("num_hidden_layers")
+    for key, value in defaults.items():  # other per-layer values (Gemma 3n's sparsity and widths): the tiny
+        if key in kinds or not isinstance(value, list) or not value or len(value) != depth:  # depth's first
+            continue
+        kwargs[key] = [TINY_SIZES.get(key, value[i % len(value)]) for i in range(layers)]
+    for key, value in defaults.items():  # overrides of layers by index (Gemma 4's per_layer_config): none
+        if isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+            kwargs[key] = {}
     if defaults.get("kv_lora_rank") and "num_key_value_heads" in kwargs:  # MLA: one latent per query head
         kwargs["num_key_value_heads"] = HEADS
     if "qk_rope_head_dim" in defaults:  # MLA: head_dim is the rotary part, qk_head_dim the whole

@@ -245,6 +245,14 @@ def generate(
                             use_cache=True,
                             synced_gpus=synced,
                             **{"do_sample": do_sample, **sampling},
+                            # a MoE config's output_router_logits: true makes each cached decoding step
+                            # compute a router loss against the whole mask (transformers fails on it);
+                            # sampling needs no router loss
+                            **(
+                                {"output_router_logits": False}
+                                if hasattr(inner.config, "output_router_logits")
+                                else {}
+                            ),
                         )
                     )
                 logprobs = sampler.row_logprobs() if sampler is not None else None

@@ -170,3 +170,71 @@ def test_a_run_logs_the_router_loss_or_says_it_is_off(moe_folder, tmp_path, coef
     else:
         assert records and not any("train/aux_loss" in r for r in records)
         assert "the router load-balancing loss is off (model.router_aux_loss_coef: 0)" in log
+
+
+class DriftedRouters:
+    """The HF engine sampling with a copy of the policy whose routers (only) drifted: it routes some tokens
+    to other experts than the trainer's forward does, as another engine's kernels do near a tie."""
+
+    def __init__(self, policy, tokenizer, rollout, scale: float):
+        from padless.rl.generate import HFEngine
+
+        self.policy, self.copy = policy, copy.deepcopy(policy)
+        gen = torch.Generator().manual_seed(0)
+        self.noise = {
+            n: scale * torch.randn(p.shape, generator=gen)
+            for n, p in policy.named_parameters()
+            if n.endswith("mlp.gate.weight")
+        }
+        self.engine = HFEngine(self.copy, tokenizer, rollout)
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        for (n, p), q in zip(self.policy.named_parameters(), self.copy.parameters(), strict=True):
+            q.copy_(p + self.noise[n] if n in self.noise else p)
+
+    def complete(self, *args, **kwargs):
+        return self.engine.complete(*args, **kwargs)
+
+
+def test_routing_replay_lowers_the_mismatch_of_a_sampler_that_routes_otherwise(
+    moe_folder, tmp_path, monkeypatch
+):
+    """One GRPO rollout of a MoE policy sampled with drifted routers, routing replay on: the trainer's
+    old log-probs replay the sampler's experts (``mismatch/*``) and are compared beside the same pass
+    routed by the trainer's own routers (``mismatch/unreplayed_*``): the replayed mismatch is the smaller.
+    (The replayed forward takes exactly the sampler's routes: tests/forward/test_routing.py.)"""
+    from padless.config.loading import load_config
+    from padless.config.schema import GRPOConfig
+    from padless.rl.sampling import ENGINES
+    from padless.trainers.grpo import run_grpo
+
+    drifted = lambda cfg, policy, tok: DriftedRouters(policy, tok, cfg.rollout, 0.05)  # noqa: E731
+    monkeypatch.setitem(ENGINES, "hf", drifted)
+    variety = tmp_path / "variety.py"
+    variety.write_text(
+        "def variety(prompts, completions, **fields):\n    return [len(set(c)) for c in completions]\n"
+    )
+    run = tmp_path / "run"
+    overrides = [
+        f"model.name={moe_folder}",
+        "model.router_aux_loss_coef=0",
+        f"train.output_dir={run}",
+        "train.max_steps=1",
+        "train.logging_steps=1",
+        "train.progress_bar=false",
+        "train.report_to=[jsonl]",
+        "rollout.prompts_per_step=4",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=8",
+        "rollout.mask_truncated=false",
+        "rollout.routing_replay=true",
+        f"reward.functions=[{variety}:variety]",
+    ]
+    run_grpo(load_config(GRPOConfig, None, overrides))
+    record = next(
+        r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "mismatch/kl" in r
+    )
+    assert record["mismatch/unreplayed_kl"] > 1e-4  # the drift moves routes, and log-probs with them
+    assert record["mismatch/kl"] < record["mismatch/unreplayed_kl"] / 2
+    assert record["mismatch/logp_diff_max"] < record["mismatch/unreplayed_logp_diff_max"]

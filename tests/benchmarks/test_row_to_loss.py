@@ -16,13 +16,19 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "row_to_loss.py"
 # an engine, not by the per-forward guard)
 MOST = 11  # 12 at 79f82f0 by this script; 11 once rows are checked for images in records.py
 # `padless sft examples/sft_tiny.yaml train.max_steps=1`, YAML -> first loss reported, by this script: 34 at
-# c4a7570 (measured in a worktree of that commit), 38 on main before issue 29's third part landed (the
-# Python API, the objects it hands over and tree packing had joined the path). 36 once a text run no longer
-# builds an image side, a run without sequence parallelism no group, and the divergence advice is worded
-# only when a run diverges; less the three modules of features c4a7570 did not have, 33.
+# c4a7570 (measured in a worktree of that commit), 39 on main just before issue 29's third part landed
+# (6ea78f2: the Python API, the objects it hands over, tree packing and the MoE router loss had joined the
+# path). 37 once a text run no longer builds an image side, a run without sequence parallelism no group, and
+# the divergence advice is worded only when a run diverges; less the four modules of features c4a7570 did
+# not have, 33.
 BEFORE_THE_WINGS = 34
-RUN_MOST = 36
-SINCE = {"padless/api.py", "padless/data/given.py", "padless/forward/tree.py"}  # features after c4a7570
+RUN_MOST = 37
+SINCE = {  # modules of features that joined the path after c4a7570
+    "padless/api.py",
+    "padless/data/given.py",
+    "padless/forward/tree.py",
+    "padless/forward/routers.py",
+}
 
 
 def _script():

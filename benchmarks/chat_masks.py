@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     class PrefixEncoder(SftEncoder):
         """Every row rendered prefix by prefix, as before issue 13."""
 
-        def _chat_by_layout(self, row: Any, messages: list[dict[str, Any]], last_only: bool) -> None:
+        def _chat_by_layout(self, row: Any, messages: list[dict[str, Any]], turns: tuple[int, ...]) -> None:
             return None
 
     marked = tiny_tokenizer()

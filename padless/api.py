@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 from padless.config.loading import ConfigModel, from_dict, load_config
 from padless.data import given
-from padless.errors import InputError, PadlessError
+from padless.errors import InputError, PadlessError, describe
 
 SCHEMA = "padless.config.schema:"
 # command -> (its config class, the function that trains it, what it does); the CLI reads this table too
@@ -79,7 +79,7 @@ def load_target(target: str) -> Any:
 @contextlib.contextmanager
 def offline_run() -> Iterator[None]:
     """What every command and API run does around its work: nothing is downloaded (peft would ask the hub
-    about LoRA bases), and a run that stopped gives back its folder's lock, log file and kernel pin."""
+    about LoRA bases), and a run that stopped gives back its folder's lock and log file."""
     offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
@@ -92,6 +92,20 @@ def offline_run() -> Iterator[None]:
             del os.environ["HF_HUB_OFFLINE"]
         else:
             os.environ["HF_HUB_OFFLINE"] = offline
+
+
+@contextlib.contextmanager
+def failure_logged(command: str) -> Iterator[None]:
+    """A run that fails writes the line it ends with into its ``log.txt`` while it still holds it (the
+    command line prints the same line; an API caller gets it as the exception's message)."""
+    try:
+        yield
+    except BaseException as e:
+        from padless.run.interrupts import interruption
+        from padless.run.logs import log_failure
+
+        log_failure(f"padless {command}: error: {describe(interruption(e))}")
+        raise
 
 
 @contextlib.contextmanager
@@ -285,7 +299,7 @@ class Trainer:
 
         Models handed in are written to their folders first, and the config that runs (and is saved in the
         run folder) names those folders."""
-        with raised_as_padless(), offline_run(), given.serving(self.objects):
+        with raised_as_padless(), offline_run(), failure_logged(self.command), given.serving(self.objects):
             config = self.config.model_copy(deep=True)
             for key in sorted(self.models, key=lambda k: k != "model.name"):  # the trained model first
                 model, tokenizer = self.models[key]

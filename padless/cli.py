@@ -22,9 +22,35 @@ from padless.api import TRAINERS, offline_run
 from padless.api import load_target as _load
 from padless.config.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
-from padless.forward.attention import backend_problem, set_varlen_kernel, validate_backend_name
+from padless.forward.attention import backend_problem, validate_backend_name
 from padless.run.interrupts import handled, interruption
 from padless.run.logs import log_failure, setup_logging
+
+
+def _check_data(args: argparse.Namespace) -> int:
+    """``padless check --data FILE``: the data through the model's chat template, counted by behaviour."""
+    from padless.data.sources import load_tokenizer, stop_token_ids
+    from padless.proof.chat_data import check_data, format_report, image_inputs
+
+    if args.zoo:
+        raise InputError("--data checks data against one model's chat template; fix: give --model, not --zoo")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    report = check_data(
+        args.data,
+        tokenizer,
+        stop_token_ids(args.model),
+        per_turn=args.per_turn,
+        images=image_inputs(args.model, args.trust_remote_code),
+    )
+    print(format_report(report, args.model))
+    if report.refused:
+        print(
+            f"\nFAILED: padless sft would refuse {report.refused} of {report.rows} rows (see above)",
+            file=sys.stderr,
+        )
+        return 2
+    print("\nOK: every row trains")
+    return 0
 
 
 def pick_device(asked: str | None) -> str:
@@ -46,6 +72,10 @@ def _check(args: argparse.Namespace) -> int:
     from padless.proof.zoo import zoo_names
     from padless.tiny import PAD_TOKEN_ID, tiny_tokenizer
 
+    if args.data:
+        return _check_data(args)
+    if args.per_turn:
+        raise InputError("--per-turn says how --data is tokenized; fix: add --data FILE, or leave it out")
     if args.markdown and not args.zoo:
         raise ValueError("--markdown prints the zoo's support table: add --zoo")
     device = pick_device(args.device)
@@ -63,8 +93,7 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 must mean fp32 in an fp32 check
-    if args.varlen_kernel:
-        set_varlen_kernel(args.varlen_kernel)
+    kernel = args.varlen_kernel or "auto"  # pinned on every model checked
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     name = "the model zoo" if args.zoo else args.model
     if args.zoo:
@@ -80,6 +109,7 @@ def _check(args: argparse.Namespace) -> int:
             device=device,
             probe=False,
             trust_remote_code=args.trust_remote_code,
+            varlen_kernel=kernel,
         )
         layouts: dict[str, Any] = {"layouts": check.LAYOUTS + check.TREE_LAYOUTS}
         if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
@@ -99,7 +129,9 @@ def _check(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"unknown zoo architecture {', '.join(unknown)}; `padless check --zoo` runs them all"
             )
-        results = check.run_zoo(seqs, pad_id, backends, names, dtype=dtype, device=device)
+        results = check.run_zoo(
+            seqs, pad_id, backends, names, dtype=dtype, device=device, varlen_kernel=kernel
+        )
         print(check.format_zoo(results, markdown=args.markdown))
         failed = check.zoo_failures(results, requested)
     else:
@@ -242,6 +274,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_serve(args: argparse.Namespace) -> int:
+    from padless.rl.vllm_server import serve
+
+    serve(
+        args.model, args.host, args.port, args.dtype, args.max_model_len, args.logprobs_mode, args.kv_cache_mb
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="padless", description="Post-training in which padding never changes a number."
@@ -251,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="prove per-token invariance across layouts and attention backends")
+    check = sub.add_parser(
+        "check",
+        help="prove per-token invariance across layouts and attention backends (or, with --data, what the "
+        "chat template makes of a data file)",
+    )
     which = check.add_mutually_exclusive_group()
     which.add_argument(
         "--model", default="tiny-qwen2", help="embedded name, model directory or cached model id"
@@ -271,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--varlen-kernel", choices=VARLEN_KERNELS, help="pin varlen's kernel")
     check.add_argument("--markdown", action="store_true", help="with --zoo: print the support table only")
     check.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
+    check.add_argument(
+        "--data",
+        metavar="FILE",
+        help="instead of the invariance matrix: tokenize this SFT data (jsonl/json/parquet, tiny:<name>, a "
+        "[start:stop] slice) through the model's chat template and stop tokens, and count the rows that "
+        "train and those refused, by what they hold and why",
+    )
+    check.add_argument("--per-turn", action="store_true", help="with --data: as data.per_turn: true does")
     check.set_defaults(func=_check)
 
     for name, (_, _, title) in TRAINERS.items():
@@ -294,6 +347,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["cpu", "cuda"])
     gen.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser(
+        "vllm-serve",
+        help="run vLLM as a server for RL runs to sample from (rollout.vllm_mode: server)",
+    )
+    serve.add_argument(
+        "--model", required=True, help="the policy's model: embedded name, folder or cached id"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto", help="auto: bf16 on cuda")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence, prompt included")
+    serve.add_argument(
+        "--logprobs-mode",
+        choices=["processed_logprobs", "raw_logprobs"],
+        default="processed_logprobs",
+        help="processed_logprobs for rollouts with top_p 1, raw_logprobs for temperature 1",
+    )
+    serve.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache on vLLM's CPU build")
+    serve.set_defaults(func=_vllm_serve)
 
     doctor = sub.add_parser("doctor", help="versions, device, backends and the settings known to break")
     doctor.set_defaults(func=_doctor)

@@ -25,6 +25,29 @@ def sft_token_weights(mask: torch.Tensor, normaliser: float) -> torch.Tensor:
     return -mask.float() / normaliser
 
 
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int
+) -> torch.Tensor:
+    """A mixture of experts' load-balancing loss (Switch Transformer, eq. 4-6) over every token of every
+    layer: ``num_experts * sum_e f_e P_e``, with ``f_e`` the share of top-k assignments that go to expert
+    ``e`` and ``P_e`` its mean router probability. ``router_logits``: one ``[tokens, experts]`` tensor
+    per routed layer, real tokens only (a packed row has no padding; a padded batch passes its real rows).
+
+    This is what transformers' MoE causal LMs add to their loss (``load_balancing_loss_func`` with the
+    attention mask): a statistic of the whole batch, not a sum over tokens, so micro-batches are
+    combined by the caller (:mod:`padless.forward.routers`). Only ``P_e`` carries a gradient."""
+    assignments = router_logits[0].new_zeros(num_experts, dtype=torch.float32)
+    probabilities = torch.zeros_like(assignments)
+    rows = 0
+    for logits in router_logits:
+        probs = F.softmax(logits, dim=-1)  # in the logits' dtype, as transformers takes the top-k of it
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        assignments = assignments.index_add(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        probabilities = probabilities + probs.float().sum(0)
+        rows += logits.shape[0]
+    return num_experts * ((assignments / max(rows, 1)) * (probabilities / max(rows, 1))).sum()
+
+
 def dpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,

@@ -60,8 +60,9 @@ def test_example_runs(path, tmp_path):
         overrides += [] if images else ["data.train=tiny:sft_eval"]
     elif kind in ("dpo", "rm", "kto", "orpo"):
         overrides += ["train.eval_steps=2"] + ([] if images else ["data.train=tiny:preference_eval"])
-    elif not samples:  # distillation on data completions
+    elif not samples:  # distillation on data completions (gkd: and on short samples of their prompts)
         overrides += ["train.eval_steps=2", "data.train=tiny:sft_eval"]
+        overrides += ["rollout.max_new_tokens=4"] if "mode: gkd" in path.read_text() else []
     else:  # online RL and on-policy distillation: no eval split, small rollouts
         overrides += ["rollout.prompts_per_step=2", "rollout.max_new_tokens=4"]
     metrics = run(load_config(config_cls, path, overrides))
@@ -85,6 +86,32 @@ def test_the_grpo_example_learns(tmp_path):
     rewards = [r["rollout/reward"] for r in records if "rollout/reward" in r]
     assert len(rewards) == 60
     assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.3, rewards
+    final = [r for r in records if "eval/reward/arithmetic" in r][-1]
+    assert final["eval/reward/arithmetic"] > 5 / 16
+
+
+@pytest.mark.slow
+def test_the_distill_example_learns(tmp_path):
+    """examples/distill_tiny.yaml as shipped: tiny-llama-arith distilled on-policy from tiny-llama-arith-rl
+    for 9 rollouts, without a reward. The arithmetic reward measured on its samples (never trained on)
+    rises from the first third of the rollouts to the last by more than 0.06, the reverse KL to the teacher
+    falls below 0.6 of its first third, the teacher's mean log-prob of the sampled tokens rises by more than
+    0.3, and greedy answers end better than the student's 5 of 16. Measured over seeds 42, 1, 2, 3: reward
+    +0.130, +0.120, +0.151, +0.167 (0.156 -> 0.286 with seed 42; every prompt is in every rollout, so a
+    third's mean varies only with the samples, by about 0.02), the reverse KL's last third 0.41, 0.43, 0.32,
+    0.38 of its first (1.22 -> 0.50), the teacher's log-prob +0.89 to +1.10, greedy 8, 7, 9, 9 of 16."""
+    path = Path(__file__).parent.parent / "examples" / "distill_tiny.yaml"
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.report_to=[jsonl]"]
+    _load(TRAINERS["distill"][1])(load_config(_load(TRAINERS["distill"][0]), path, overrides))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward"] for r in records if "rollout/reward" in r]
+    kl = [r["train/distill/reverse_kl"] for r in records if "train/distill/reverse_kl" in r]
+    assert len(rewards) == len(kl) == 9
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.06, rewards
+    assert sum(kl[-3:]) < 0.6 * sum(kl[:3]), kl
+    teacher = [r["train/distill/teacher_logps"] for r in records if "train/distill/reverse_kl" in r]
+    assert sum(teacher[-3:]) / 3 > sum(teacher[:3]) / 3 + 0.3, teacher  # the samples look like its own
+    assert all("train/distill/student_logps" in r for r in records if "train/distill/reverse_kl" in r)
     final = [r for r in records if "eval/reward/arithmetic" in r][-1]
     assert final["eval/reward/arithmetic"] > 5 / 16
 
@@ -136,3 +163,20 @@ def test_the_api_example_trains_from_an_in_memory_dataset(tmp_path, monkeypatch,
     assert (tmp_path / "run" / "checkpoint-4").is_dir()
     saved = load_config(_load(TRAINERS["sft"][0]), tmp_path / "run" / "config.yaml")
     assert saved.data.train == "python:data.train" and (Path(saved.model.name) / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_the_reasoning_gym_example_learns(tmp_path):
+    """examples/grpo_reasoning_gym_tiny.yaml: GRPO on 16 reasoning-gym questions made offline, scored by
+    the task's own scorer. Greedy eval on them rises from step 10 to step 40 (on this CPU, deterministic:
+    total reward 0.675 -> 0.898, the task's scorer 3/16 -> 4.5/16)."""
+    from padless.cli import main
+
+    example = Path(__file__).parent.parent / "examples" / "grpo_reasoning_gym_tiny.yaml"
+    overrides = [f"train.output_dir={tmp_path}", "train.progress_bar=false", "train.save_steps=40"]
+    assert main(["grpo", str(example), *overrides]) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30, 40]
+    assert evals[-1]["eval/reward"] - evals[0]["eval/reward"] > 0.15
+    assert evals[-1]["eval/reward/reasoning_gym"] > evals[0]["eval/reward/reasoning_gym"]

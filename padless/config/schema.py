@@ -66,6 +66,9 @@ class ModelSettings(ConfigModel):
     """init seed for embedded tiny models"""
     trust_remote_code: bool = False
     """run Python code shipped in a model folder (auto_map); never a prompt"""
+    router_aux_loss_coef: NonNegativeFloat | None = None
+    """mixture of experts: weight of the router load-balancing loss its own objective adds (null: its
+    config's router_aux_loss_coef; 0: off); refused for a model without one"""
 
     applies = (
         Applies(
@@ -373,6 +376,26 @@ class PreferenceDataSettings(ConfigModel):
             raise invalid("train", "is empty", "give a data file, a datasets directory, or tiny:<name>")
 
 
+REF_MODEL_APPLIES = Applies(
+    ("ref_model",),
+    ("reference",),
+    lambda s: s.reference == "model",
+    "reference 'adapters' uses the policy itself with adapters disabled",
+    "set ref_model to null, or reference to model",
+)
+
+
+def _adapters_need_lora(section: str, reference: str, model: ModelSettings) -> None:
+    """A reference of 'adapters' is the policy with its LoRA adapters off: there must be adapters."""
+    if reference == "adapters" and model.lora is None:
+        raise invalid(
+            (f"{section}.reference", "model.lora"),
+            "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
+            "not set, so there are no adapters",
+            f"add a model.lora section (e.g. model.lora.r=16), or set {section}.reference to model",
+        )
+
+
 class DPOSettings(ConfigModel):
     """The DPO loss and its reference."""
 
@@ -403,13 +426,7 @@ class DPOSettings(ConfigModel):
             "simpo is reference-free (it scores length-normalized policy log-probs only)",
             "unset {key}, or choose a loss_type that uses a reference (sigmoid, ipo, hinge)",
         ),
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
+        REF_MODEL_APPLIES,
         Applies(
             ("label_smoothing",),
             ("loss_type",),
@@ -454,13 +471,7 @@ class DPOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.dpo.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("dpo.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set dpo.reference to model",
-            )
+        _adapters_need_lora("dpo", self.dpo.reference, self.model)
 
 
 class RMSettings(ConfigModel):
@@ -542,15 +553,7 @@ class KTOSettings(ConfigModel):
     """reference log-probs (of completions and of the KL pairs) computed once before training, the
     reference then freed"""
 
-    applies = (
-        Applies(
-            ("ref_model",),
-            ("reference",),
-            lambda s: s.reference == "model",
-            "reference 'adapters' uses the policy itself with adapters disabled",
-            "set ref_model to null, or reference to model",
-        ),
-    )
+    applies = (REF_MODEL_APPLIES,)
 
     def _check(self) -> None:
         if self.ref_model == "":
@@ -575,13 +578,7 @@ class KTOConfig(ConfigModel):
     applies = PREFERENCE_RUN
 
     def _check(self) -> None:
-        if self.kto.reference == "adapters" and self.model.lora is None:
-            raise invalid(
-                ("kto.reference", "model.lora"),
-                "reference 'adapters' means the policy with its LoRA adapters disabled, but model.lora is "
-                "not set, so there are no adapters",
-                "add a model.lora section (e.g. model.lora.r=16), or set kto.reference to model",
-            )
+        _adapters_need_lora("kto", self.kto.reference, self.model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,7 +616,15 @@ class RolloutSettings(ConfigModel):
     episodes."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """vllm: colocated, needs vLLM and CUDA (checked at start)"""
+    """vllm: needs vLLM (a CUDA build with a GPU, or the CPU build; checked at start), colocated or a
+    server (vllm_mode)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """engine vllm: colocate (an engine in the training process) or server (a `padless vllm-serve` process
+    at vllm_server_url, sent the policy's weights before every rollout)"""
+    vllm_server_url: str = "http://127.0.0.1:8000"
+    """vllm_mode server: where `padless vllm-serve` listens"""
+    vllm_server_timeout: PositiveFloat = 600.0
+    """vllm_mode server: seconds one request (a rollout's generation, a weight push) may take"""
     prompts_per_step: PositiveInt = 16
     """prompts per rollout batch"""
     num_generations: PositiveInt = 4
@@ -655,9 +660,13 @@ class RolloutSettings(ConfigModel):
     """lower bound C_min of the ratio (null: none)"""
     max_staleness: NonNegativeInt = 0
     """rollouts sampled ahead, from weights at most this many updates old (0: on-policy)"""
+    routing_replay: bool = False
+    """mixture of experts: record the experts each sampled token was routed to and route the same ones in
+    the old-log-prob and update passes (hf engine, single completions on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
-    tools: the plain tool loop); max_new_tokens is then per model turn"""
+    bundled: tools, the plain tool loop; calculator; verifiers, a verifiers task per row of data.train:
+    verifiers:...); max_new_tokens is then per model turn"""
     tools: list[str] = Field(default_factory=list)
     """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
     template's tools"""
@@ -706,10 +715,24 @@ class RolloutSettings(ConfigModel):
         ),
         Applies(
             ("vllm_gpu_memory_utilization",),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "colocate",
+            "it sizes the colocated vLLM engine's share of the GPU (a server sizes its own)",
+            "set rollout.engine: vllm (vllm_mode colocate), or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_mode",),
             ("engine",),
             lambda s: s.engine == "vllm",
-            "it sizes vLLM's share of the GPU, and the engine is not vllm",
+            "it says where vLLM runs, and the engine is not vllm",
             "set rollout.engine: vllm, or remove rollout.{key}",
+        ),
+        Applies(
+            ("vllm_server_url", "vllm_server_timeout"),
+            ("engine", "vllm_mode"),
+            lambda s: s.engine == "vllm" and s.vllm_mode == "server",
+            "it reaches a vLLM server, and rollout.vllm_mode is not server",
+            "set rollout.engine: vllm and rollout.vllm_mode: server, or remove rollout.{key}",
         ),
         Applies(
             ("generation_batch_size",),
@@ -786,12 +809,6 @@ class RewardSettings(ConfigModel):
     )
 
     def _check(self) -> None:
-        if not self.functions and self.model is None:
-            raise invalid(
-                ("functions", "model"),
-                "no reward: functions is empty and model is not set",
-                "list reward functions (e.g. [arithmetic]) or set model to a reward model checkpoint",
-            )
         for i, spec in enumerate(self.functions):
             if not spec.strip():
                 raise invalid(
@@ -988,6 +1005,13 @@ def _check_rl_run(
     n_mini: int,
 ) -> None:
     """Cross-section checks shared by GRPO and PPO configs."""
+    if not reward.functions and reward.model is None and rollout.environment is None:
+        raise invalid(
+            ("reward.functions", "reward.model", "rollout.environment"),
+            "no reward: functions is empty, and neither model nor an environment is set",
+            "list reward functions (e.g. [arithmetic]), set reward.model to a reward model checkpoint, or "
+            "set rollout.environment to one whose steps give rewards",
+        )
     if train.batching == "padded":
         raise invalid(
             "train.batching",

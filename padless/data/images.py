@@ -160,16 +160,6 @@ class ImageInputs:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.rope = RopeIndex(config) if uses_mrope(config) else None
 
-    @classmethod
-    def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
-        """The image side of the model ``name`` (its processor), or None for a text-only model."""
-        from padless.data.sources import load_processor
-        from padless.forward.engine import unwrap
-        from padless.forward.vision import is_vision_config
-
-        config = unwrap(model).config
-        return cls(load_processor(name), config) if is_vision_config(config) else None
-
     def prompt_rows(self, rows: Sequence[Row]) -> list[Row]:
         """Generation prompts of chat rows, as prompt rows (:func:`padless.data.prompts.tokenize_prompts`
         reads them): each conversation up to its last assistant turn, with the images of the turns kept."""
@@ -255,6 +245,9 @@ class ImageInputs:
             return content, taken
         parts = []
         for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "thinking":  # reasoning: the template's text
+                parts.append(part)
+                continue
             if not isinstance(part, dict) or part.get("type") not in ("image", "text"):
                 got = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise row.error(
@@ -397,16 +390,3 @@ def from_png_text(text: str) -> Image:
 
     with PILImage.open(io.BytesIO(base64.b64decode(text))) as image:
         return image.convert("RGB")
-
-
-def check_parts(row: Row, where: str, content: list[Any]) -> None:
-    """A list content holds text and image parts, and at least one of them."""
-    if not content:
-        raise row.error(
-            where, "is an empty list; it must contain text or image parts", reason="empty content"
-        )
-    for k, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("text", "image")):
-            raise row.error(
-                f"{where}[{k}]", "must be a {'type': 'text' | 'image', ...} part", reason="wrong type"
-            )

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import pyarrow.compute as pc
 
-from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
 from padless.data.records import (
     DataError,
@@ -41,7 +41,9 @@ from padless.data.records import (
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
     good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
     type_name,
@@ -142,25 +144,34 @@ class _PairEncoder(ChatEncoder):
                 reason="wrong type",
             )
         done = chat_messages(row, name, value)
-        if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
+        if (
+            len(done) != 1
+            or done[0]["role"] != "assistant"
+            or not (done[0].get("content") or done[0].get("tool_calls"))
+        ):
             raise row.error(
                 name,
                 f"must be a list with exactly one assistant message with content, got {len(done)} message(s) "
                 f"with role(s) {[m['role'] for m in done]}",
                 reason="wrong type",
             )
-        full = self.render(row, prompt_messages + done, generation_prompt=False)
+        messages = prompt_messages + done
+        full = self.render(row, messages, generation_prompt=False)
         if full[: len(prompt_ids)] != prompt_ids:
             raise self._unstable(row, "the prompt plus the generation prompt", prompt_ids, full)
-        segment = full[len(prompt_ids) :]
-        if not segment:
+        head, end = len(prompt_ids), len(full)
+        if end == head:
             raise ChatTemplateError(
                 f"{row.where}: rendering the assistant message of '{name}' added no token after the "
                 "generation prompt, so the completion cannot be located. Check the chat template."
             )
-        ends = [k for k, t in enumerate(segment) if t in self.end_of_turn_ids]
-        completion = segment[: ends[-1] + 1] if ends else [*segment, self.eos]
-        self.check_content(row, done[0], f"'{name}'", self.tok.decode(completion), _CONTENT_FIX)
+        stop, appended = self.turn_stop(row, messages, len(prompt_messages), full, head, end)
+        full += appended
+        mask = [True] * len(full)
+        self.prove_turn(
+            row, messages, len(prompt_messages), full, head, stop, mask, end, f"'{name}'", _CONTENT_FIX
+        )
+        completion = full[head : stop + 1]
         return completion
 
     # -- row forms -------------------------------------------------------------------------------------------
@@ -417,6 +428,7 @@ def tokenize_preference(
     skip_bad_rows: bool = False,
     require_margin: bool = False,
     images: ImageInputs | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[list[PairExample], SkipStats]:
     """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
 
@@ -426,14 +438,15 @@ def tokenize_preference(
     ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
     unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
     :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
-    prompt, so chosen and rejected share them.
+    prompt, so chosen and rejected share them. ``stop_ids``: the tokens the model stops at besides the
+    tokenizer's eos (its generation config's), which end a chat completion.
     """
     check_args(max_length, truncation)
     stats = SkipStats()
     if not rows:
         return [], stats
     needed, how = pair_fields(rows, skip_bad_rows)
-    enc = _PairEncoder(tokenizer)
+    enc = _PairEncoder(tokenizer, stop_ids)
     pairs = good_rows(
         rows,
         lambda row: pair_example(
@@ -461,6 +474,7 @@ def tokenize_scoring(
     skip_bad_rows: bool = False,
     stats: SkipStats | None = None,
     images: ImageInputs | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> list[Example]:
     """Sequences for scoring ``{"prompt", "response"}`` rows with a reward model (``loss_mask`` is None).
 
@@ -470,7 +484,7 @@ def tokenize_scoring(
     """
     check_args(max_length, truncation)
     stats = stats if stats is not None else SkipStats()
-    enc = _PairEncoder(tokenizer)
+    enc = _PairEncoder(tokenizer, stop_ids)
 
     def scoring_example(row: Row) -> Example:
         _require(row, ("prompt", "response"), "scoring rows")
@@ -497,12 +511,13 @@ class PairLayout(Layout[PairExample]):
     """
 
     name: ClassVar[str] = "preference"
-    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin")
+    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin", "stop_ids")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
     require_margin: bool = False
     keep_margin: bool = True
+    stop_ids: tuple[int, ...] = ()
     _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -510,7 +525,7 @@ class PairLayout(Layout[PairExample]):
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         needed, how = pair_fields(raw, self.skip_bad_rows)
-        self._state = (_PairEncoder(tokenizer), needed, how)
+        self._state = (_PairEncoder(tokenizer, self.stop_ids), needed, how)
 
     def example(self, row: Row) -> PairExample:
         assert self._state is not None, "prepare() first"
@@ -588,6 +603,7 @@ class PairLayout(Layout[PairExample]):
             skip_bad_rows=self.skip_bad_rows,
             require_margin=self.require_margin,
             images=images,
+            stop_ids=self.stop_ids,
         )
         if not self.keep_margin:
             for p in pairs:

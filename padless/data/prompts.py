@@ -21,9 +21,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from padless.data.chat import ChatEncoder, ChatTemplateError, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
-from padless.data.records import RawRows, Row, SkipStats, good_rows, reject_images, type_name
+from padless.data.records import (
+    RawRows,
+    Row,
+    SkipStats,
+    chat_messages,
+    good_rows,
+    nonempty_str,
+    reject_images,
+    type_name,
+)
 from padless.data.tokenized import Layout, ids_feature
 
 if TYPE_CHECKING:

@@ -13,16 +13,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from padless.data.chat import ChatEncoder, chat_messages, nonempty_str
+from padless.data.chat import ChatEncoder, trained_turns
 from padless.data.images import ImageInputs
 from padless.data.records import (
     RawRows,
     Row,
     SkipStats,
     Truncation,
+    chat_messages,
     good_rows,
+    nonempty_str,
     present_fields,
     reject_images,
+    turn_flags,
     type_name,
 )
 from padless.data.tokenized import Layout, ids_feature
@@ -87,25 +90,35 @@ class SftEncoder(ChatEncoder):
     """The chat encoder plus SFT's three row formats."""
 
     def messages_row(self, row: Row) -> tuple[list[int], list[bool]]:
-        return self.chat(row, self._conversation(row))
+        messages, trains = self._conversation(row)
+        return self.chat(row, messages, trains=trains)
 
     def turn_rows(self, row: Row) -> list[tuple[list[int], list[bool], int]]:
-        """Per-turn mode: for each assistant turn, the conversation up to it with only that turn trained,
-        and how many messages it holds. Its context is rendered as the template renders it for generation
-        (e.g. earlier reasoning stripped), the turn itself as the template renders a last turn."""
-        messages = self._conversation(row)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        """Per-turn mode: for each trained assistant turn, the conversation up to it with only that turn
+        trained, and how many messages it holds. Its context is rendered as the template renders it for
+        generation (e.g. earlier reasoning stripped), the turn itself as the template renders a last turn."""
+        messages, trains = self._conversation(row)
+        turns = trained_turns(messages, trains=trains)
         return [(*self.chat(row, messages[: i + 1], last_only=True), i + 1) for i in turns]
 
-    def _conversation(self, row: Row) -> list[dict[str, Any]]:
-        messages = chat_messages(row, "messages", row.data["messages"])
-        if not any(m["role"] == "assistant" and m.get("content") for m in messages):
+    def _conversation(self, row: Row) -> tuple[list[dict[str, Any]], list[bool]]:
+        """The row's messages and which of them are trained turns (a turn's ``loss`` / ``train`` /
+        ``weight`` flag decides; an assistant turn without one trains)."""
+        messages = chat_messages(row, "messages", row.data["messages"], flags=True)
+        trains = turn_flags(row, "messages", row.data["messages"])
+        if not any(m["role"] == "assistant" and (m.get("content") or m.get("tool_calls")) for m in messages):
             raise row.error(
                 "messages",
                 "has no assistant message with content, so there is nothing to train on",
                 reason="no assistant message",
             )
-        return messages
+        if not any(trains):
+            raise row.error(
+                "messages",
+                "has no assistant turn to train: every one is flagged off (loss / train false, or weight 0)",
+                reason="no trained turn",
+            )
+        return messages, trains
 
     def prompt_completion_row(self, row: Row, completion_only_loss: bool) -> tuple[list[int], list[bool]]:
         prompt, completion = row.data["prompt"], row.data["completion"]
@@ -130,16 +143,22 @@ class SftEncoder(ChatEncoder):
                 reason="wrong type",
             )
 
+        trains = None
         if isinstance(completion, list):
-            done = chat_messages(row, "completion", completion)
-            if len(done) != 1 or done[0]["role"] != "assistant" or not done[0].get("content"):
+            done = chat_messages(row, "completion", completion, flags=True)
+            if (
+                len(done) != 1
+                or done[0]["role"] != "assistant"
+                or not (done[0].get("content") or done[0].get("tool_calls"))
+            ):
                 raise row.error(
                     "completion",
                     "must be a list with exactly one assistant message with content, got "
                     f"{len(done)} message(s) with role(s) {[m['role'] for m in done]}",
                     reason="wrong type",
                 )
-            ids, mask = self.chat(row, prompt_msgs + done)
+            trains = [False] * len(prompt_msgs) + turn_flags(row, "completion", completion)
+            ids, mask = self.chat(row, prompt_msgs + done, trains=trains)
             if ids[: len(prompt_ids)] != prompt_ids:
                 raise self._unstable(row, "the prompt plus the generation prompt", prompt_ids, ids)
             start = len(prompt_ids)
@@ -156,8 +175,9 @@ class SftEncoder(ChatEncoder):
                 f"must be a string or a list with one assistant message, got {type_name(completion)}",
                 reason="wrong type",
             )
-        if not completion_only_loss:
-            mask = [True] * len(ids)
+        if not completion_only_loss:  # every token, but a completion flagged off stays out
+            off = trains is not None and not trains[-1]
+            mask = [True] * len(prompt_ids) + [not off] * (len(ids) - len(prompt_ids))
         return ids, mask
 
     def text_row(self, row: Row) -> tuple[list[int], list[bool]]:
@@ -220,7 +240,7 @@ def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> t
 
 def _images_in(messages: list[dict[str, Any]]) -> int:
     return sum(
-        p.get("type") == "image" for m in messages if isinstance(m["content"], list) for p in m["content"]
+        p.get("type") == "image" for m in messages if isinstance(m.get("content"), list) for p in m["content"]
     )
 
 
@@ -279,6 +299,7 @@ def tokenize_sft(
     per_turn: bool = False,
     skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[list[Example], SkipStats]:
     """Tokenize SFT rows into examples whose ``loss_mask`` marks the tokens to train on.
 
@@ -287,14 +308,15 @@ def tokenize_sft(
     ``skip_bad_rows``, in which case they are counted in the returned :class:`SkipStats`.
     Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
     model's processor, see :mod:`padless.data.images`); without it they are bad rows. ``per_turn`` makes each
-    assistant turn of a chat its own example (see :meth:`SftEncoder.turn_rows`).
+    assistant turn of a chat its own example (see :meth:`SftEncoder.turn_rows`). ``stop_ids``: the tokens the
+    model stops at besides the tokenizer's eos (its generation config's), which end a chat turn.
     """
     check_sft_args(format, max_length, truncation)
     stats = SkipStats()
     if not rows:
         return [], stats
     fmt, how = sft_format(rows, format, skip_bad_rows)
-    enc = SftEncoder(tokenizer)
+    enc = SftEncoder(tokenizer, stop_ids)
     rows_examples = good_rows(
         rows,
         lambda row: sft_examples(
@@ -327,6 +349,7 @@ class SFTLayout(Layout[Example]):
         "completion_only_loss",
         "per_turn",
         "skip_bad_rows",
+        "stop_ids",
     )
     max_length: int
     format: str = "auto"
@@ -334,6 +357,7 @@ class SFTLayout(Layout[Example]):
     completion_only_loss: bool = True
     per_turn: bool = False
     skip_bad_rows: bool = False
+    stop_ids: tuple[int, ...] = ()
     _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -341,7 +365,7 @@ class SFTLayout(Layout[Example]):
 
     def prepare(self, raw: RawRows, tokenizer: Any) -> None:
         fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
-        self._state = (SftEncoder(tokenizer), fmt, how)
+        self._state = (SftEncoder(tokenizer, self.stop_ids), fmt, how)
 
     def example(self, row: Row) -> Example:
         (example,) = self.examples(row)  # per-turn rows go through examples()
@@ -395,4 +419,5 @@ class SFTLayout(Layout[Example]):
             per_turn=self.per_turn,
             skip_bad_rows=self.skip_bad_rows,
             images=images,
+            stop_ids=self.stop_ids,
         )

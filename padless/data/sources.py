@@ -26,8 +26,10 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from padless import tiny
+from padless.data.images import ImageInputs
 from padless.errors import InputError
 from padless.forward import vision
+from padless.forward.engine import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +242,27 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def stop_token_ids(name: str | Path) -> tuple[int, ...]:
+    """The ids a model stops generating at, as its ``generation_config.json`` lists them (``eos_token_id``:
+    some models stop at a role header or a tool-call token besides the tokenizer's eos); an adapter folder
+    without one: its base model's. Embedded models stop at the tokenizer's eos alone: none."""
+    if embedded(str(name)):
+        return ()
+    folder = local_folder(name)
+    file = folder / "generation_config.json"
+    if not file.exists() and (folder / ADAPTER_CONFIG).exists():
+        return stop_token_ids(adapter_base(folder))
+    if not file.exists():
+        return ()
+    eos = _read_json(file).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InputError(
+            f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}; fix: restore the file"
+        )
+    return tuple(sorted(set(ids)))
+
+
 def processor_chat_template(folder: Path) -> str | None:
     """The chat template a folder keeps for its processor (``chat_template.json``, as Hub vision-language
     folders ship it) when the tokenizer files hold none: transformers' processor loader reads it there."""
@@ -395,11 +418,24 @@ PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "t
 
 
 def _processor_class(folder: Path) -> str | None:
-    """The processor class a model folder names, in whichever file its layout puts it."""
+    """The processor class a model folder names, in whichever file its layout puts it; where none names
+    one, the class transformers' ``AutoProcessor`` maps its ``config.json``'s ``model_type`` to."""
     for name in PROCESSOR_CLASS_FILES:
         if (file := folder / name).exists() and (cls_name := _read_json(file).get("processor_class")):
             return str(cls_name)
-    return None
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = (
+        _read_json(folder / "config.json").get("model_type") if (folder / "config.json").exists() else None
+    )
+    return PROCESSOR_MAPPING_NAMES.get(model_type)
+
+
+def image_inputs(name_or_path: str | Path, model: torch.nn.Module) -> ImageInputs | None:
+    """The image side of the model ``name_or_path`` (its processor, see
+    :class:`padless.data.images.ImageInputs`), or None for a text-only model, which never builds one."""
+    config = unwrap(model).config
+    return ImageInputs(load_processor(name_or_path), config) if vision.is_vision_config(config) else None
 
 
 def load_processor(name_or_path: str | Path) -> Any:
@@ -427,8 +463,9 @@ def load_processor(name_or_path: str | Path) -> Any:
     if cls_name is None or not hasattr(transformers, cls_name):
         raise ValueError(
             f"{path}: AutoProcessor needs torchvision for this model's video processor and no "
-            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)} to build an image-only one; "
-            "install torchvision or add processor_config.json with the processor_class"
+            f"processor_class is named in {', '.join(PROCESSOR_CLASS_FILES)}, nor does config.json's "
+            "model_type map to one, to build an image-only one; install torchvision or add "
+            "processor_config.json with the processor_class"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)

@@ -112,7 +112,7 @@ def distill_from_hidden(
     def take(t: torch.Tensor | None) -> Any:
         return None if t is None else t[rows]
 
-    h = take(hidden).to(head.module.weight.dtype)
+    h = take(hidden).to(head.dtype)
     th, y, w, wn = take(d.teacher_hidden), take(labels), take(d.weights).float(), take(d.nll_weights)
     wn = None if wn is None else wn.float()
     step = chunk_tokens or chunk_rows(d.vocab or head.vocab, logits_memory_mb)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -24,21 +24,21 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless.config.choices import TREE_PACKING, VARLEN_KERNELS
+from padless.config.choices import TREE_PACKING
 from padless.config.schema import TrainSettings
-from padless.errors import AttentionError
-from padless.forward import hybrid, sequence_parallel
+from padless.forward import hybrid, ranks, routing, sequence_parallel
 from padless.forward.attention import (
     assert_attention,
     attention_in_use,
     hf_name,
+    pin_kernel,
     runtime_context,
-    set_varlen_kernel,
-    varlen_kernel_choice,
+    validate_kernel_name,
 )
 from padless.forward.distill import Distillation, distill_from_hidden
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
-from padless.forward.sequence_parallel import SequenceParallel
+from padless.forward.ranks import Topology
+from padless.forward.routers import SPLIT_ROWS, RouterLoss, RouterRecord, defines_router_loss
 from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
 
@@ -51,29 +51,27 @@ DEFAULT_LOGITS_MEMORY_MB = 1024
 class EngineSettings:
     """What every pass of one engine runs with; it travels with the engine, never in process state.
 
-    ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
-    and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
+    ``varlen_kernel`` (``model.varlen_kernel``) is pinned on the engine's models, whose layers run it in
+    every pass and the backward of its loss (:func:`padless.forward.attention.pin_kernel`); ``None`` leaves
+    the models' own pin (the one they were loaded and proven with). ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
-    runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
-    packed row over (:mod:`padless.forward.sequence_parallel`)."""
+    runs in chunks. ``topology`` is where this process stands among the run's (made at run start: its
+    data-parallel rank and the sequence-parallel group every packed row is split over,
+    :mod:`padless.forward.sequence_parallel`); the loop and the recipes read it here.
+    ``router_aux_loss_coef`` weights the load-balancing loss of a mixture of experts in training forwards
+    (:mod:`padless.forward.routers`)."""
 
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
-    sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+    topology: Topology = field(default_factory=ranks.start)
     tree_packing: str = "off"  # train.tree_packing: auto / on / off (see resolve_tree)
-
-    @property
-    def degree(self) -> int:
-        """The sequence-parallel degree (1: rows run whole); data is dealt by data-parallel rank for it."""
-        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
+    router_aux_loss_coef: float | None = None  # model.router_aux_loss_coef; None: each model's config's
 
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
             raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
-        if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
-            raise AttentionError(
-                f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
-            )
+        if self.varlen_kernel is not None:
+            validate_kernel_name(self.varlen_kernel)
         if self.tree_packing not in TREE_PACKING:
             raise ValueError(
                 f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
@@ -82,25 +80,7 @@ class EngineSettings:
     def probed_tree(self) -> str:
         """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
         rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
-        return self.tree_packing if self.degree == 1 else "off"
-
-    def pinned(self) -> contextlib.AbstractContextManager:
-        """The kernel pin in force inside the block, the previous choice back after it."""
-        return pinned_kernel(self.varlen_kernel)
-
-
-@contextlib.contextmanager
-def pinned_kernel(kernel: str | None) -> Iterator[None]:
-    """``kernel`` behind ``varlen`` inside the block (``None``: as it is), the previous choice after it."""
-    if kernel is None:
-        yield
-        return
-    before = varlen_kernel_choice()
-    set_varlen_kernel(kernel)
-    try:
-        yield
-    finally:
-        set_varlen_kernel(before)
+        return self.tree_packing if self.topology.degree == 1 else "off"
 
 
 @dataclass(frozen=True)
@@ -128,6 +108,7 @@ class TokenOutputs:
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for logp_weights w (see logps_from_hidden)
+    aux: torch.Tensor | None = None  # the router load-balancing loss of the forward (without coefficient)
 
 
 def loaded_backend(model: torch.nn.Module) -> str:
@@ -207,6 +188,14 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | Tre
 
     Never a KV cache: with one, transformers drops its per-sequence mask.
     """
+    return routed_hidden_states(model, batch)[0]
+
+
+def routed_hidden_states(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`hidden_states`, and with ``router`` the load-balancing loss of the routers' logits on the
+    real tokens (else ``None``)."""
     backend = checked_backend(model)
     base = backbone(model)
     if isinstance(batch, TreeRow):
@@ -215,34 +204,89 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | Tre
         inputs = model_inputs(batch)
     if isinstance(batch, (PackedBatch, TreeRow)) and hasattr(base, "get_rope_index"):
         inputs["position_ids"] = _mrope_rows(batch)
+    if router is not None:
+        inputs["output_router_logits"] = True
     with runtime_context(backend, batch.input_ids.device):
-        return base(**inputs, use_cache=False).last_hidden_state
+        out = base(**inputs, use_cache=False)
+    return out.last_hidden_state, None if router is None else router_aux(router, out, batch)
+
+
+def router_aux(router: RouterLoss, out: Any, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    """``router``'s loss over the router logits of a forward's output, real tokens only: all of a packed
+    row's, the unmasked rows of a padded batch."""
+    logits = tuple(getattr(out, "router_logits", None) or ())
+    if not logits:
+        raise ValueError(
+            "the model's modeling code defines a router load-balancing loss, but its forward returns no "
+            "router logits to compute it from; set model.router_aux_loss_coef: 0 to train without it"
+        )
+    if isinstance(batch, PaddedBatch):
+        real = batch.attention_mask.reshape(-1).bool()
+        logits = tuple(layer[real] for layer in logits)
+    return router(logits)
+
+
+def lm_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The module that turns ``model``'s last hidden states into logits: its output embeddings, unless a
+    child of the model holds them inside a transform (BERT's ``cls.predictions``: dense, activation, norm,
+    then the output embeddings as ``decoder``); then that child. The load-time probe proves the choice
+    against the model's own logits."""
+    out = model.get_output_embeddings()
+    body = backbone(model)
+    for child in model.children():
+        inside = {id(m) for m in child.modules()}
+        if child is not out and id(out) in inside and id(body) not in inside:
+            return child
+    return out
+
+
+# Text-config keys of factors a model multiplies its head's output by (Cohere's logit_scale, MuseGlimmer's
+# output_multiplier); the load-time probe refuses a model whose own logits differ from the head's.
+MULTIPLIER_KEYS = ("logit_scale", "output_multiplier")
 
 
 @dataclass(frozen=True)
 class LogitsHead:
     """How a causal LM turns hidden states into the logits its log-probs are taken from:
-    ``cap(head(h) / scaling) / temperature``, as transformers' models compute them (Granite divides by
+    ``cap(head(h) * multiplier / scaling) / temperature``, as transformers' models compute them (Cohere
+    multiplies by ``logit_scale``, MuseGlimmer by ``output_multiplier``, Granite divides by
     ``logits_scaling``, Gemma 2 soft-caps with ``final_logit_softcapping``), in fp32."""
 
     module: torch.nn.Module
     scaling: float = 1.0
     softcap: float | None = None
     temperature: float = 1.0
+    multiplier: float = 1.0
+    output: torch.nn.Module | None = (
+        None  # the output embeddings, where ``module`` is a transform around them
+    )
 
     @classmethod
     def of(cls, model: PreTrainedModel, temperature: float = 1.0) -> LogitsHead:
+        """The head of ``model``: its output embeddings, or the part of the model that holds them and
+        turns hidden states into logits around them (BERT's and RoBERTa's prediction transform)."""
         text = model.config.get_text_config()
+        multiplier = 1.0
+        for key in MULTIPLIER_KEYS:
+            multiplier *= getattr(text, key, None) or 1.0
+        head, out = lm_head(model), model.get_output_embeddings()
         return cls(
-            model.get_output_embeddings(),
+            head,
             getattr(text, "logits_scaling", None) or 1.0,
             getattr(text, "final_logit_softcapping", None) or None,
             temperature,
+            multiplier,
+            None if head is out else out,
         )
 
     @property
     def vocab(self) -> int:
-        return self.module.weight.shape[0]
+        return (self.output or self.module).weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the output embeddings' weight: what hidden states are cast to before the head."""
+        return (self.output or self.module).weight.dtype
 
     def fusable(self) -> bool:
         """Whether the fused weighted path can read the head's weight directly: a plain bias-free
@@ -254,6 +298,8 @@ class LogitsHead:
     def finish(self, raw: torch.Tensor) -> torch.Tensor:
         """fp32 logits from the head's raw output."""
         logits = raw.float()
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
         if self.scaling != 1.0:
             logits = logits / self.scaling
         if self.softcap:
@@ -271,6 +317,8 @@ class LogitsHead:
             grad *= 1 - capped.square()
         if self.scaling != 1.0:
             grad /= self.scaling
+        if self.multiplier != 1.0:
+            grad *= self.multiplier
         return grad
 
 
@@ -363,13 +411,15 @@ def forward_packed(
     chunk_tokens: int | None = None,
     logp_weights: torch.Tensor | None = None,
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB,
+    router: RouterLoss | None = None,
 ) -> TokenOutputs:
     """Per-token log-probs of ``batch.labels`` (and optionally entropy), per position of its row (a tree
-    row's positions: :class:`ModelEngine` unfolds them); see :func:`logps_from_hidden`."""
-    hidden = hidden_states(model, batch)[0]
-    return logps_from_hidden(
+    row's positions: :class:`ModelEngine` unfolds them); see :func:`logps_from_hidden`. With ``router``,
+    also the router load-balancing loss of the forward (``aux``)."""
+    hidden, aux = routed_hidden_states(model, batch, router)
+    out = logps_from_hidden(
         unwrap(model),
-        hidden,
+        hidden[0],
         batch.labels[0],
         entropy=entropy,
         temperature=temperature,
@@ -377,6 +427,8 @@ def forward_packed(
         logp_weights=logp_weights,
         logits_memory_mb=logits_memory_mb,
     )
+    out.aux = aux
+    return out
 
 
 def logps_from_hidden(
@@ -406,7 +458,7 @@ def logps_from_hidden(
     if rows.numel() == labels.numel():
         rows = None  # every position has a label: no gather
     h = hidden if rows is None else hidden[rows]
-    h = h.to(head.module.weight.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
+    h = h.to(head.dtype)  # as models whose last norm returns fp32 (Mamba) cast before the head
     y = labels if rows is None else labels[rows]
     step = chunk_tokens or max(1, logits_memory_mb * 2**20 // (4 * head.vocab))
     weighted = None
@@ -439,15 +491,25 @@ def logps_from_hidden(
 
 def forward_padded(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs ``[N, L]`` of a padded batch (comparison mode only: full logits, pad compute)."""
+    return routed_padded(model, batch, temperature)[0]
+
+
+def routed_padded(
+    model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`forward_padded`, and with ``router`` the router load-balancing loss over the batch's real
+    tokens (else ``None``)."""
     backend = checked_backend(model)
+    extra = {"output_router_logits": True} if router is not None else {}
     with runtime_context(backend, batch.input_ids.device):
-        logits = model(**model_inputs(batch), use_cache=False).logits
+        out = model(**model_inputs(batch), use_cache=False, **extra)
     logps = (
-        (logits.float() / temperature)
+        (out.logits.float() / temperature)
         .log_softmax(-1)
         .gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
     )
-    return logps * (batch.labels != IGNORE_INDEX)
+    aux = None if router is None else router_aux(router, out, batch)
+    return logps * (batch.labels != IGNORE_INDEX), aux
 
 
 def score_head(model: PreTrainedModel) -> torch.nn.Module:
@@ -463,8 +525,17 @@ def score_head(model: PreTrainedModel) -> torch.nn.Module:
 
 def forward_scores(model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow) -> torch.Tensor:
     """Per-token scalars from a scalar head (fp32): ``[T]`` packed (``[R]`` a tree row), ``[N, L]`` padded."""
-    scores = score_head(unwrap(model))(hidden_states(model, batch))[..., 0].float()
-    return scores if isinstance(batch, PaddedBatch) else scores[0]
+    return routed_scores(model, batch)[0]
+
+
+def routed_scores(
+    model: torch.nn.Module, batch: PackedBatch | PaddedBatch | TreeRow, router: RouterLoss | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`forward_scores`, and with ``router`` the router load-balancing loss of the forward (else
+    ``None``)."""
+    hidden, aux = routed_hidden_states(model, batch, router)
+    scores = score_head(unwrap(model))(hidden)[..., 0].float()
+    return (scores if isinstance(batch, PaddedBatch) else scores[0]), aux
 
 
 class EngineOutput(NamedTuple):
@@ -477,6 +548,7 @@ class EngineOutput(NamedTuple):
     weighted: torch.Tensor | None = None  # sum_t w_t logps_t for ``logp_weights`` w (packed batches)
     hidden: torch.Tensor | None = None  # [T, H] last hidden states (a teacher's, for the distillation head)
     divergence: torch.Tensor | None = None  # [T] the distillation head's per-token divergence (values)
+    aux: torch.Tensor | None = None  # coef * router load-balancing loss, training forwards of a MoE only
 
 
 class ModelEngine(torch.nn.Module):
@@ -502,19 +574,23 @@ class ModelEngine(torch.nn.Module):
         for m in (model, value):  # the models' structure, checked once here, not before each forward
             if m is not None:
                 hybrid.require_packing(unwrap(m))
+        if self.settings.varlen_kernel is not None:  # its layers run it in any pass, in any thread
+            pin_kernel(self, self.settings.varlen_kernel)
+        # each model's router load-balancing term (None: its objective has none, or its coefficient is 0)
+        self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
+        self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # whether packed batches run as tree rows (train.tree_packing), decided once per engine
         self.tree = all(
-            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.settings.degree)
+            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.topology.degree)
             for m in (model, value)
             if m is not None
         )
-        # the group every packed forward is split over (None: rows run whole)
-        self.sequence_parallel = self.settings.sequence_parallel
-        if self.sequence_parallel is not None:
+        split = self.topology.sequence_parallel  # the group every packed forward is split over
+        if split is not None:
             for m in (model, value):
                 if m is not None:
-                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
-                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
+                    sequence_parallel.check_model(m, split.degree)
+                    sequence_parallel.attach(m, split)  # its layers split over this group
 
     def forward(
         self,
@@ -546,40 +622,82 @@ class ModelEngine(torch.nn.Module):
 
         Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
         :mod:`padless.forward.sequence_parallel`) and every rank returns the whole row's results."""
-        with self.settings.pinned():
-            if generate is not None:
-                return self.model.generate(**generate)
-            if head_of is not None:
-                head = LogitsHead.of(unwrap(self.model), temperature)
-                return head.finish(head.module(head_of.to(head.module.weight.dtype)))
-            if not isinstance(batch, PackedBatch):
+        if generate is not None:
+            return self.model.generate(**generate)
+        if head_of is not None:
+            head = LogitsHead.of(unwrap(self.model), temperature)
+            return head.finish(head.module(head_of.to(head.dtype)))
+        if not isinstance(batch, PackedBatch):
+            raise ValueError(
+                f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
+                "passes the packed batch with layout=BatchLayout(side, pad_id)"
+            )
+        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        split = self.topology.sequence_parallel
+        if hidden or distill is not None:
+            if layout.side is not None or split is not None:
                 raise ValueError(
-                    f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
-                    "passes the packed batch with layout=BatchLayout(side, pad_id)"
+                    "distillation runs on packed batches of whole rows: set train.batching: tokens or "
+                    "packing, and train.sequence_parallel: 1"
                 )
-            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
-            if hidden or distill is not None:
-                if layout.side is not None or self.sequence_parallel is not None:
-                    raise ValueError(
-                        "distillation runs on packed batches of whole rows: set train.batching: tokens or "
-                        "packing, and train.sequence_parallel: 1"
-                    )
-                return self._distill(batch, hidden, distill)
-            if layout.side is not None:
-                if self.sequence_parallel is not None:
-                    raise sequence_parallel.SequenceParallelError(
-                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
-                        "or packing"
-                    )
-                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
-            if self.sequence_parallel is None:
-                return self._forward(batch, logp_weights=logp_weights, **kw)
-            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+            return self._distill(batch, hidden, distill)
+        if batch.routes is not None and (layout.side is not None or split is not None):
+            raise ValueError(
+                "routing replay runs packed rows whole: set train.batching: tokens and "
+                "train.sequence_parallel: 1, or rollout.routing_replay: false"
+            )
+        if layout.side is not None:
+            if split is not None:
+                raise sequence_parallel.SequenceParallelError(
+                    "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                    "or packing"
+                )
+            return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+        if split is None:
+            return self._forward(batch, logp_weights=logp_weights, **kw)
+        return split.run(self._forward, batch, logp_weights, **kw)
+
+    @property
+    def topology(self) -> Topology:
+        """Where this process stands among the run's: what data it holds and which rows it splits."""
+        return self.settings.topology
 
     @property
     def scorer(self) -> torch.nn.Module:
         """The model whose scalar head gives values and scores: the value model, else this model."""
         return self.value if self.value is not None else self.model
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[RouterRecord | None]:
+        """Inside the block, every forward with gradients adds the router load-balancing term of each model
+        that has one to the yielded record (``None``: no model of the engine has one); the loop weights
+        it by the step's tokens and adds it to the micro-batch's loss."""
+        if not any(self.routers):
+            yield None
+            return
+        if self.topology.sequence_parallel is not None:
+            raise sequence_parallel.SequenceParallelError(SPLIT_ROWS)
+        self._record = RouterRecord()
+        try:
+            yield self._record
+        finally:
+            self._record = None
+
+    def _routers(self) -> tuple[RouterLoss | None, RouterLoss | None]:
+        """The router terms of this forward: the model's and the scorer's, while recording with gradients."""
+        if self._record is None or not torch.is_grad_enabled():
+            return None, None
+        model, value = self.routers
+        return model, (value if self.value is not None else model)
+
+    def _recorded(self, terms: list[tuple[torch.Tensor | None, RouterLoss | None]], tokens: int):
+        """Each ``(aux, router)`` of this forward added to the record; their ``coef * aux`` summed."""
+        total = None
+        for aux, router in terms:
+            if aux is not None:
+                term = self._record.add(aux, router.coef, tokens)
+                total = term if total is None else total + term
+        return total
 
     def _forward(
         self,
@@ -593,7 +711,7 @@ class ModelEngine(torch.nn.Module):
     ) -> EngineOutput:
         """The packed pass (one chunk of the row under sequence parallelism); as a tree row where the engine
         runs them and the batch shares a prefix, its results unfolded to the packed order."""
-        row = tree_row(batch) if self.tree else None
+        row = tree_row(batch) if self.tree and batch.routes is None else None
         run = batch if row is None else row
         if row is not None and logp_weights is not None:
             logp_weights = row.fold(logp_weights)
@@ -602,35 +720,45 @@ class ModelEngine(torch.nn.Module):
             return values if row is None or values is None else values.index_select(0, row.unfold)
 
         out = EngineOutput()
+        routers, terms = self._routers(), []
         if logps:
-            tokens = forward_packed(
-                self.model,
-                run,
-                entropy=entropy,
-                temperature=temperature,
-                logp_weights=logp_weights,
-                logits_memory_mb=self.settings.logits_memory_mb,
-            )
+            # routing replay: the policy's routers choose the experts the sampler's chose
+            replay = routing.replaying(unwrap(self.model), batch.routes) if batch.routes is not None else None
+            with replay or contextlib.nullcontext():
+                tokens = forward_packed(
+                    self.model,
+                    run,
+                    entropy=entropy,
+                    temperature=temperature,
+                    logp_weights=logp_weights,
+                    logits_memory_mb=self.settings.logits_memory_mb,
+                    router=routers[0],
+                )
             out = out._replace(
                 logps=unfold(tokens.logps), entropy=unfold(tokens.entropy), weighted=tokens.weighted
             )
+            terms.append((tokens.aux, routers[0]))
         if values:
-            out = out._replace(values=unfold(forward_scores(self.scorer, run)))
-        return out
+            scores, aux = routed_scores(self.scorer, run, routers[1])
+            out = out._replace(values=unfold(scores))
+            terms.append((aux, routers[1]))
+        return out._replace(aux=self._recorded(terms, batch.num_tokens))
 
     def _distill(self, batch: PackedBatch, hidden: bool, distill: Distillation | None) -> EngineOutput:
         """A teacher's hidden states, or the student's distillation head (:mod:`padless.forward.distill`)."""
-        states = hidden_states(self.model, batch)[0]
+        router = self._routers()[0]
+        states, aux = routed_hidden_states(self.model, batch, router)
         if distill is None:
-            return EngineOutput(hidden=states)
+            return EngineOutput(hidden=states[0])
         got = distill_from_hidden(
             LogitsHead.of(unwrap(self.model)),
-            states,
+            states[0],
             batch.labels[0],
             distill,
             logits_memory_mb=self.settings.logits_memory_mb,
         )
-        return EngineOutput(logps=got.logps, divergence=got.divergence, weighted=got.weighted)
+        aux = self._recorded([(aux, router)], batch.num_tokens)
+        return EngineOutput(logps=got.logps, divergence=got.divergence, weighted=got.weighted, aux=aux)
 
     def _padded(
         self,
@@ -649,13 +777,26 @@ class ModelEngine(torch.nn.Module):
             raise ValueError("entropy is computed on packed batches only; use train.batching: tokens")
         padded = to_padded(batch, layout.side, layout.pad_id)
         out = EngineOutput()
+        routers, terms = self._routers(), []
         if logps:
-            tokens = unpad(forward_padded(self.model, padded, temperature=temperature), padded.attention_mask)
+            logits, aux = routed_padded(self.model, padded, temperature, routers[0])
+            tokens = unpad(logits, padded.attention_mask)
             weighted = None if logp_weights is None else (tokens * logp_weights).sum()
             out = out._replace(logps=tokens, weighted=weighted)
+            terms.append((aux, routers[0]))
         if values:
-            out = out._replace(values=unpad(forward_scores(self.scorer, padded), padded.attention_mask))
-        return out
+            scores, aux = routed_scores(self.scorer, padded, routers[1])
+            out = out._replace(values=unpad(scores, padded.attention_mask))
+            terms.append((aux, routers[1]))
+        return out._replace(aux=self._recorded(terms, batch.num_tokens))
+
+
+def _active_router(model: torch.nn.Module | None, override: float | None) -> RouterLoss | None:
+    """``model``'s router load-balancing term where its objective has one with a coefficient other than 0."""
+    if model is None or not defines_router_loss(model):
+        return None
+    router = RouterLoss.of(model, override)
+    return router if router is not None and router.coef != 0 else None
 
 
 def _no_split(model: torch.nn.Module) -> list[str]:

@@ -101,6 +101,19 @@ def run_exact(
     return out.view(batch, length, -1)
 
 
+def run_exact_pair(
+    module: torch.nn.Module,
+    forward: Forward,
+    hidden: torch.Tensor,
+    bounds: Boundaries,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """:func:`run_exact` for a layer whose forward returns ``(output, state)`` (MiniMax's lightning
+    attention and its ``K^T V`` state): the output per sequence, and no state, which on a packed row
+    would be the last sequence's (only a cache reads it, and cached calls run as written)."""
+    return run_exact(module, lambda h, **kw: forward(h, **kw)[0], hidden, bounds, kwargs), None
+
+
 # Layer kind -> how a packed call of it runs. One entry per kind padless keeps apart exactly.
 RUNNERS: dict[str, Runner] = {
     # on CUDA kernels told the boundaries (padless.forward.hybrid_kernels), else run_exact
@@ -109,7 +122,16 @@ RUNNERS: dict[str, Runner] = {
         for kind in ("gated_delta_net", "short_conv", "mamba2")
     },
     "mamba": run_exact,
+    "lightning": run_exact_pair,
+    "delta_net": run_exact,
 }
+
+
+def _decayed_linear_attention(module: torch.nn.Module) -> bool:
+    """A linear attention whose ``K^T V`` state decays at a per-head slope, computed in blocks with a
+    within-block decay matrix (MiniMax's lightning attention): buffers ``slope_rate`` and
+    ``diagonal_decay``."""
+    return {"slope_rate", "diagonal_decay"} <= dict(module.named_buffers(recurse=False)).keys()
 
 
 def _depthwise_conv(module: torch.nn.Module) -> bool:
@@ -124,8 +146,12 @@ def layer_kind(module: torch.nn.Module) -> str | None:
     """The stateful kind of ``module`` (``None``: it carries no state across tokens that padless knows):
     a depthwise time convolution with a learned state decay ``A_log`` is a state-space or delta-net
     mixer; Mamba-1 selects per token through ``x_proj`` / ``dt_proj``, Mamba-2 has a skip ``D`` and one
-    input projection, a delta-net writes keys and values into its state; a depthwise convolution with
-    input and output projections and no decay is a short convolution (LFM2)."""
+    input projection, a delta-net writes keys and values into its state (with the decay in a gate of its
+    own: Kimi's delta attention, run per sequence by :func:`run_exact`); a depthwise convolution with
+    input and output projections and no decay is a short convolution (LFM2); a decayed linear attention
+    (:func:`_decayed_linear_attention`) is a lightning attention (MiniMax)."""
+    if _decayed_linear_attention(module):
+        return "lightning"
     if not _depthwise_conv(module):
         return None
     own = dict(module.named_parameters(recurse=False))
@@ -136,6 +162,8 @@ def layer_kind(module: torch.nn.Module) -> str | None:
         if "D" in own and "in_proj" in children:
             return "mamba2"
         return "gated_delta_net"
+    if any("A_log" in dict(c.named_parameters(recurse=False)) for c in children.values()):
+        return "delta_net"  # the decay in a gate of its own (Kimi's delta attention)
     if {"in_proj", "out_proj"} <= set(children) and not any(
         "A_log" in dict(c.named_parameters(recurse=False)) for c in module.modules()
     ):
@@ -146,7 +174,8 @@ def layer_kind(module: torch.nn.Module) -> str | None:
 def carries_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` mixes tokens through a state or a time convolution (covered by a kind or not):
     what must be kept apart per sequence, or refused."""
-    return _depthwise_conv(module) or "A_log" in dict(module.named_parameters(recurse=False))
+    own = dict(module.named_parameters(recurse=False))
+    return _depthwise_conv(module) or "A_log" in own or _decayed_linear_attention(module)
 
 
 def _layer_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
@@ -233,6 +262,8 @@ class _PerSequence:
         batch, length = hidden.shape[:2]
         spans = _spans(batch, length, mask, where)
         rest_kwargs = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS and k != "attention_mask"}
+        if "attention_mask" in kwargs:  # sequences run apart, padding only after them: no mask (a forward
+            rest_kwargs["attention_mask"] = None  # may take it without a default: MiniMax's lightning)
         bounds = Boundaries(spans, batch, length, where.get("cu_seq_lens_q"))
         return RUNNERS[self.kind](self.forward.__self__, self.forward, hidden, bounds, rest_kwargs)
 
@@ -335,7 +366,6 @@ def handled_layer_types(model: torch.nn.Module, layer_types: list[str]) -> set[s
 # state. An exact packed path for one of them (issue 18) removes it from the refusals here.
 STATEFUL = "carry a state from token to token across packed sequence boundaries"
 LAYER_PROBLEMS: dict[str, str] = {
-    "indexed_attention": "select the keys each query sees with an indexer over the whole row",
     "compressed_sparse_attention": "attend to compressed blocks of the whole row",
     "heavily_compressed_attention": "attend to compressed blocks of the whole row",
 }
@@ -346,8 +376,8 @@ def packing_problem(model: torch.nn.Module) -> str | None:
 
     Linear-attention and state-space layers (Qwen3-Next, Qwen3.5, LFM2, Mamba hybrids) carry a state
     from token to token that position ids cannot reset; :func:`install` makes each
-    sequence start at zero state in the kinds it knows. Any other stateful layer, and indexed or
-    compressed attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
+    sequence start at zero state in the kinds it knows. Any other stateful layer, and compressed
+    attention (:data:`LAYER_PROBLEMS`, spanning the whole row), is refused.
     """
     config = text_config(model)
     name = getattr(config, "model_type", type(model).__name__)
@@ -360,17 +390,17 @@ def packing_problem(model: torch.nn.Module) -> str | None:
         why = sorted({LAYER_PROBLEMS.get(t, STATEFUL) for t in other})
         return (
             f"{name} has {', '.join(other)} layers, which {'; and '.join(why)} (padless keeps packed "
-            "sequences apart in gated delta-net, short convolution and Mamba layers only, see "
-            "padless.forward.hybrid); padless runs every forward packed, so it does not support this "
-            "architecture"
+            "sequences apart in gated delta-net, short convolution, Mamba and lightning attention layers "
+            "only, see padless.forward.hybrid); padless runs every forward packed, so it does not support "
+            "this architecture"
         )
     stray = unhandled(model)
     if stray:
         return (
             f"{name}: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''} {STATEFUL} and are not kept "
-            "apart per sequence (padless.forward.hybrid.install wraps the gated delta-net, short convolution "
-            "and Mamba layers it recognises); padless runs every forward packed, so it does not support this "
-            "architecture"
+            "apart per sequence (padless.forward.hybrid.install wraps the gated delta-net, short "
+            "convolution, Mamba and lightning attention layers it recognises); padless runs every forward "
+            "packed, so it does not support this architecture"
         )
     return None
 

@@ -37,6 +37,12 @@ class Example:
         return len(self.input_ids)
 
     @property
+    def routes(self) -> torch.Tensor | None:
+        """``[L, routers, k]``: the experts each token was routed to when it was sampled (a mixture of
+        experts' routing replay, :mod:`padless.forward.routing`; -1: not recorded); None for data."""
+        return None
+
+    @property
     def num_targets(self) -> int:
         """Trained predictions: target tokens after the first (the first token is never predicted)."""
         return len(self.input_ids) - 1 if self.loss_mask is None else sum(self.loss_mask[1:])
@@ -58,6 +64,7 @@ class PackedBatch:
     labels: torch.Tensor  # [1, T] long, IGNORE_INDEX where no loss
     meta: list[dict[str, Any]] = field(default_factory=list)
     vision: dict[str, torch.Tensor] | None = None  # every sample's image inputs, concatenated in order
+    routes: torch.Tensor | None = None  # [T, routers, k] experts to route to (routing replay), -1: any
 
     @property
     def num_sequences(self) -> int:
@@ -114,6 +121,7 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device),
             labels=self.labels.to(device),
             vision=None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()},
+            routes=None if self.routes is None else self.routes.to(device),
         )
 
     def split(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -170,6 +178,7 @@ def pack(examples: Sequence[Example], device: torch.device | str = "cpu") -> Pac
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.tensor(lens, device=device).cumsum(0)
     vision = concat_vision([ex.vision for ex in examples])
+    routes = _routes(examples)
     return PackedBatch(
         input_ids=input_ids[None],
         position_ids=position_ids,
@@ -178,6 +187,22 @@ def pack(examples: Sequence[Example], device: torch.device | str = "cpu") -> Pac
         labels=labels[None],
         meta=[dict(ex.meta) for ex in examples],
         vision=None if vision is None else {k: v.to(device) for k, v in vision.items()},
+        routes=None if routes is None else routes.to(device),
+    )
+
+
+def _routes(examples: Sequence[Example]) -> torch.Tensor | None:
+    """The examples' recorded routes concatenated ``[T, routers, k]`` (-1 for an example without), or None
+    where none has any."""
+    recorded = [ex.routes for ex in examples]
+    shape = next((r.shape[1:] for r in recorded if r is not None), None)
+    if shape is None:
+        return None
+    return torch.cat(
+        [
+            r if r is not None else torch.full((len(ex), *shape), -1, dtype=torch.long)
+            for r, ex in zip(recorded, examples, strict=True)
+        ]
     )
 
 

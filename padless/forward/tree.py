@@ -36,8 +36,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from padless.errors import AttentionError
 from padless.forward import hybrid
-from padless.forward.attention import ATTENTION_LAYER_TYPES, row_position_problem, text_config
+from padless.forward.attention import (
+    ATTENTION_LAYER_TYPES,
+    INDEXED_LAYER_TYPES,
+    row_position_problem,
+    text_config,
+)
 from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch, budget_batches
+from padless.forward.routers import defines_router_loss
 from padless.forward.varlen import sequence_bounds
 
 log = logging.getLogger(__name__)
@@ -253,6 +259,8 @@ def tree_problem(model: torch.nn.Module, backend: str, degree: int = 1) -> str |
             f"its layers that carry a state from token to token ({named}) would have to start each branch "
             "from the state at the end of its prefix, which padless does not do: each sequence runs whole"
         )
+    if set(types) & INDEXED_LAYER_TYPES:
+        return "its indexer chooses the keys of each query from a mask of whole sequences, not of segments"
     if "chunked_attention" in types:
         return "its chunked attention counts chunks from each sequence's start, across prefix and branch"
     if row_position_problem(model, "varlen") is not None or getattr(config, "attn_temperature_tuning", False):
@@ -266,6 +274,11 @@ def tree_problem(model: torch.nn.Module, backend: str, degree: int = 1) -> str |
     windowed = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None))
     if backend != "varlen" and windowed:
         return f"transformers applies one custom mask to every layer on {backend}, sliding ones included"
+    if defines_router_loss(model):
+        return (
+            "its objective's router load-balancing loss is a statistic of every token of every sequence, "
+            "shared prefixes too, which a tree computes once"
+        )
     if degree > 1:
         return "sequence parallelism splits a row by position, and a tree row is not split (yet)"
     return None

@@ -4,7 +4,9 @@ Registered with transformers' ``AttentionInterface`` under :data:`padless.forwar
 reads the sequence boundaries (``cu_seq_lens_q/k``) that the packed forward passes through the model's forward
 and runs attention within each sequence, honouring every argument transformers passes (causal or not,
 sliding windows, soft-caps, sinks, scale, MLA head sizes) or refusing. Which kernel runs
-(:func:`padless.forward.attention.varlen_kernel`) is chosen by name in :mod:`padless.forward.attention`.
+(:func:`padless.forward.attention.varlen_kernel`) is chosen by the name pinned on the layer that calls
+(:func:`padless.forward.attention.pin_kernel`), and a layer whose rows are split over a sequence-parallel
+group attends through the group it carries (:mod:`padless.forward.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from padless.errors import AttentionError
 from padless.forward import attention
-from padless.forward.attention import VARLEN_NAME
+from padless.forward.attention import SPLIT_ATTRIBUTE, VARLEN_NAME
 
 FUSED_MAX_HEAD_DIM = 256  # both fused kernels' documented limit
 
@@ -115,6 +117,8 @@ class AttentionArgs:
 _BOUNDARY_KWARGS = frozenset(
     {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "tree_keys"}
 )
+# The keys an indexer chose for each query ``[B, T, k]`` (sparse attention), honoured by _indexed_attention.
+_INDEX_KWARGS = frozenset({"indices"})
 # Flags of the model's forward that transformers hands on to every attention call; none of them changes
 # what attention computes.
 _INERT_KWARGS = frozenset(
@@ -148,7 +152,9 @@ def _attention_args(
     kwargs: dict[str, Any],
 ) -> AttentionArgs:
     """Every argument transformers passed, honoured or refused: an argument varlen does not know stops."""
-    unknown = sorted(set(kwargs) - _BOUNDARY_KWARGS - _INERT_KWARGS - {"output_attentions"})
+    # an argument given as None asks for nothing (BERT-style decoders hand on encoder_hidden_states=None)
+    given = {k for k, v in kwargs.items() if v is not None}
+    unknown = sorted(given - _BOUNDARY_KWARGS - _INERT_KWARGS - _INDEX_KWARGS - {"output_attentions"})
     if unknown:
         raise AttentionError(
             f"{architecture(module)} passes {', '.join(unknown)} to its attention function, which padless's "
@@ -503,13 +509,15 @@ def _fused_varlen(
 
 
 def _kernel(module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> str:
-    """The kernel this call runs (:func:`padless.forward.attention.varlen_kernel`, or exact attention where
-    the fused kernel lacks an argument and the choice is ``auto``), counted in :data:`KERNEL_CALLS`."""
-    kernel = attention.varlen_kernel(query.device, query.dtype)
+    """The kernel this call runs (:func:`padless.forward.attention.varlen_kernel` of the choice the layer
+    carries, or exact attention where the fused kernel lacks an argument and the choice is ``auto``),
+    counted in :data:`KERNEL_CALLS`."""
+    choice = attention.kernel_of(module)
+    kernel = attention.varlen_kernel(query.device, query.dtype, choice)
     if kernel != "sdpa":
         lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
         if lacking:
-            if attention.varlen_kernel_choice() != "auto":
+            if choice != "auto":
                 raise AttentionError(
                     f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
                     "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
@@ -663,6 +671,25 @@ def varlen_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``varlen`` backend as transformers calls it: :func:`attend`, through the sequence-parallel group
+    the layer carries when its rows are split (``SequenceParallel.attend`` in
+    :mod:`padless.forward.sequence_parallel`). Decided from the call and the layer alone, so activations
+    recomputed in backward (gradient checkpointing, outside any engine pass) run as the forward did."""
+    split = getattr(module, SPLIT_ATTRIBUTE, None)
+    if split is None:
+        return attend(module, query, key, value, attention_mask, *args, **kwargs)
+    return split.attend(attend, module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -687,6 +714,8 @@ def varlen_attention_forward(
     if kwargs.get("tree_keys") is not None:
         return _tree_attention(module, query, key, value, args, kwargs), None
     batch, _, length, _ = query.shape
+    if kwargs.get("indices") is not None:
+        return _indexed_attention(module, query, key, value, attention_mask, args, kwargs), None
     spans = _spans(batch, length, attention_mask, kwargs)
     query = _query_temperature_per_sequence(module, query, spans)
     cu = kwargs.get("cu_seq_lens_q")
@@ -715,6 +744,72 @@ def varlen_attention_forward(
             chunked[chunk] = torch.tensor(starts, dtype=torch.int32, device=query.device)
         packed_cu = chunked[chunk]
     return _fused_varlen(kernel, query, key, value, spans, args, packed_cu), None
+
+
+def _mask_spans(mask: torch.Tensor) -> list[Span]:
+    """The sequences of a ``[B, 1, T, T]`` boolean block-causal mask (what transformers builds for a
+    packed or padded batch): a real token sees itself, and a sequence starts where a real token does not
+    see the one before it."""
+    spans = []
+    for row, m in enumerate(mask[:, 0]):
+        real = m.diagonal().tolist()
+        sees_previous = [False, *m.diagonal(-1).tolist()]
+        start = None
+        for p in range(len(real) + 1):
+            boundary = p == len(real) or not real[p] or not sees_previous[p]
+            if start is not None and boundary:
+                spans.append((row, start, p))
+                start = None
+            if p < len(real) and real[p] and start is None:
+                start = p
+    return spans
+
+
+def _indexed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    args: AttentionArgs,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Sparse attention whose keys an indexer chose (DeepSeek-V3.2 / GLM-5 ``indexed_attention``):
+    ``indices`` ``[B, T, k]`` are each query's chosen key positions in its row; a query attends to the
+    chosen keys of its own sequence, causally. The indexer chose them against the per-sequence mask
+    :func:`varlen_mask` builds for it, so they are those of each sequence alone. Exact, one SDPA call
+    per sequence with its ``[L, L]`` mask (no fused kernel takes indices), written out where SDPA cannot
+    express the layer (soft-capping, sinks)."""
+    batch, heads, length, _ = query.shape
+    if kwargs.get("cu_seq_lens_q") is not None or attention_mask is None:
+        spans = _spans(batch, length, None, kwargs)
+    elif attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
+        spans = _mask_spans(attention_mask)
+    else:
+        spans = _spans(batch, length, attention_mask, kwargs)
+    KERNEL_CALLS["varlen:sdpa"] += 1
+    chosen = torch.zeros(batch, length, length, dtype=torch.bool, device=query.device)
+    chosen.scatter_(-1, kwargs["indices"].long().clamp(0, length - 1), True)
+    out = query.new_zeros(batch, length, heads, value.shape[-1])
+    for row, s, e in spans:
+        allowed = chosen[row, s:e, s:e]
+        if (within := _allowed(e - s, args, query.device)) is not None:
+            allowed = allowed & within
+        q, k, v = (t[row : row + 1, :, s:e] for t in (query, key, value))
+        if args.softcap is not None or args.sinks is not None:
+            seq = _math_attention(q, k, v, args, allowed)
+        else:
+            seq = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                dropout_p=args.dropout,
+                scale=args.scale,
+                enable_gqa=heads != k.shape[1],
+            )
+        out[row, s:e] = seq[0].transpose(0, 1)
+    return out
 
 
 def attention_chunk(module: torch.nn.Module) -> int | None:
@@ -783,7 +878,13 @@ def _log_once(message: str) -> None:
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """Mask builder for ``varlen``: no 4D mask is ever built; a padding mask is handed on as it is (2D)."""
+    """Mask builder for ``varlen``: no 4D mask is built, a padding mask is handed on as it is (2D); except
+    for a model with indexed sparse attention, whose indexer scores keys against the mask it is given:
+    there transformers' own boolean mask (causal within each packed or padded sequence) is built, so the
+    indexer chooses within each sequence."""
+    config = kwargs.get("config")
+    if set(getattr(config, "layer_types", None) or ()) & attention.INDEXED_LAYER_TYPES:
+        return sdpa_mask(*args, attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False})
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask.bool()

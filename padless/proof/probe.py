@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,12 +24,14 @@ from padless.forward.attention import (
     VARLEN_NAME,
     assert_attention,
     attention_layers,
+    pinned,
     runtime_context,
     text_config,
 )
-from padless.forward.engine import backbone, logps_from_hidden, pinned_kernel, score_head
+from padless.forward.engine import backbone, lm_head, logps_from_hidden, score_head
 from padless.forward.hybrid import installed_layers, require_packing
 from padless.forward.packing import IGNORE_INDEX, Example, pack
+from padless.forward.routers import RouterLoss
 from padless.forward.tree import share_prefixes, tree_inputs
 from padless.forward.varlen import KERNEL_CALLS
 from padless.forward.vision import uses_mrope
@@ -69,7 +71,14 @@ PROBE_LENGTHS = (4, 19, 77, 160)
 PROBE_MAX_LENGTH = 1024
 PROBE_TEMPERATURE = 0.7  # a temperature other than 1 on one path: RL divides the logits by its own
 # Config keys whose value is a span of tokens that attention (or a layer's state) treats differently.
-SPAN_KEYS = ("sliding_window", "attention_chunk_size", "chunk_size", "conv_kernel", "local_window_size")
+SPAN_KEYS = (
+    "sliding_window",
+    "attention_chunk_size",
+    "chunk_size",
+    "conv_kernel",
+    "local_window_size",
+    "block_size",  # lightning attention (MiniMax) carries its state from block to block
+)
 
 
 # While the probe runs, spans that restart per sequence but are longer than the probe's sequences (Llama 4's
@@ -183,6 +192,10 @@ class ProbeReference:
     seqs: list[torch.Tensor]
     logits: list[torch.Tensor]  # a scalar-head model's: its head's own per-token outputs ``[L, 1]``
     head_inputs: list[torch.Tensor]
+    # a causal LM's own ``forward(labels=...)``: (loss, router aux_loss or None) per sequence; empty where
+    # its forward returns no loss, or fails given labels (then ``unasked`` says how)
+    losses: list[tuple[float, float | None]] = field(default_factory=list)
+    unasked: str | None = None
     prompts: list[int] | None = None
     tree: ProbeReference | None = None
 
@@ -229,7 +242,15 @@ def _probe_reference(model: torch.nn.Module, purpose: str, seqs: list[torch.Tens
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     scalar = output_head(model)
-    head = scalar if scalar is not None else model.get_output_embeddings()
+    head = scalar if scalar is not None else lm_head(model)
+    # a causal LM's own objective, router load-balancing term included where it has one
+    objective: dict[str, Any] = {}
+    if scalar is None:
+        objective["labels"] = True
+        if RouterLoss.of(model) is not None:
+            objective["output_router_logits"] = True
+    losses: list[tuple[float, float | None]] = []
+    unasked = None  # why the model's own loss could not be asked for
 
     def record(_: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         inputs.append(args[0][0].float())
@@ -240,9 +261,16 @@ def _probe_reference(model: torch.nn.Module, purpose: str, seqs: list[torch.Tens
     model.eval()
     try:
         with torch.no_grad(), _eager(model):
-            logits = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+            try:
+                logits = [_own(model, s, objective, losses) for s in seqs]
+            except Exception as e:  # its forward fails given labels / for its router loss: ask without
+                if not objective:
+                    raise
+                unasked = f"forward({', '.join(f'{k}=...' for k in objective)}) failed: {_one_line(e)}"
+                inputs.clear(), outputs.clear(), losses.clear()
+                logits = [_own(model, s, {}, losses) for s in seqs]
         if scalar is not None:  # its forward pools one score per sequence: compare the head's per token
-            logits = outputs
+            logits, losses = outputs, []
     except Exception as e:
         raise ReferenceForwardError(
             f"{model_name(model)}: transformers' own forward failed on eager attention, the reference of "
@@ -253,7 +281,30 @@ def _probe_reference(model: torch.nn.Module, purpose: str, seqs: list[torch.Tens
     finally:
         hook.remove()
         model.train(was_training)
-    return ProbeReference(seqs, logits, inputs)
+    return ProbeReference(seqs, logits, inputs, losses, unasked)
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+
+
+def _own(
+    model: torch.nn.Module,
+    seq: torch.Tensor,
+    objective: dict[str, Any],
+    losses: list[tuple[float, float | None]],
+) -> torch.Tensor:
+    """The model's own logits ``[L, V]`` on ``seq`` alone; with ``objective``, its loss for labels (and its
+    router loss) appended to ``losses``."""
+    kwargs = {
+        **({"labels": seq[None]} if "labels" in objective else {}),
+        **{k: True for k in objective if k != "labels"},
+    }
+    out = model(input_ids=seq[None], use_cache=False, **kwargs)
+    if getattr(out, "loss", None) is not None:
+        aux = getattr(out, "aux_loss", None)
+        losses.append((out.loss.item(), None if aux is None else float(aux)))
+    return out.logits[0].float()
 
 
 def _next_token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -307,22 +358,20 @@ def probe_attention(
     predicted = labels != IGNORE_INDEX
     decoder = model.get_decoder()
     decoder = backbone(model) if decoder is model else decoder  # Llama4ForCausalLM's decoder is .model
+    router = RouterLoss.of(model) if reference.losses else None
+    if router is not None:
+        packed_kwargs["output_router_logits"] = True
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model) as cut:
             kernels_before = Counter(KERNEL_CALLS)
             with count_attention_calls() as counts:
-                hidden = _packed_hidden(model, decoder, packed_kwargs, backend)
+                hidden, router_logits = _packed_hidden(model, decoder, packed_kwargs, backend)
             kernels = sorted((KERNEL_CALLS - kernels_before).keys())
             scalar = output_head(model)
             paths = head_paths(len(labels), device) if scalar is None else {"score": {}}
-            ours = {
-                name: logps_from_hidden(model, hidden, labels, **kw).logps[predicted]
-                if scalar is None
-                else scalar(hidden)[:, 0].float()
-                for name, kw in paths.items()
-            }
+            ours = _heads(model, scalar, hidden, labels, predicted, paths)
     finally:
         model.train(was_training)
     expected = (
@@ -354,6 +403,7 @@ def probe_attention(
         raise AttentionError(
             _mismatch(model, backend, worst, deltas[worst], limit, delta_hidden, limit_hidden)
         )
+    loss = _compare_losses(model, reference, ours.get("whole"), router, router_logits, limit)
     kernel = ",".join(k.removeprefix("varlen:") for k in kernels) if backend == "varlen" else backend
     return {
         "backend": backend,
@@ -363,6 +413,7 @@ def probe_attention(
         "max_delta_logps": deltas[worst],
         "bound": limit,
         "max_delta_hidden": delta_hidden,
+        **loss,
         **({"spans_cut": cut} if cut else {}),
         **({"tree": probe_tree(model, backend, reference, tolerance)} if tree else {}),
     }
@@ -396,7 +447,7 @@ def probe_tree(
     try:
         with torch.no_grad(), runtime_context(backend, device), spans_within_probe(model):
             inputs = tree_inputs(row, backend, dtype)
-            hidden = _packed_hidden(model, decoder, inputs, backend).index_select(0, row.unfold)
+            hidden = _packed_hidden(model, decoder, inputs, backend)[0].index_select(0, row.unfold)
             scalar = output_head(model)
             if scalar is None:
                 labels = batch.labels[0]
@@ -439,12 +490,83 @@ def probe_tree(
     }
 
 
+def _compare_losses(
+    model: torch.nn.Module,
+    reference: ProbeReference,
+    logps: torch.Tensor | None,
+    router: RouterLoss | None,
+    router_logits: tuple[torch.Tensor, ...] | None,
+    limit: float,
+) -> dict[str, Any]:
+    """padless's loss on each probe sequence (the mean NLL of its log-probs ``logps``, plus the config's
+    coefficient times the load-balancing loss of its routers' logits) against the model's own
+    ``forward(labels=...).loss`` alone; refuses a difference over ``limit``, the log-probs' bound (a mean
+    of per-token values within it). Nothing to compare where the model's forward returns no loss."""
+    if not reference.losses:
+        return {"own_loss": f"not compared: {reference.unasked}"} if reference.unasked else {}
+    lengths = [len(s) for s in reference.seqs]
+    ours, aux_ours = [], []
+    for i, nll in enumerate(logps.split([n - 1 for n in lengths])):
+        aux = None
+        if router is not None and router_logits is not None:
+            start = sum(lengths[:i])
+            aux = router(tuple(layer[start : start + lengths[i]] for layer in router_logits)).item()
+        aux_ours.append(aux)
+        ours.append(-nll.mean().item() + (router.configured * aux if aux is not None else 0.0))
+    delta = max(abs(a - own) for a, (own, _) in zip(ours, reference.losses, strict=True))
+    delta_aux = max(
+        (abs(a - own) for a, (_, own) in zip(aux_ours, reference.losses, strict=True) if own is not None),
+        default=0.0,
+    )
+    if router is not None and (router_logits is None or any(own is None for _, own in reference.losses)):
+        delta_aux = float("inf")  # no router logits, or no router loss, though its modeling code defines one
+    if not (delta <= limit and delta_aux <= limit):
+        term = f" + {router.configured:g} x the router load-balancing loss" if router is not None else ""
+        raise AttentionError(
+            f"{model_name(model)}: its own loss for labels adds a term padless does not reproduce: "
+            f"forward(labels=...).loss on each sequence alone differs from padless's (mean NLL{term}) by "
+            f"{delta:.3g}{f' (the router loss alone by {delta_aux:.3g})' if router is not None else ''} > "
+            f"bound {limit:.3g}, while its per-token log-probs agree; padless refuses to train an objective "
+            "other than the model's. Report it with `padless doctor` output."
+        )
+    return {"max_delta_loss": delta, **({"router_aux_loss_coef": router.configured} if router else {})}
+
+
+def _heads(
+    model: torch.nn.Module,
+    scalar: torch.nn.Module | None,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    predicted: torch.Tensor,
+    paths: dict[str, dict[str, Any]],
+) -> dict[str, torch.Tensor]:
+    """padless's per-token outputs on every head path; a head that cannot take the decoder's hidden states
+    at all (a transform between them that padless has no name for) is a refusal, said so."""
+    try:
+        return {
+            name: logps_from_hidden(model, hidden, labels, **kw).logps[predicted]
+            if scalar is None
+            else scalar(hidden)[:, 0].float()
+            for name, kw in paths.items()
+        }
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        raise AttentionError(
+            f"{model_name(model)}: padless's LM head cannot take the hidden states the model's decoder "
+            f"returns ({type(e).__name__}: {' '.join(str(e).split())[:120]}): the model transforms them "
+            "on the way to its head in a way padless has no name for, so padless does not train it"
+        ) from e
+
+
 def _packed_hidden(
     model: torch.nn.Module, decoder: torch.nn.Module, packed_kwargs: dict[str, Any], backend: str
-) -> torch.Tensor:
-    """The decoder's last hidden states ``[T, H]`` on the packed row; a failure is a refusal, said so."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The decoder's last hidden states ``[T, H]`` on the packed row, and its router logits where asked
+    for; a failure is a refusal, said so."""
     try:
-        return decoder(**packed_kwargs, use_cache=False).last_hidden_state[0]
+        out = decoder(**packed_kwargs, use_cache=False)
+        return out.last_hidden_state[0], getattr(out, "router_logits", None)
     except AttentionError:
         raise
     except Exception as e:
@@ -539,7 +661,7 @@ def prove_packing(
     except AttentionError as e:
         low_error = e
     try:
-        with _float32(model), pinned_kernel("auto"):
+        with _float32(model), pinned(model, "auto"):
             fine = probe_attention(model, backend, tree=tree)
     except AttentionError as e:
         if low_error is not None:

@@ -326,6 +326,10 @@ def exercises(name: str, config: PretrainedConfig) -> str:
         found.append("layers " + " / ".join(kinds))
     if getattr(text, "kv_lora_rank", None):
         found.append("MLA")
+    if isinstance(top := getattr(text, "index_topk", None), int):
+        found.append(f"indexer top-{top} keys")
+    if isinstance(block := getattr(text, "block_size", None), int):
+        found.append(f"blocks of {block}")
     if any(
         isinstance(getattr(text, k, None), int)
         for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -385,11 +389,15 @@ TINY_SIZES: dict[str, int] = {
     **dict.fromkeys(("vocab_size",), VOCAB_SIZE),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "n_ctx"), 1024),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_selected_experts"), 2),
+    **dict.fromkeys(
+        ("num_experts_per_tok", "moe_topk", "num_selected_experts", "moe_k", "num_experts_per_token"), 2
+    ),
     **dict.fromkeys(
         ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32
     ),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group"), 1),
+    **dict.fromkeys(
+        ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "n_group", "topk_group"), 1
+    ),
     "first_k_dense_replace": 1,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
@@ -398,6 +406,8 @@ TINY_SIZES: dict[str, int] = {
     "v_head_dim": 8,
     **dict.fromkeys(("rotary_dim", "rotary_emb_base_dim"), HEAD_DIM // 2),
     **dict.fromkeys(("sliding_window", "attention_chunk_size", "local_window_size"), WINDOW),
+    "block_size": WINDOW,  # lightning attention's blocks (MiniMax): its state carried from block to block
+    "index_topk": WINDOW,  # indexed sparse attention (DeepSeek-V3.2): the indexer chooses among the keys
     # linear-attention and state-space layers: few small heads and states, several scan chunks per sequence
     **dict.fromkeys(
         ("linear_key_head_dim", "linear_value_head_dim", "mamba_d_head", "mamba_head_dim"), HEAD_DIM
@@ -441,19 +451,37 @@ def _tiny_kwargs(defaults: dict[str, object]) -> dict[str, object]:
         for key, value in TINY_SIZES.items()
         if key in defaults and not (key in OPTIONAL and defaults[key] is None)
     }
-    types = defaults.get("layer_types")
-    if isinstance(types, list) and types:
-        kinds = list(dict.fromkeys(types))  # every kind of layer once, in order: mixed stays mixed
-        layers = max(LAYERS, len(kinds))
-        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
-        kwargs.update({k: layers for k in TINY_SIZES if TINY_SIZES[k] == LAYERS and k in defaults})
+    # per-layer kinds (layer_types, mlp_layer_types, ...): every kind of layer once, in order (mixed stays
+    # mixed), every list as long as the deepest needs
+    kinds = {
+        key: list(dict.fromkeys(value))
+        for key, value in defaults.items()
+        if key.endswith("layer_types") and isinstance(value, list) and value
+    }
+    layers = max([LAYERS, *map(len, kinds.values())])
+    for key, kept in kinds.items():
+        kwargs[key] = [kept[i % len(kept)] for i in range(layers)]
+    kwargs.update({k: layers for k in TINY_SIZES if TINY_SIZES[k] == LAYERS and k in defaults})
+    depth = defaults.get("num_hidden_layers")
+    for key, value in defaults.items():  # other per-layer values (Gemma 3n's sparsity and widths): the tiny
+        if key in kinds or not isinstance(value, list) or not value or len(value) != depth:  # depth's first
+            continue
+        kwargs[key] = [TINY_SIZES.get(key, value[i % len(value)]) for i in range(layers)]
+    for key, value in defaults.items():  # overrides of layers by index (Gemma 4's per_layer_config): none
+        if isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+            kwargs[key] = {}
     if defaults.get("kv_lora_rank") and "num_key_value_heads" in kwargs:  # MLA: one latent per query head
         kwargs["num_key_value_heads"] = HEADS
+    if "qk_rope_head_dim" in defaults:  # MLA: head_dim is the rotary part, qk_head_dim the whole
+        kwargs["head_dim"] = TINY_SIZES["qk_rope_head_dim"]
+        kwargs["qk_head_dim"] = TINY_SIZES["qk_rope_head_dim"] + TINY_SIZES["qk_nope_head_dim"]
     if isinstance(defaults.get("expand"), int) and {"num_heads", "head_dim"} <= kwargs.keys():
         kwargs["num_heads"] = HIDDEN * defaults["expand"] // HEAD_DIM  # Mamba-2: heads span the expansion
     for key, value in defaults.items():  # special tokens inside the tiny vocabulary
         if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB_SIZE:
             kwargs[key] = VOCAB_SIZE - 1
+    if "is_decoder" in defaults:  # encoder architectures registered as causal LMs decode causally
+        kwargs["is_decoder"] = True
     kwargs.update({"pad_token_id": PAD_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False})
     return {k: v for k, v in kwargs.items() if k in defaults or k == "tie_word_embeddings"}
 

@@ -54,6 +54,7 @@ def mismatch_metrics(
     sampler: torch.Tensor,
     weights: torch.Tensor | None = None,
     changed: torch.Tensor | None = None,
+    prefix: str = "mismatch/",
 ) -> dict[str, float]:
     """What the logs show per rollout: the per-token KL(sampler || trainer) (k3 estimator, on the sampled
     tokens), the largest log-prob gap, the per-token ratio ``trainer / sampler`` (mean, max, min), and, when
@@ -63,11 +64,11 @@ def mismatch_metrics(
     log_ratio = trainer - sampler
     ratio = log_ratio.exp()
     metrics = {
-        "mismatch/kl": (ratio - 1 - log_ratio).mean().item(),
-        "mismatch/logp_diff_max": log_ratio.abs().max().item(),
-        "mismatch/ratio_mean": ratio.mean().item(),
-        "mismatch/ratio_max": ratio.max().item(),
-        "mismatch/ratio_min": ratio.min().item(),
+        f"{prefix}kl": (ratio - 1 - log_ratio).mean().item(),
+        f"{prefix}logp_diff_max": log_ratio.abs().max().item(),
+        f"{prefix}ratio_mean": ratio.mean().item(),
+        f"{prefix}ratio_max": ratio.max().item(),
+        f"{prefix}ratio_min": ratio.min().item(),
     }
     if weights is not None and changed is not None:
         metrics["mismatch/is_weight_mean"] = weights.mean().item()
@@ -91,8 +92,12 @@ def correct(samples: Sequence[Sample], rollout: Any) -> dict[str, float]:
         return {}
     trainer = torch.tensor([v for s in samples for v in s.passes.old_logps or ()])
     sampler = torch.tensor([v for s in samples for v in s.drawn.logps or ()])
+    unreplayed = {}
+    if samples[0].passes.unreplayed_logps is not None:  # routing replay: the mismatch without it, beside
+        anew = torch.tensor([v for s in samples for v in s.passes.unreplayed_logps or ()])
+        unreplayed = mismatch_metrics(anew, sampler, prefix="mismatch/unreplayed_")
     if not rollout.correction():
-        return mismatch_metrics(trainer, sampler)
+        return {**mismatch_metrics(trainer, sampler), **unreplayed}
     lengths = [s.num_targets for s in samples]
     weights, changed = importance_weights(
         trainer,
@@ -104,4 +109,4 @@ def correct(samples: Sequence[Sample], rollout: Any) -> dict[str, float]:
     )
     for s, w in zip(samples, weights.split(lengths), strict=True):
         s.algorithm.is_weights = w.tolist()
-    return mismatch_metrics(trainer, sampler, weights, changed)
+    return {**mismatch_metrics(trainer, sampler, weights, changed), **unreplayed}

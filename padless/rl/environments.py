@@ -147,12 +147,21 @@ class Tools:
     def parse(self, text: str, prefix: str) -> tuple[list[dict[str, Any]], str | None]:
         """The calls in a model turn (``{"name", "arguments"}`` each) and, when the turn's call syntax is
         broken, why (the calls then are none and the reason goes back to the model as a tool message)."""
+        message, problem = self.read(text, prefix)
+        return ([], problem) if message is None else self.calls(message)
+
+    def read(self, text: str, prefix: str) -> tuple[dict[str, Any] | None, str | None]:
+        """A model turn as the message it is (content, tool calls...), or why its syntax is broken."""
         from transformers.utils.chat_parsing import parse_response
 
         try:
-            message = parse_response(text, self.response_template, prefix=prefix, tools=self.schemas)
+            return parse_response(text, self.response_template, prefix=prefix, tools=self.schemas), None
         except Exception as e:
-            return [], f"error: the tool call could not be parsed ({type(e).__name__}: {first_line(e)})"
+            return None, f"error: the tool call could not be parsed ({type(e).__name__}: {first_line(e)})"
+
+    @staticmethod
+    def calls(message: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+        """A parsed turn's calls (``{"name", "arguments"}`` each), or why one is not a call."""
         calls = []
         for call in message.get("tool_calls") or []:
             inner = call.get("function", call) if isinstance(call, dict) else None
@@ -193,7 +202,7 @@ def load_environment(spec: str | None) -> type:
     """The environment class a spec names (None: the plain tool loop, :class:`Environment`)."""
     if spec is None:
         return Environment
-    cls = load_callable(spec, "environment", BUNDLED_ENVIRONMENTS)
+    cls = load_callable(BUNDLED_ELSEWHERE.get(spec, spec), "environment", BUNDLED_ENVIRONMENTS)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise InputError(
             f"rollout.environment: {spec!r} is not a class with a step(turn) method; fix: subclass "
@@ -309,4 +318,6 @@ class Calculator(Environment):
 
 
 BUNDLED_ENVIRONMENTS: dict[str, type] = {"tools": Environment, "calculator": Calculator}
+# bundled environments in modules of their own (they build on this one): a verifiers task per episode
+BUNDLED_ELSEWHERE = {"verifiers": "padless.rl.verifiers_env:VerifiersEnvironment"}
 BUNDLED_TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate}

@@ -5,11 +5,22 @@ Nothing is re-tokenized: the ids the model sampled are the ids it is trained on,
 sampled from the very sequence that is later trained (so the sampler's log-probs and the training forward's
 compare per token). Only model tokens are targets; environment tokens are context.
 
+A sampled turn that calls tools is also read back as the message it parses to (content and tool calls, as an
+API or a dataset keeps it) and proven under the template like a data row's turn
+(:meth:`ChatEncoder.chat`): where the template would render that message other than as the ids the model
+sampled (it drops a call, writes it without its name, re-serialises its arguments), the episode is marked
+(``template_differs``, a rollout metric) and the log says why once per cause. The ids stay as sampled: the
+policy is trained on what it wrote; the mark says that a conversation replayed through the template would
+show it another turn.
+
 Appending an environment turn asks the template to render the conversation twice: up to the model's turn,
 and with the new messages after it (plus the generation prompt). Everything the second rendering writes
-after the model turn's end-of-turn token is the environment turn. A template whose second rendering changes
-what comes before that point (it rewrites earlier turns once later ones exist) cannot be appended to without
-changing tokens already sampled, and is refused with the place where the renderings differ.
+after the model turn's stop token (the first after the turn's start) is the environment turn; a model that
+stops by writing the next role header (a template without an end-of-turn token) wrote the header the second
+rendering writes right after its turn, and the environment turn is what follows that header. A template
+whose second rendering changes what comes before that point (it rewrites earlier turns once later ones
+exist) cannot be appended to without changing tokens already sampled, and is refused with the place where
+the renderings differ.
 
 Episodes run batched across those still going, turn by turn, through the rollout's :class:`Engine` (token
 ids in, token ids out): every turn is one ``complete`` call for the running episodes, each seeded by its
@@ -39,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from padless.data.chat import ChatTemplateError
-from padless.data.records import IMAGE_COLUMNS, DataError, Row, load_rows
+from padless.data.chat import ChatEncoder, ChatTemplateError, common_prefix
+from padless.data.records import IMAGE_COLUMNS, DataError, Row, chat_messages, load_rows
 from padless.errors import InputError, UserCodeError
 from padless.forward.packing import concat_vision
 from padless.forward.ranks import agreed, common_count
@@ -83,6 +94,7 @@ class Episode:
     last_turn: str = ""
     done: bool = False
     truncated: str | None = None  # why the episode was cut: "turn_length", "max_turns", "token_budget"
+    template_differs: str | None = None  # why the template would render a sampled turn otherwise
     # vision-language policies: the image inputs of the episode's images, the prompt's then those the
     # environment showed (kept, too, to be saved with the rollout), and the prompt row's (source, index)
     vision: dict[str, torch.Tensor] | None = None
@@ -97,6 +109,7 @@ class Episode:
             env_tokens=self.model.count(False),
             env_reward=self.reward,
             truncated_by=self.truncated,
+            template_differs=self.template_differs is not None,
         )
         return Completion(
             self.prompt_ids,
@@ -128,6 +141,8 @@ class EpisodeRunner:
         images in every turn."""
         self.tok, self.rollout, self.env_cls, self.spec = tokenizer, rollout, env_cls, env_spec
         self.tools, self.eos_ids, self.images = tools, eos_ids, images
+        self.chat = ChatEncoder(tokenizer, eos_ids, tools.schemas if tools else None)
+        self.told: set[str] = set()  # the causes of template_differs the log has said
         if tools:
             template = tokenizer.get_chat_template() if tokenizer.chat_template else ""
             if "tools" not in template:
@@ -209,14 +224,19 @@ class EpisodeRunner:
         messages and the next generation prompt; refused when it would change what came before."""
         before = self.render(messages, False)
         after = self.render(messages + new, True)
-        end = before.rfind(eos)
-        if end < 0:
+        # the sampled turn starts where its generation prompt ends (or where the rendering parts from it)
+        end = before.find(eos, common_prefix(self.render(messages[:-1], True), before))
+        if end >= 0:
+            end += len(eos)
+        elif after.startswith(before + eos):  # the stop token is the header the template writes next
+            before, end = before + eos, len(before) + len(eos)
+        else:
             raise ChatTemplateError(
                 f"the chat template does not close an assistant turn with {eos!r}, the token the model "
-                "stopped at, so padless cannot tell where the sampled turn ends in its rendering; fix: use a "
-                "template that ends assistant turns with the end-of-turn token generation stops at"
+                "stopped at, nor write it next for the environment's messages, so padless cannot tell where "
+                "the sampled turn ends in its rendering; fix: use a template that ends assistant turns with "
+                "the end-of-turn token generation stops at"
             )
-        end += len(eos)
         if not after.startswith(before[:end]):
             k = next(
                 (i for i, (a, b) in enumerate(zip(after, before[:end], strict=False)) if a != b),
@@ -229,6 +249,40 @@ class EpisodeRunner:
                 "drops their reasoning); fix: use a template that renders history as it was generated"
             )
         return after[end:]
+
+    def check_rendering(self, e: Episode, parsed: dict[str, Any], ids: list[int], turn: int) -> None:
+        """Mark ``e`` when the template would render the sampled turn (``ids``), kept as the message it
+        parses to, as other text; the log says why, once per cause. Two renders when it renders the same;
+        otherwise the turn is proven like a data row's (:meth:`ChatEncoder.chat`) to name what differs."""
+        history = [*e.messages, {**parsed, "role": "assistant"}]
+        row = Row({"messages": history}, f"environment {self.spec!r}", turn, skippable=False)
+        sampled = self.tok.decode(ids, skip_special_tokens=False)
+        try:
+            head = self.chat.text(row, e.messages, True)
+            turn_text = self.chat.text(row, history)[len(head) :]
+            if turn_text.startswith(sampled):
+                return
+            self.chat.chat(row, chat_messages(row, "messages", history), last_only=True)
+            k = common_prefix(turn_text, sampled)
+            why = (
+                f"re-serialises it: it writes {turn_text[k : k + 30]!r} where the model wrote "
+                f"{sampled[k : k + 30]!r} (character {k} of the turn)"
+            )
+            cause = "re-serialised"
+        except (ChatTemplateError, DataError) as error:
+            why = str(error).split(": ", 1)[-1]
+            cause = getattr(error, "behaviour", None) or getattr(error, "reason", "")
+        e.template_differs = e.template_differs or why
+        if cause not in self.told:
+            self.told.add(cause)
+            log.warning(
+                "environment %r: at turn %d the model called tools in a form the chat template would render "
+                "differently (the turn is trained as sampled; the rollout metric template_differs counts "
+                "such episodes): the template %s",
+                self.spec,
+                turn,
+                why.removeprefix("the chat template "),
+            )
 
     # -- running ------------------------------------------------------------------------------------------
 
@@ -359,7 +413,10 @@ class EpisodeRunner:
                 "token_budget" if room is not None and len(ids) == room else "turn_length",
             )
             return
-        calls, problem = self.tools.parse(text, prefix) if self.tools else ([], None)
+        parsed, problem = self.tools.read(text, prefix) if self.tools else (None, None)
+        calls, problem = self.tools.calls(parsed) if parsed is not None else ([], problem)
+        if calls:
+            self.check_rendering(e, parsed, ids, turn)
         tool_messages = []
         if problem is not None:
             tool_messages.append({"role": "tool", "name": "parse", "content": problem})

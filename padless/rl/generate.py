@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from padless.errors import DIVERGENCE_FIX, DivergenceError
+from padless.forward import routing
 from padless.forward.attention import attention_in_use, hf_name
 from padless.forward.engine import as_engine, inner_engine, unwrap
 from padless.forward.packing import concat_vision
@@ -55,6 +57,9 @@ class Completion:
     # environment showed) and the images the environment showed (PIL)
     vision: dict[str, torch.Tensor] | None = None
     env_images: list[Any] | None = None
+    # a mixture of experts' routes while sampling (rollout.routing_replay): [prompt + completion tokens,
+    # routers, k], -1 where a token was never fed (the last one)
+    routes: torch.Tensor | None = None
 
 
 def left_pad(
@@ -171,6 +176,7 @@ def generate(
     num_return_sequences: int = 1,
     vision: list[dict[str, torch.Tensor] | None] | None = None,
     seeds: list[int] | None = None,
+    routes: bool = False,
 ) -> list[Completion]:
     """Complete each prompt (``num_return_sequences`` times, consecutive in the result).
 
@@ -181,7 +187,9 @@ def generate(
     ``model`` is a (prepared) engine or a plain model; decoding runs inside the engine's forward, so sharded
     weights are gathered for it, and under FSDP2 / ZeRO-3 every rank keeps stepping until all are done
     (``synced_gpus``): ranks must call this with the same number of prompts. ``vision[i]`` holds prompt
-    ``i``'s image inputs (vision-language models): they go with its batch.
+    ``i``'s image inputs (vision-language models): they go with its batch. With ``routes`` (a mixture of
+    experts), each completion carries the experts each of its tokens was routed to
+    (:mod:`padless.forward.routing`).
     """
     engine = as_engine(model)
     inner = unwrap(inner_engine(engine).model)
@@ -224,7 +232,7 @@ def generate(
                         placeholder_ids(inner.config),
                     )
                     extra["logits_processor"] = LogitsProcessorList([sampler])
-                with sampling_guard():
+                with sampling_guard(), routing.recording(inner) if routes else nullcontext() as recorded:
                     out = engine(
                         generate=dict(
                             input_ids=ids,
@@ -237,16 +245,43 @@ def generate(
                             use_cache=True,
                             synced_gpus=synced,
                             **{"do_sample": do_sample, **sampling},
+                            # a MoE config's output_router_logits: true makes each cached decoding step
+                            # compute a router loss against the whole mask (transformers fails on it);
+                            # sampling needs no router loss
+                            **(
+                                {"output_router_logits": False}
+                                if hasattr(inner.config, "output_router_logits")
+                                else {}
+                            ),
                         )
                     )
                 logprobs = sampler.row_logprobs() if sampler is not None else None
                 for j, row in enumerate(out[:, ids.shape[1] :].tolist()):
                     tokens, finished = cut_at_eos(row, eos_ids, pad_id)
                     lp = None if logprobs is None else logprobs[j][: len(tokens)]
-                    results.append(Completion(chunk[j // num_return_sequences], tokens, finished, lp))
+                    prompt = chunk[j // num_return_sequences]
+                    completion = Completion(prompt, tokens, finished, lp)
+                    if recorded is not None:
+                        completion.routes = row_routes(recorded, j, len(prompt), ids.shape[1], len(tokens))
+                    results.append(completion)
     finally:
         inner.train(was_training)
     return results
+
+
+def row_routes(
+    recorded: routing.RoutingRecorder, row: int, prompt: int, width: int, new: int
+) -> torch.Tensor:
+    """Row ``row``'s routes ``[prompt + new, routers, k]`` from a ``generate`` call's router calls: the first
+    call ran the left-padded prompts (``width`` positions a row), each later one the token sampled before
+    it; the last token was never fed (-1)."""
+    per_router = []
+    for calls in recorded.calls:
+        prefill = calls[0].view(-1, width, calls[0].shape[-1])[row, width - prompt :]
+        fed = [step[row] for step in calls[1:new]]
+        unfed = prefill.new_full((new - len(fed), prefill.shape[-1]), -1)
+        per_router.append(torch.cat([prefill, *(f[None] for f in fed), unfed]))
+    return torch.stack(per_router, dim=1).cpu()
 
 
 @contextlib.contextmanager
@@ -336,4 +371,5 @@ class HFEngine:
             vision=vision,
             num_return_sequences=1 if greedy else n,
             seeds=None if greedy else seeds,
+            routes=r.routing_replay,
         )

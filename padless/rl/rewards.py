@@ -149,7 +149,76 @@ def arithmetic_distance(
     )
 
 
-BUNDLED: dict[str, RewardFunction] = {"arithmetic": arithmetic, "arithmetic_distance": arithmetic_distance}
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def final_answer(completion: str) -> str:
+    """What a completion answers: the text of its last ``<answer>...</answer>``, else all of it, stripped."""
+    tagged = _ANSWER_TAG.findall(completion)
+    return (tagged[-1] if tagged else completion).strip()
+
+
+def math_verify(
+    prompts: list[str], completions: list[str], answer: list[Any] | None = None, **fields: Any
+) -> list[float | None]:
+    """1.0 when math-verify finds the completion's answer mathematically equal to ``answer``, else 0.0.
+
+    Both are parsed by math-verify (LaTeX such as ``\\frac{1}{2}`` or ``\\boxed{x^2}``, plain expressions,
+    numbers; in the completion, the last answer found), so ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree. A
+    sample whose ``answer`` is None gets None. ``pip install 'padless[math]'``.
+    """
+    from math_verify import parse, verify
+
+    if answer is None:
+        raise RewardError(
+            "the math_verify reward needs an 'answer' column (each prompt's expected answer); the data has "
+            f"none (columns: {sorted(fields) or 'only prompt'}). Add one, or use another reward function"
+        )
+
+    def same(completion: str, expected: Any) -> bool:
+        gold = parse(str(expected) if "$" in str(expected) or "\\" in str(expected) else f"${expected}$")
+        return bool(gold) and verify(gold, parse(completion))
+
+    return _per_sample(completions, answer, same)
+
+
+def reasoning_gym(
+    prompts: list[str], completions: list[str], reasoning_gym: list[Any] | None = None, **fields: Any
+) -> list[float | None]:
+    """reasoning-gym's own scorer of each row's task (0 to 1), on the completion's :func:`final_answer`.
+
+    Reads the ``reasoning_gym`` column that ``data.train: reasoning_gym:<task>`` rows carry (the task's
+    entry); a sample without one gets None. ``pip install 'padless[reasoning-gym]'``.
+    """
+    import reasoning_gym as gym
+
+    if reasoning_gym is None:
+        raise RewardError(
+            "the reasoning_gym reward scores rows of data.train: reasoning_gym:<task> (their reasoning_gym "
+            f"column holds each task's entry); the data has none (columns: {sorted(fields) or 'only prompt'})"
+        )
+
+    def score(completion: str, entry: Any) -> float:
+        return gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(final_answer(completion), entry)
+
+    return _per_sample(completions, reasoning_gym, score)
+
+
+def _per_sample(
+    completions: list[str], column: list[Any], score: Callable[[str, Any], float]
+) -> list[float | None]:
+    """``score(completion, its row's value)`` for each sample; None where the row has no value."""
+    return [None if v is None else float(score(c, v)) for c, v in zip(completions, column, strict=True)]
+
+
+BUNDLED: dict[str, RewardFunction] = {
+    "arithmetic": arithmetic,
+    "arithmetic_distance": arithmetic_distance,
+    "math_verify": math_verify,
+    "reasoning_gym": reasoning_gym,
+}
+# bundled rewards that read an optional package: (its import name, the padless extra that installs it)
+NEEDS = {"math_verify": ("math_verify", "math"), "reasoning_gym": ("reasoning_gym", "reasoning-gym")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,6 +313,13 @@ def load_reward_function(spec: str) -> RewardFunction:
     names the spec and says how to fix it, raised when the run starts rather than at the first rollout.
     """
     fn = load_callable(spec, "reward function", BUNDLED)
+    package, extra = NEEDS.get(spec.strip(), (None, None))
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise _error(
+            spec.strip(),
+            f"it needs the {package} package, which is not installed",
+            f"pip install 'padless[{extra}]'",
+        )
     _check_signature(spec.strip(), fn)
     return fn
 

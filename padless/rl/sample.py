@@ -38,6 +38,7 @@ class EpisodeStats:
     env_tokens: int
     env_reward: float
     truncated_by: str | None
+    template_differs: bool = False  # a sampled turn the chat template would render otherwise
 
 
 @dataclass(slots=True)
@@ -54,6 +55,8 @@ class Drawn:
     staleness: int | None = None  # updates between the weights that sampled it and now (sampling ahead)
     episode: EpisodeStats | None = None
     env_images: list[str] = field(default_factory=list)  # images an environment showed, as PNG text
+    # routing replay: the experts each token was routed to while sampling, [token][router][k] (-1: any)
+    routes: list[list[list[int]]] | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +80,7 @@ class Passes:
     old_logps: list[float] | None = None
     ref_logps: list[float] | None = None
     old_values: list[float] | None = None
+    unreplayed_logps: list[float] | None = None  # routing replay: the old log-probs routed anew
 
 
 @dataclass(slots=True)
@@ -111,6 +115,11 @@ class Sample(Example):
             rope_positions=example.rope_positions,
             drawn=drawn,
         )
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """The sampler's routes ``[L, routers, k]`` (routing replay), replayed by the trainer's passes."""
+        return None if self.drawn.routes is None else torch.tensor(self.drawn.routes, dtype=torch.long)
 
     @property
     def completion_ids(self) -> list[int]:
@@ -193,7 +202,8 @@ def staleness(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
 
 def episode_metrics(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
     """Multi-turn episodes: turns, tool calls and their success rate, environment tokens (masked from the
-    loss), and the share of episodes truncated (by max_turns, the token budget or a turn's length)."""
+    loss), the share of episodes truncated (by max_turns, the token budget or a turn's length), and the share
+    with a turn the chat template would render otherwise than the model wrote it."""
     if drawn[0].episode is None:
         return {}
     stats = [d.episode for d in drawn if d.episode is not None]
@@ -205,4 +215,5 @@ def episode_metrics(drawn: Sequence[Drawn], prefix: str) -> dict[str, float]:
         f"{prefix}tool_call_success": (calls - failed) / calls if calls else math.nan,
         f"{prefix}env_tokens": sum(s.env_tokens for s in stats) / n,
         f"{prefix}truncated_episodes": sum(s.truncated_by is not None for s in stats) / n,
+        f"{prefix}template_differs": sum(s.template_differs for s in stats) / n,
     }

@@ -94,6 +94,7 @@ class Sampler:
             sampling_s=seconds,
             episode=c.episode,
             env_images=[png_text(image) for image in c.env_images or ()],
+            routes=None if c.routes is None else c.routes.tolist(),
         )
         vision = prompt.vision if c.vision is None else c.vision  # an episode's: with its env's images
         return Sample.of(self.example(c.prompt_ids + c.completion_ids, targets, vision), drawn)

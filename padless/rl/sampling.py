@@ -20,6 +20,7 @@ import torch
 
 from padless.data.images import ImageInputs
 from padless.errors import InputError
+from padless.forward import routing
 from padless.forward.engine import as_engine, inner_engine, unwrap
 from padless.rl.ahead import AheadSampler
 from padless.rl.episodes import EpisodeSampler, make_runner
@@ -29,6 +30,10 @@ from padless.rl.vllm_engine import logprobs_mode
 
 
 def _vllm(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
+    if cfg.rollout.vllm_mode == "server":
+        from padless.rl.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length)
     from padless.rl.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, cfg.rollout, cfg.data.max_prompt_length, cfg.train.seed)
@@ -36,7 +41,9 @@ def _vllm(cfg: Any, policy: torch.nn.Module, tokenizer: Any) -> Engine:
 
 ENGINES: dict[str, Callable[[Any, torch.nn.Module, Any], Engine]] = {
     "hf": lambda cfg, policy, tokenizer: HFEngine(policy, tokenizer, cfg.rollout),  # generate() on the policy
-    "vllm": _vllm,  # a colocated vLLM engine, the policy's weights copied in before every rollout
+    # vLLM colocated in the training process, or a server (rollout.vllm_mode); either is sent the policy's
+    # weights before every rollout
+    "vllm": _vllm,
 }
 
 
@@ -99,6 +106,23 @@ REFUSALS = [
         ),
         "set rollout.max_episode_tokens (e.g. 1024)",
     ),
+    Refusal(
+        lambda r, vision: r.routing_replay and r.engine == "vllm",
+        lambda cfg: (
+            "rollout.routing_replay with rollout.engine: vllm: padless's vLLM engine does not ask vLLM for "
+            "the experts it routed each token to (vLLM's enable_return_routed_experts is not wired in or "
+            "tested here), so there would be no routes to replay"
+        ),
+        "use rollout.engine: hf, or rollout.routing_replay: false",
+    ),
+    Refusal(
+        lambda r, vision: r.routing_replay and (r.episodes() or r.max_staleness > 0),
+        lambda cfg: (
+            "rollout.routing_replay with multi-turn episodes or rollout.max_staleness: routes are recorded "
+            "for single completions sampled on-policy only for now"
+        ),
+        "set rollout.routing_replay: false, or sample single completions on-policy",
+    ),
 ]
 
 
@@ -160,7 +184,21 @@ def make_engine(
 ) -> Engine:
     """The engine ``rollout.engine`` names, for ``policy`` (before it is prepared)."""
     check_sampling(cfg, images is not None)
+    if cfg.rollout.routing_replay:
+        check_replay(cfg, policy)
     return ENGINES[cfg.rollout.engine](cfg, policy, tokenizer)
+
+
+def check_replay(cfg: Any, policy: torch.nn.Module) -> None:
+    """Routing replay needs a mixture of experts whose routers replay exactly, and packed rows run whole,
+    forward and recomputed alike (no gradient checkpointing: a recompute in backward would route anew)."""
+    routing.check_replayable(unwrap(inner_engine(as_engine(policy)).model))
+    if cfg.model.gradient_checkpointing or cfg.train.batching == "padded" or cfg.train.sequence_parallel > 1:
+        raise InputError(
+            "rollout.routing_replay replays routes in whole packed rows, forward only; fix: set "
+            "model.gradient_checkpointing: false, train.batching: tokens and train.sequence_parallel: 1, or "
+            "rollout.routing_replay: false"
+        )
 
 
 def make_sampler(parts: Parts) -> Sampler:

@@ -113,6 +113,23 @@ def logprobs_mode(rollout: Any) -> str | None:
     return None
 
 
+def sampling_args(rollout: Any, n: int, seed: int, greedy: bool, eos_ids: set[int]) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` of one prompt's ``n`` samples (colocated, or sent to a server as JSON)."""
+    return {
+        "n": n,
+        "temperature": 0.0 if greedy else rollout.temperature,
+        "top_p": 1.0 if greedy else rollout.top_p,
+        "top_k": 0,  # the policy's own distribution, whatever the checkpoint's generation config says
+        "repetition_penalty": 1.0,
+        "max_tokens": rollout.max_new_tokens,
+        "stop_token_ids": sorted(eos_ids),
+        "ignore_eos": True,  # stop on exactly padless's EOS ids (stop_token_ids), not vLLM's own
+        "seed": seed,  # per prompt: a prompt's samples do not depend on what it is batched with
+        # the sampled token's log-prob only
+        "logprobs": None if greedy or logprobs_mode(rollout) is None else 0,
+    }
+
+
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     """``{base-layer weight name: its LoRA layer}`` of every unmerged LoRA layer with an active adapter (empty
     for a plain model)."""
@@ -294,21 +311,9 @@ class VLLMEngine:
         vision: list[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[Completion]:
         """``vision`` is never given: :mod:`padless.rl.sampling` refuses vLLM for vision-language policies."""
-        r = self.rollout
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [
-            self.vllm.SamplingParams(
-                n=n,
-                temperature=0.0 if greedy else r.temperature,
-                top_p=1.0 if greedy else r.top_p,
-                top_k=0,  # the policy's own distribution, whatever the checkpoint's generation config says
-                repetition_penalty=1.0,
-                max_tokens=r.max_new_tokens,
-                stop_token_ids=sorted(self.eos_ids),
-                ignore_eos=True,  # stop on exactly padless's EOS ids (stop_token_ids), not vLLM's own
-                seed=seed,  # per prompt: a prompt's samples do not depend on what it is batched with
-                logprobs=None if greedy or self.logprobs_mode is None else 0,  # the sampled token's only
-            )
+            self.vllm.SamplingParams(**sampling_args(self.rollout, n, seed, greedy, self.eos_ids))
             for seed in seeds
         ]
         with trainer_state_kept():

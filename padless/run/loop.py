@@ -30,8 +30,8 @@ from transformers import get_scheduler
 
 from padless.errors import DivergenceError, InputError, Terminated, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
-from padless.forward import sequence_parallel
-from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward import ranks
+from padless.forward.engine import ModelEngine
 from padless.forward.packing import balance_ranks
 from padless.run import contract
 from padless.run.checkpoint import (
@@ -200,9 +200,8 @@ class Trainer:
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
-        # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
-        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
-        self.degree = self.engine_settings.degree
+        # which share of each step this process trains: the engine's (made at run start)
+        self.topology = model.topology if isinstance(model, ModelEngine) else ranks.start()
         self.planned: tuple[int, list[Step]] | None = None
         recipe.plan_with(model)
         self.total_steps = self._count_steps()
@@ -215,9 +214,8 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
-        world = sequence_parallel.data_parallel(self.degree)[1]  # a sequence-parallel group reads one share
         self.terms = contract.terms(
-            recipe, getattr(model, "model", model), settings, world, digest, configured
+            recipe, getattr(model, "model", model), settings, self.topology.world, digest, configured
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
@@ -231,7 +229,7 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            rank, world = sequence_parallel.data_parallel(self.degree)  # a sequence-parallel group shares it
+            rank, world = self.topology.rank, self.topology.world  # a sequence-parallel group shares one
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
@@ -291,13 +289,17 @@ class Trainer:
             last = k == len(step.micros) - 1
             self.acc.sync_gradients = last
             with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
-                loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
+                with self._routed() as routed:
+                    loss, metrics = self.recipe.loss(self.model, micro.read(), step.normaliser)
+                if routed is not None and routed.weighted is not None:
+                    # a MoE's load-balancing loss, each forward weighted by its share of the step's tokens
+                    loss = loss + routed.weighted / step.tokens
+                    metrics = {**metrics, "aux_loss": routed.plain / step.tokens}
                 self.guard.watch(loss, k, len(step.micros))
                 # Ranks average gradients; the normaliser is already global, so undo the mean. Under
                 # sequence parallelism each rank's gradient is its chunk's share: the sum over all
                 # processes is then the sum over data-parallel groups of whole-row gradients.
-                with self.engine_settings.pinned():
-                    self.acc.backward(loss * (micro.scale * world))
+                self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:
@@ -312,8 +314,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= sequence_parallel.data_parallel(self.degree)[1]
+            metrics["grad_norm"] /= self.topology.world
         return metrics
+
+    def _routed(self) -> contextlib.AbstractContextManager:
+        """The engine's record of the router load-balancing terms of a micro-batch's training forwards
+        (:mod:`padless.forward.routers`); yields ``None`` where there are none."""
+        engine = getattr(self.model, "module", self.model)
+        return engine.recording() if isinstance(engine, ModelEngine) else contextlib.nullcontext()
 
     def train(self) -> dict[str, float]:
         cfg, acc = self.cfg, self.acc
@@ -473,12 +481,14 @@ class Trainer:
     ) -> None:
         cfg = self.cfg
         window_tokens, window_time = 0, 0.0
+        planned: dict[str, float] = {}  # what planning the latest epoch measured (a rollout's metrics)
         while state.step < self.total_steps:
             self._stop_together()
             steps = self.steps_of(state.epoch)
             self._stop_together()  # a signal during a rollout: its samples are drawn again on resume
-            if state.step_in_epoch == 0 and (planned := self.recipe.plan_metrics(state.epoch)):
-                reporter.log(state.step + 1, planned)  # e.g. what a rollout measured
+            if state.step_in_epoch == 0 and (measured := self.recipe.plan_metrics(state.epoch)):
+                reporter.log(state.step + 1, measured)  # e.g. what a rollout measured
+                planned = measured
             started = time.perf_counter()
             self.guard.step = state.step + 1
             self._in_step = True
@@ -501,9 +511,8 @@ class Trainer:
             loss = metrics.get("loss", float("nan"))
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
-                last.clear()  # the caller's dict: train() returns it
-                last.update({f"train/{k}": v / counts[k] for k, v in window.items()})
-                last.update(
+                logged = {f"train/{k}": v / counts[k] for k, v in window.items()}
+                logged.update(
                     {
                         "train/lr": lr,
                         "train/tokens_per_s": window_tokens / window_time,
@@ -511,7 +520,9 @@ class Trainer:
                         **self.guard.metrics(),
                     }
                 )
-                reporter.log(state.step, last)
+                reporter.log(state.step, logged)
+                last.clear()  # the caller's dict: train() returns it, the latest rollout's metrics too
+                last.update({**planned, **logged})
                 window.clear()
                 counts.clear()
                 window_tokens, window_time = 0, 0.0
@@ -526,7 +537,7 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        rank, world = sequence_parallel.data_parallel(self.degree)
+        rank, world = self.topology.rank, self.topology.world
         step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
@@ -539,7 +550,7 @@ class Trainer:
         """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
         the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        mine = [sums[k] if sequence_parallel.leads_group(self.degree) else 0.0 for k in keys]
+        mine = [sums[k] if self.topology.leads else 0.0 for k in keys]
         totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 

@@ -121,10 +121,12 @@ VISION_MODELS = ("tiny-qwen2.5-vl",)  # load their tokenizer with padless.data.s
 # earns some reward, so the RL examples show learning instead of a random model's zero reward.
 # ``tiny-llama-calc`` is tiny-llama-arith fine-tuned on calculator conversations (a tool call in the
 # embedded template's syntax, its result, the answer) mixed with direct answers: it calls the tool on some
-# episodes, the calculator example's start.
+# episodes, the calculator example's start. ``tiny-llama-arith-rl`` is tiny-llama-arith sharpened by GRPO on
+# the first 16 ``tiny:rl`` prompts (``--distill-teacher``), the distillation example's teacher.
 SHIPPED_MODELS: dict[str, Path] = {
     "tiny-llama-arith": TINY_DIR / "tiny-llama-arith",
     "tiny-llama-calc": TINY_DIR / "tiny-llama-calc",
+    "tiny-llama-arith-rl": TINY_DIR / "tiny-llama-arith-rl",
 }
 
 

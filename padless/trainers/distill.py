@@ -27,24 +27,22 @@ from typing import Any
 import torch
 
 from padless.config.schema import DistillConfig, DistillSettings, RolloutSettings, TrainSettings
-from padless.data.images import ImageInputs
-from padless.data.sft import SFTLayout
-from padless.data.tokenized import ExampleSet, as_set, load_set
+from padless.data.sources import stop_token_ids
+from padless.data.tokenized import ExampleSet, as_set
 from padless.errors import InputError
+from padless.forward import ranks
 from padless.forward.distill import Distillation
 from padless.forward.packing import Example, budget_batches, pack
-from padless.forward.ranks import equal_share, gather_shares
-from padless.forward.sequence_parallel import data_parallel
+from padless.forward.ranks import Topology, equal_share, gather_shares
 from padless.losses import generalized_jsd, top_k_kl
 from padless.proof.load import load_tokenizer, tokenizer_differences
 from padless.rl.generate import generate
 from padless.rl.sample import Sample, per_target
 from padless.rl.setup import RolloutSetup, start_rl
 from padless.run.loop import MicroBatch, Recipe, Trainer
-from padless.run.reporting import report_data
 from padless.run.session import Session, start_session
 from padless.trainers.rl import Pass, RolloutRecipe
-from padless.trainers.sft import group_examples
+from padless.trainers.sft import group_examples, load_examples
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +72,16 @@ class DistillRecipe(Recipe):
         teacher: torch.nn.Module,
         eval_examples: ExampleSet[Example] | list[Example] | None = None,
         vocab: int | None = None,
+        topology: Topology | None = None,
     ):
         """``teacher``: the prepared frozen teacher engine; ``vocab``: compare the first ``vocab`` logits
-        (when one head is padded past the tokenizer's vocabulary)."""
+        (when one head is padded past the tokenizer's vocabulary); ``topology``: the run's (the
+        session's): steps are numbered at planning, before any engine is bound (one process's by
+        default)."""
         self.examples, self.cfg, self.distill, self.rollout = as_set(examples), cfg, distill, rollout
         self.tokenizer, self.device, self.teacher, self.vocab = tokenizer, device, teacher, vocab
         self.eval_examples = as_set(eval_examples or [])
+        self.topology = topology or ranks.start()
         self.divergence = divergence_of(distill)
         self.bins = None
         if cfg.batching == "packing":
@@ -92,7 +94,7 @@ class DistillRecipe(Recipe):
 
     def plan(self, epoch: int) -> list[MicroBatch]:
         groups = group_examples(self.examples, self.cfg, epoch, self.bins)
-        per_step = self.cfg.gradient_accumulation_steps * data_parallel(self.cfg.sequence_parallel)[1]
+        per_step = self.cfg.gradient_accumulation_steps * self.topology.world
         targets, lengths = self.examples.targets, self.examples.lengths
         self.epoch, self.steps = epoch, {}
         micros = []
@@ -124,7 +126,7 @@ class DistillRecipe(Recipe):
         if self.samples is not None and self.samples[0] == key:
             return self.samples[1]
         indices = self.steps[step]
-        mine, real = equal_share(indices, self.cfg.sequence_parallel)
+        mine, real = equal_share(indices, self.topology)
         prompts = [prompt_of(e) for e in self.examples.take(mine)]
         r = self.rollout
         completions = generate(
@@ -137,9 +139,7 @@ class DistillRecipe(Recipe):
             batch_size=r.generation_batch_size,
             seeds=[self.cfg.seed * 1_000_003 + self.epoch * 7_919 + i for i in mine],
         )
-        drawn = gather_shares(
-            [(c.prompt_ids, c.completion_ids) for c in completions[:real]], self.cfg.sequence_parallel
-        )
+        drawn = gather_shares([(c.prompt_ids, c.completion_ids) for c in completions[:real]], self.topology)
         samples = {
             i: Example(p + c, [False] * len(p) + [True] * len(c))
             for i, (p, c) in zip(indices, drawn, strict=True)
@@ -297,25 +297,17 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         return run_on_policy(cfg)
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
-    if ImageInputs.for_model(cfg.model.name, session.model) is not None:
+    if session.images is not None:
         raise InputError(
             f"model.name {cfg.model.name} is a vision-language model, and distillation runs on text models "
             "only for now; fix: distill a text model"
         )
     teacher, vocab = load_teacher(session, cfg.distill, cfg.model.name)
 
+    stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the student's stop tokens
+
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:
-        layout = SFTLayout(
-            max_length=data.max_length,
-            format=data.format,
-            truncation=data.truncation,
-            completion_only_loss=data.completion_only_loss,
-            per_turn=data.per_turn,
-            skip_bad_rows=data.skip_bad_rows,
-        )
-        examples, stats = load_set(spec, layout, tokenizer, cache_dir=data.cache_dir, num_proc=data.num_proc)
-        report_data(stats, role, spec, cfg.train.output_dir)
-        return examples
+        return load_examples(spec, role, data, tokenizer, cfg.train.output_dir, stop_ids)
 
     recipe = DistillRecipe(
         tokenize(data.train, "train"),
@@ -327,5 +319,6 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         teacher,
         tokenize(data.eval, "eval") if data.eval else None,
         vocab,
+        topology=session.settings.topology,
     )
     return Trainer(recipe, session.engine(), tokenizer, cfg.train, acc).train()

@@ -76,15 +76,18 @@ def load_pairs(
     role: str,
     margin: bool = False,
     images: ImageInputs | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> ExampleSet[PairExample]:
     """Tokenized pairs of ``data.<role>`` (skips reported); ``margin`` requires a numeric margin per row,
-    else margins are dropped. ``images``: the model's image side (vision-language models)."""
+    else margins are dropped. ``images``: the model's image side (vision-language models). ``stop_ids``: the
+    model's generation-config stop tokens, which end a chat completion."""
     layout = PairLayout(
         max_length=data.max_length,
         truncation=data.truncation,
         skip_bad_rows=data.skip_bad_rows,
         require_margin=margin,
         keep_margin=margin,
+        stop_ids=stop_ids,
     )
     pairs, stats = load_set(
         spec, layout, tokenizer, images=images, cache_dir=data.cache_dir, num_proc=data.num_proc

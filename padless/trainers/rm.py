@@ -11,8 +11,7 @@ import torch
 
 from padless.config.schema import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
-from padless.data.images import ImageInputs
-from padless.data.sources import require_scoring_model
+from padless.data.sources import image_inputs, require_scoring_model, stop_token_ids
 from padless.errors import InputError
 from padless.forward.engine import ModelEngine, sequence_scores
 from padless.forward.passes import score_examples
@@ -49,10 +48,12 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     data = cfg.data
 
     pad_id = pad_token_id(tokenizer)
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def pairs(spec: str, role: str) -> list[PairExample]:
-        return load_pairs(spec, tokenizer, data, cfg.train, role, cfg.rm.margin, images)
+        return load_pairs(
+            spec, tokenizer, data, cfg.train, role, cfg.rm.margin, images, stop_token_ids(cfg.model.name)
+        )
 
     eval_pairs = pairs(data.eval, "eval") if data.eval else None
     recipe = RMRecipe(pairs(data.train, "train"), cfg.train, pad_id, acc.device, eval_pairs)
@@ -80,8 +81,13 @@ def score_file(
     )
     model = ModelEngine(scorer).eval()
     rows = load_rows(data)
-    images = ImageInputs.for_model(model_path, scorer)
-    scores = score_examples(model, tokenize_scoring(rows, tokenizer, max_length=max_length, images=images))
+    images = image_inputs(model_path, scorer)
+    scores = score_examples(
+        model,
+        tokenize_scoring(
+            rows, tokenizer, max_length=max_length, images=images, stop_ids=stop_token_ids(model_path)
+        ),
+    )
     scored = [{**row.data, "score": s} for row, s in zip(rows, scores, strict=True)]
     if out is not None and out.endswith(".parquet"):  # keeps images held as raw bytes
         datasets.Dataset.from_list(scored).to_parquet(out)

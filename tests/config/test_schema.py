@@ -716,7 +716,7 @@ def test_rl_allowed_combinations(tmp_path: Path) -> None:
         (["train.batching=padded"], "train.batching", "RL scoring always runs packed"),
         (["train.eval_generate=true"], "train.eval_generate", "SFT option"),
         (["train.eval_steps=5"], "train.eval_steps, data.eval", "data.eval is not set"),
-        (["reward.functions=[]"], "reward.functions, reward.model", "no reward"),
+        (["reward.functions=[]"], "reward.functions, reward.model, rollout.environment", "no reward"),
         (["reward.weights=[1, 2]"], "reward.weights, reward.functions", "2 weight(s) for 1 function(s)"),
         (["reward.weights=[.nan]"], "reward.weights[0]", "finite"),
         (["reward.functions=[arithmetic, arithmetic]"], "reward.functions", "listed more than once"),

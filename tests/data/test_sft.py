@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
-from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_sft
+from padless.data import ChatTemplateError, DataError, Row, load_rows, tokenize_preference, tokenize_sft
+from padless.data.records import chat_messages
 from padless.data.sft import SftEncoder
+from padless.testing import templates
 from padless.tiny import EOS_TOKEN_ID, tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -368,8 +370,9 @@ REWRITING_TEMPLATES = {
 
 def _marker_free(template: str):
     tok = tiny_tokenizer()
-    if template == LLAMA3_TEMPLATE:
+    if template == LLAMA3_TEMPLATE:  # as Llama 3 instruct models: a turn ends with <|eot_id|>, their eos
         tok.add_tokens(LLAMA3_TOKENS, special_tokens=True)
+        tok.eos_token = "<|eot_id|>"
     tok.chat_template = template
     return tok
 
@@ -429,21 +432,22 @@ TEMPLATES = {
 }
 
 # Of the 25 rows x 2 settings below, one render serves all but those starting with the assistant (4), those
-# whose contents the template changes (Llama-3 trims 3 chats, reasoning is cut out of 1) or does not train
-# whole (an end-of-turn token's text in an answer ends the turn early without an end-of-turn of its own: 4
-# rows on "plain-newline", refused on both paths), cannot render
-# (tool calls without the tiny template's support), those of multi-turn shapes a template rewrites and, after
-# "assistant: ", those whose content starts with a word (its first token takes the space: 6 of 12 chats).
+# whose contents the template changes (Llama-3 trims 3 chats, reasoning is cut out of 1), cannot render
+# (tool calls without the tiny template's support), those of multi-turn shapes a template rewrites (a
+# prompt/completion row checks its completion turn only: the prompt's turns are context, rendered as at
+# generation) and, after "assistant: ", those whose content starts with a word (its first token takes the
+# space: 6 of 12 chats). Serving a row is not training it: the plain templates end no turn with a stop token,
+# so every row they render is refused, by both paths alike.
 ROWS_ONE_RENDER_SERVES = {
     "tiny": 42,
     "chatml": 46,
     "llama3": 34,
-    "plain-newline": 38,
+    "plain-newline": 42,
     "plain-space": 24,
     "drops-earlier-thinking": 38,
     "retags-earlier-thinking": 38,
     "counts-down": 0,
-    "last-turn-differs": 4,
+    "last-turn-differs": 22,
 }
 
 
@@ -510,9 +514,140 @@ def test_renders_per_row_do_not_grow_with_turns(template: str, monkeypatch) -> N
 def test_encoder_pickles_without_its_caches() -> None:
     """Worker processes and dataset fingerprints pickle the encoder: its per-process caches stay behind."""
     enc = SftEncoder(_marker_free(CHATML_TEMPLATE))
-    rows = _rows(*({"messages": c} for c in CHATS.values() if c[0]["role"] != "assistant"))
+    trained = [c for name, c in CHATS.items() if name not in ("starts-with-assistant", "special-token-text")]
+    rows = _rows(*({"messages": c} for c in trained))
     before = [enc.messages_row(row) for row in rows]
     assert enc._layout.cache_info().currsize > 0
     copy = pickle.loads(pickle.dumps(enc))
     assert copy._layout.cache_info().currsize == 0
     assert [copy.messages_row(row) for row in rows] == before
+
+
+# -- per-message train flags (the loss / train / weight conventions of ms-swift and axolotl datasets) and
+# the message fields they sit beside (tool calls, reasoning, content parts) ------------------------------
+
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}, "id": "call_1"}
+CALL_CHAT = [
+    {"role": "system", "content": "Use the tools."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "5"},
+    {"role": "assistant", "content": "It is 5."},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "8."},
+]
+CALLS_TOK = templates.TEMPLATES["json-calls"].tokenizer(tiny_tokenizer())
+
+
+def _mem_row(data: dict[str, Any]) -> Row:
+    return Row(data, "mem.jsonl", 3, "line")
+
+
+def _flagged(flags: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, **flags.get(j, {})} for j, m in enumerate(CALL_CHAT)]
+
+
+def _turn_spans(ids: list[int], mask: list[bool]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for k, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            spans.append((start, k))
+            start = None
+    return spans
+
+
+def test_flags_mask_exactly_the_turns_they_name():
+    """Against the unflagged row: a turn flagged off (tool call or plain, by loss / train / weight) loses its
+    targets, every other token keeps its mask, and the ids do not change."""
+    (whole,), _ = tokenize_sft([_mem_row({"messages": CALL_CHAT})], CALLS_TOK, max_length=512)
+    spans = _turn_spans(whole.input_ids, whole.loss_mask)
+    assert [CALLS_TOK.decode(whole.input_ids[a:b]) for a, b in spans] == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "It is 5.<|im_end|>",
+        "8.<|im_end|>",
+    ]
+    for flags, off in [
+        ({2: {"loss": False}}, [0]),
+        ({4: {"train": False}, 6: {"weight": 0}}, [1, 2]),
+        ({2: {"weight": 0.0}, 4: {"loss": True}, 6: {"weight": 1}}, [0]),
+    ]:
+        (ex,), _ = tokenize_sft([_mem_row({"messages": _flagged(flags)})], CALLS_TOK, max_length=512)
+        assert ex.input_ids == whole.input_ids
+        want = list(whole.loss_mask)
+        for k in off:
+            a, b = spans[k]
+            want[a:b] = [False] * (b - a)
+        assert ex.loss_mask == want
+
+
+def test_flags_compose_with_per_turn_and_completion_only_loss():
+    """Per-turn mode makes an example of each trained turn only; a prompt/completion row's flagged-off
+    completion trains nothing, or (completion_only_loss: false) the prompt alone."""
+    flagged = _flagged({4: {"loss": False}})
+    examples, _ = tokenize_sft([_mem_row({"messages": flagged})], CALLS_TOK, max_length=512, per_turn=True)
+    every, _ = tokenize_sft([_mem_row({"messages": CALL_CHAT})], CALLS_TOK, max_length=512, per_turn=True)
+    assert [e.input_ids for e in examples] == [every[0].input_ids, every[2].input_ids]
+    assert [e.loss_mask for e in examples] == [every[0].loss_mask, every[2].loss_mask]
+    row = {"prompt": CALL_CHAT[:6], "completion": [{**CALL_CHAT[6], "weight": 0}]}
+    with pytest.raises(DataError, match="no trainable token"):
+        tokenize_sft([_mem_row(row)], CALLS_TOK, max_length=512)
+    (ex,), _ = tokenize_sft([_mem_row(row)], CALLS_TOK, max_length=512, completion_only_loss=False)
+    prompt = CALLS_TOK.apply_chat_template(CALL_CHAT[:6], add_generation_prompt=True, return_dict=True)
+    prompt = prompt["input_ids"]
+    assert ex.loss_mask == [True] * len(prompt) + [False] * (len(ex.input_ids) - len(prompt))
+
+
+@pytest.mark.parametrize(
+    ("flags", "where", "says"),
+    [
+        ({1: {"loss": False}}, "messages[1].loss", "messages of role 'user' are never trained"),
+        ({4: {"weight": 0.5}}, "messages[4].weight", "must be 0 (not trained) or 1 (trained), got 0.5"),
+        ({4: {"train": "no"}}, "messages[4].train", "must be true or false, got str"),
+        ({4: {"loss": True, "weight": 0}}, "messages[4]", "flags that disagree"),
+        (
+            {2: {"loss": False}, 4: {"loss": False}, 6: {"loss": False}},
+            "messages",
+            "every one is flagged off",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_with_the_mem_row(flags, where, says):
+    with pytest.raises(DataError) as error:
+        tokenize_sft([_mem_row({"messages": _flagged(flags)})], CALLS_TOK, max_length=512)
+    assert str(error.value).startswith(f"mem.jsonl row 3 (line 3): field '{where}' ") and says in str(
+        error.value
+    )
+
+
+def test_a_flag_where_nothing_trains_turn_by_turn_is_refused():
+    """A preference completion trains whole: a flag on it would do nothing, so it is refused."""
+    row = {"prompt": CALL_CHAT[:2], "chosen": [{"role": "assistant", "content": "5", "loss": False}]}
+    row["rejected"] = [{"role": "assistant", "content": "6"}]
+    with pytest.raises(
+        DataError, match=r"'chosen\[0\]\.loss' says whether a turn trains, but 'chosen' is never"
+    ):
+        tokenize_preference([_mem_row(row)], CALLS_TOK, max_length=512)
+
+
+@pytest.mark.parametrize(
+    ("message", "where", "says"),
+    [
+        ({"tool_calls": {"name": "add"}}, "messages[1].tool_calls", "must be a list of tool calls, got dict"),
+        (
+            {"tool_calls": [{"function": {"arguments": {}}}]},
+            "messages[1].tool_calls[0].function.name",
+            "None",
+        ),
+        ({"tool_calls": [{"name": "add", "arguments": 3}]}, "messages[1].tool_calls[0].arguments", "got int"),
+        ({"reasoning_content": ["a"]}, "messages[1].reasoning_content", "must be a string, got list"),
+        ({"content": [{"type": "thinking", "thinking": 1}]}, "messages[1].content[0].thinking", "got int"),
+        ({"content": [{"type": "audio"}]}, "messages[1].content[0]", "got 'audio'"),
+    ],
+)
+def test_malformed_fields_name_the_field(message, where, says):
+    messages = [CALL_CHAT[1], {"role": "assistant", "content": "x", **message}]
+    with pytest.raises(DataError) as error:
+        chat_messages(_mem_row({}), "messages", messages)
+    assert f"field '{where}' " in str(error.value) and says in str(error.value)

@@ -250,12 +250,22 @@ def test_hub_layout_folders_load_like_the_embedded_ones(tmp_path, hub_vl):
     torch.testing.assert_close(a["pixel_values"], b["pixel_values"], rtol=0, atol=0)
 
 
-def test_no_processor_class_anywhere_is_refused_naming_the_files(hub_vl):
-    (hub_vl / "preprocessor_config.json").write_text(
-        json.dumps({"image_processor_type": "Qwen2VLImageProcessor"})
+def test_a_folder_naming_no_processor_class_loads_the_one_its_model_type_maps_to(hub_vl):
+    """As AutoProcessor does: no processor_class in any file, the class of config.json's model_type
+    (qwen2_5_vl: Qwen2_5_VLProcessor), image-only without torchvision, processing as the embedded one."""
+    preprocessor = json.loads((hub_vl / "preprocessor_config.json").read_text())
+    del preprocessor["processor_class"]
+    (hub_vl / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    assert sources._processor_class(hub_vl) == "Qwen2_5_VLProcessor"
+    want, got = sources.load_processor("tiny-qwen2.5-vl"), sources.load_processor(str(hub_vl))
+    assert type(got).__name__ == "Qwen2_5_VLProcessor"
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    prompt = want.apply_chat_template(chat, add_generation_prompt=True)
+    a, b = (
+        p(text=[prompt], images=[Image.new("RGB", (60, 44), "red")], return_tensors="pt") for p in (want, got)
     )
-    with pytest.raises(ValueError, match=r"preprocessor_config\.json, tokenizer_config\.json"):
-        sources.load_processor(str(hub_vl))
+    assert a["input_ids"].tolist() == b["input_ids"].tolist()
+    torch.testing.assert_close(a["pixel_values"], b["pixel_values"], rtol=0, atol=0)
 
 
 @pytest.mark.slow

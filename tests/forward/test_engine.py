@@ -11,6 +11,7 @@ from padless.forward.engine import (
     forward_scores,
     score_positions,
     sequence_scores,
+    use_backend,
 )
 from padless.forward.packing import Example, pack, to_padded
 from padless.proof.load import load_model
@@ -132,3 +133,33 @@ def test_head_takes_the_hidden_states_in_its_own_dtype_as_the_model_does(probe_s
         own = model(torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
     want = own.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
     assert (got - want).abs().max() <= bound(torch.bfloat16, own.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "minimax", "cohere"])
+def test_frontier_architectures_train_packed_as_each_sequence_alone(name, probe_seqs):
+    """Indexed sparse attention (DeepSeek-V3.2, the indexer's top-8 keys), lightning attention (MiniMax,
+    blocks of 8) and a logit scale (Cohere), logits at |logit| 30, loaded as training loads them (the
+    probe proves them): the weight gradient of the packed row's summed log-probs equals the sum over each
+    sequence alone, every element within the bound at the size of the largest gradient, and their
+    peculiar parts learn (the sparse attention's, the lightning layers', the scaled head's)."""
+    from padless.proof.check import zoo_model
+    from padless.proof.probe import prove_packing
+
+    model = zoo_model(name, probe_seqs)
+    use_backend(model, "varlen")
+    prove_packing(model, "varlen")
+    model.train()
+
+    def grads(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        for batch in seqs:
+            forward_packed(model, pack([Example(s) for s in batch])).logps.sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    packed, alone = grads([probe_seqs]), grads([[s] for s in probe_seqs])
+    assert packed.keys() == alone.keys()
+    peculiar = {"deepseek_v32": "kv_b_proj", "minimax": "qkv_proj", "cohere": "lm_head"}[name]
+    assert any(peculiar in n and g.abs().max() > 0 for n, g in packed.items()), peculiar
+    limit = bound(torch.float32, max(g.abs().max().item() for g in alone.values()))
+    for n, g in packed.items():
+        assert (g - alone[n]).abs().max() <= limit, n

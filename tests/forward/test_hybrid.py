@@ -31,6 +31,8 @@ KINDS = {
     "nemotron_h": "mamba2",  # Nemotron-H: Mamba-2 beside attention, MLP and MoE blocks
     "falcon_h1": "mamba2",  # Falcon-H1: Mamba-2 and attention side by side in every block
     "jamba": "mamba",  # Jamba: Mamba-1 selective scan
+    "minimax": "lightning",  # MiniMax: lightning attention (a decayed K^T V state carried block to block)
+    "kimi_linear": "delta_net",  # Kimi Linear: delta attention, its decay in a gate of its own
 }
 
 
@@ -49,7 +51,7 @@ def test_stateful_layers_are_found_by_what_they_are_and_wrapped(name, kind):
 
 
 # one model per kind but Mamba-1 (Jamba's sequential scan takes 20 s here; the zoo proves it exact)
-@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "falcon_h1", "minimax"])
 def test_a_state_carried_over_one_boundary_fails_the_probe(name, monkeypatch):
     """The planted leak: the runner of the model's kind merges the first two sequences of every packed
     row (the second starts from the first one's final state). The probe, on the model's own forward,
@@ -177,8 +179,8 @@ def test_boundaries_only_the_decoder_layer_knew_are_not_reused_by_a_recompute(pr
 
 
 def test_kinds_padless_does_not_cover_stay_refused():
-    """MiniMax's lightning attention carries a state padless has no runner for: refused, with why."""
-    problem = packing_problem(build_zoo_model("minimax", "eager"))
+    """RecurrentGemma's recurrent blocks (an RG-LRU) carry a state padless has no runner for: refused."""
+    problem = packing_problem(build_zoo_model("recurrent_gemma", "eager"))
     assert problem and "has linear_attention layers, which carry a state" in problem
 
 

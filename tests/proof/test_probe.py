@@ -178,9 +178,11 @@ class GainedForCausalLM(Qwen2ForCausalLM):
 
     config_class = GainedConfig
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, labels=None, **kwargs):
         out = super().forward(*args, **kwargs)
         out.logits = out.logits * self.config.output_gain
+        if labels is not None:  # its own loss is on the logits it returns
+            out.loss = self.loss_function(out.logits, labels, self.config.vocab_size)
         return out
 
 
@@ -232,6 +234,29 @@ def test_the_same_model_passes_once_padless_reproduces_its_transform(gained_fold
     info = model.padless_probe
     assert info["max_delta_logps"] <= info["bound"] < 1e-4
     assert info["lengths"] == [4, 19, 77, 160]
+
+
+class ZLossForCausalLM(Qwen2ForCausalLM):
+    """Qwen2 whose own loss adds a z-loss on its logits (as Bamba's ``z_loss_coefficient`` does): a term of
+    its objective that leaves its logits, and so every per-token log-prob, as they are."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        out = super().forward(*args, labels=labels, **kwargs)
+        if labels is not None:
+            out.loss = out.loss + 1e-3 * out.logits.float().logsumexp(-1).pow(2).mean()
+        return out
+
+
+def test_a_term_the_models_own_loss_adds_is_refused(models):
+    """The probe compares padless's loss on each sequence alone with the model's own
+    ``forward(labels=...).loss``: the same weights pass as Qwen2 and are refused with the term."""
+    plain = models["varlen"]
+    assert probe_attention(plain, "varlen")["max_delta_loss"] < 1e-5
+    planted = ZLossForCausalLM(plain.config)
+    planted.load_state_dict(plain.state_dict())
+    planted.padless_attention = "varlen"
+    with pytest.raises(AttentionError, match="its own loss for labels adds a term padless does not"):
+        probe_attention(planted, "varlen")
 
 
 def test_check_shows_the_packed_cell_off_and_the_probe_refuses_varlen(gained_folder, probe_seqs, pad_id):

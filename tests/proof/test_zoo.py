@@ -59,12 +59,22 @@ REFUSALS = {
     **{("llama4_text", b): "NoPE layers by each token's place in the whole row" for b in ("sdpa", "eager")},
 }
 CAPPED = {"gemma2"}  # a final logit soft-cap of 30 keeps |logit| below 30
-# Derived from transformers' own config classes, beside the hand-built ones in CI: a logits transform
-# padless has no name for (Cohere's logit_scale), learned absolute positions (GPT-2), a state-space layer
-# in every block (Mamba), Mamba-2 beside attention (Falcon-H1), Qwen3.5's gated delta-nets, and an
-# image-text-to-text model on its text (Qwen2.5-VL: M-RoPE sections cut to the tiny head). The whole list
-# runs behind `zoo_full`.
-CI_DERIVED = ("cohere", "gpt2", "mamba", "falcon_h1", "qwen3_5_text", "qwen2_5_vl")
+# Derived from transformers' own config classes, beside the hand-built ones in CI: a logits scale (Cohere's
+# logit_scale), learned absolute positions (GPT-2), a state-space layer in every block (Mamba), Mamba-2
+# beside attention (Falcon-H1), Qwen3.5's gated delta-nets, an image-text-to-text model on its text
+# (Qwen2.5-VL: M-RoPE sections cut to the tiny head), lightning attention beside full attention (MiniMax,
+# blocks of 8) and indexed sparse attention (DeepSeek-V3.2, top-8 keys per query). The whole list runs
+# behind `zoo_full`.
+CI_DERIVED = (
+    "cohere",
+    "gpt2",
+    "mamba",
+    "falcon_h1",
+    "qwen3_5_text",
+    "qwen2_5_vl",
+    "minimax",
+    "deepseek_v32",
+)
 CI_ZOO = (*ZOO, *CI_DERIVED)
 
 
@@ -332,11 +342,12 @@ def test_every_ci_architecture_has_a_verdict(zoo_results):
     for z in zoo_results.values():
         assert z.verdict in VERDICTS[:3], (z.name, z.verdict, z.reason)
         assert (z.verdict == "exact") == (z.reason is None), z.name
-    assert zoo_results["cohere"].verdict == "refused"
-    assert "does not reproduce" in zoo_results["cohere"].reason  # logits * logit_scale, unknown by name
+    # Cohere's logits * logit_scale, reproduced by the head (a transform it has no name for is refused:
+    # tests/proof/test_probe.py); DeepSeek-V3.2's indexer chooses keys within each sequence
+    assert zoo_results["cohere"].verdict == zoo_results["deepseek_v32"].verdict == "exact"
     # hybrids: gated delta-nets, a short convolution, Mamba-2 beside attention; and pure Mamba, whose
     # blocks are handed no sequence boundaries (its decoder's call gives them)
-    for hybrid in ("qwen3-next", "lfm2", "qwen3_5_text", "falcon_h1", "mamba"):
+    for hybrid in ("qwen3-next", "lfm2", "qwen3_5_text", "falcon_h1", "mamba", "minimax"):
         assert zoo_results[hybrid].verdict == "exact", zoo_results[hybrid].reason
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
 from padless.rl.setup import RolloutSetup
 from padless.run.interrupts import handled
+from padless.testing.templates import TEMPLATES
 from padless.tiny import tiny_tokenizer
 from padless.tiny.vlm import IMAGE_TOKEN_ID, MERGE_SIZE
 from padless.trainers.grpo import GRPORecipe
@@ -79,13 +81,14 @@ def settings(**kw) -> SimpleNamespace:
 class Scripted:
     """An engine that answers each episode's turns with fixed texts (log-prob -1 per token)."""
 
-    def __init__(self, tok, turns: list[str]):
+    def __init__(self, tok, turns: list[str], stop: int | None = None):
         self.tok, self.turns, self.calls = tok, turns, 0
+        self.stop = tok.eos_token_id if stop is None else stop  # the token each turn ends with
 
     def complete(self, prompts, n, seeds, greedy=False, vision=None):
         self.calls += 1
         text = self.turns[min(self.calls, len(self.turns)) - 1]
-        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.stop]
         return [Completion(p, list(ids), True, [-1.0] * len(ids)) for p in prompts]
 
 
@@ -151,6 +154,115 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     turns = ['<call>{"name": "add", "arguments": {"a": 2, "b": 3}}</call>', "5"]
     with pytest.raises(ChatTemplateError, match="cannot append an environment turn"):
         runner(tok).run(Scripted(tok, turns), [{"prompt": "q"}], [0], False)
+
+
+# The call syntax of the json-calls test template: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
+JSON_CALLS = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"close": "<tool_call>", "content": "text"},
+        "tool_calls": {
+            "open": "<tool_call>\n",
+            "close": "\n</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+SPACED = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "says"),
+    [
+        ("json-calls", SPACED, None),
+        ("json-calls", SPACED.replace(": ", ":").replace(", ", ","), "re-serialises it: it writes"),
+        ("drops-calls", SPACED, "did not render messages[1].tool_calls[0]"),
+    ],
+)
+def test_a_call_the_template_would_render_otherwise_marks_the_episode(tokenizer, name, call, says, caplog):
+    """The sampled call read back as the message it parses to and proven under the template: kept as
+    sampled either way, the episode marked (and the log says why, once) where the template would write it
+    otherwise: dropped or re-serialised."""
+    tok = TEMPLATES[name].tokenizer(tokenizer)
+    run = EpisodeRunner(
+        tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id}
+    )
+    episodes = run.run(Scripted(tok, [call, "5"]), [{"prompt": "q"}, {"prompt": "r"}], [0, 1], False)
+    sampled = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for e in episodes:
+        assert e.ids[: len(sampled)] == sampled and e.calls == 1 and e.failed_calls == 0
+        assert (e.template_differs is None) == (says is None)
+        assert says is None or says in e.template_differs
+        assert e.completion(False).episode.template_differs == (says is not None)
+    told = [r.getMessage() for r in caplog.records if "template_differs" in r.getMessage()]
+    assert len(told) == (says is not None) and (says is None or says in told[0])
+
+
+def test_a_template_that_names_calls_by_their_id_is_refused_before_any_rollout(tokenizer):
+    """Kimi-style: the template writes the call id where the function name belongs; a parsed call has no id,
+    so the template cannot write the model's call at all: refused at start, naming what it raised."""
+    tok = TEMPLATES["id-as-name"].tokenizer(tokenizer)
+    with pytest.raises(ChatTemplateError, match=r"cannot render the episode's messages \(UndefinedError"):
+        EpisodeRunner(tok, settings(), Environment, "test-env", Tools([add], JSON_CALLS), {tok.eos_token_id})
+
+
+class AskAgain(Environment):
+    """Answers every turn with another question."""
+
+    def step(self, turn: Turn) -> Step:
+        return Step(messages=[{"role": "user", "content": "And again?"}], done=turn.index == 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "stop", "says"),
+    [
+        # the answer ends in <|return|> as the last turn and <|end|> once a turn follows
+        ("harmony", None, "cannot append an environment turn to a sampled episode without changing"),
+        # reasoning kept after the last user message only: appending a user message cuts it out
+        ("prefill-think", None, "cannot append an environment turn to a sampled episode without changing"),
+        # the model stops by writing a role header other than the one the template writes next
+        ("headers", "<|observation|>", "does not close an assistant turn with '<|observation|>'"),
+    ],
+)
+def test_an_episode_whose_sampled_turn_the_template_would_render_otherwise_is_refused(
+    tokenizer, name, stop, says
+):
+    """Templates whose history differs from what the model wrote (a history-only closing token, reasoning cut
+    from earlier turns, a turn ended by another header than the one the environment's answer opens with):
+    appending an environment turn would change the sampled ids, so the episode is refused with the reason,
+    never trained on other tokens."""
+    template = TEMPLATES[name]
+    tok = template.tokenizer(tokenizer)
+    stops = {tok.eos_token_id, *template.stop_ids(tok)}
+    run = EpisodeRunner(tok, settings(), AskAgain, "test-env", None, stops)
+    stop_id = None if stop is None else tok.convert_tokens_to_ids(stop)
+    with pytest.raises(ChatTemplateError, match=re.escape(says)):
+        run.run(Scripted(tok, ["Reasoning.\n</think>\n\n5."], stop_id), [{"prompt": "q"}], [0], False)
+
+
+def test_a_turn_that_stops_at_the_next_role_header_is_followed_by_the_environment_turn(tokenizer):
+    """GLM-style: no end-of-turn token; the model stops by writing <|user|> (a generation-config stop id),
+    the header the template writes for the environment's answer. The episode is the template's rendering of
+    the whole conversation, the sampled ids (each through its header) as sampled, the header never twice."""
+    template = TEMPLATES["headers"]
+    tok = template.tokenizer(tokenizer)
+    user = tok.convert_tokens_to_ids("<|user|>")
+    run = EpisodeRunner(tok, settings(), AskAgain, "test-env", None, {tok.eos_token_id, user})
+    [e] = run.run(Scripted(tok, ["5.", "6."], user), [{"prompt": "q"}], [0], False)
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "5."},
+        {"role": "user", "content": "And again?"},
+        {"role": "assistant", "content": "6."},
+    ]
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    assert tok.decode(e.prompt_ids + e.ids) == whole + "<|user|>"
+    sampled = [tok(t, add_special_tokens=False)["input_ids"] + [user] for t in ("5.", "6.")]
+    assert e.ids[: len(sampled[0])] == sampled[0] and e.ids[-len(sampled[1]) :] == sampled[1]
+    assert [t for t, m in zip(e.ids, e.model, strict=True) if m] == sampled[0] + sampled[1]
+    assert e.ids.count(user) == 2  # the header the model wrote is not written again by the environment turn
 
 
 class Raises(Environment):
@@ -305,7 +417,11 @@ def test_environment_tokens_are_never_in_the_loss(sampled):
     """A planted check: the gradient of GRPO's loss reaches the last hidden state (after the final norm, one
     row per position, read by the head alone) only at positions that predict a model token."""
     model, recipe, examples = sampled
-    recipe.process(examples, torch.tensor([e.scored.reward for e in examples]) + torch.arange(6.0), 0)
+    examples = copy.deepcopy(examples)
+    for k, e in enumerate(examples):  # distinct rewards: no advantage is 0 (GRPO reads them from the samples)
+        e.scored.reward += k
+    recipe.process(examples, torch.tensor([e.scored.reward for e in examples]), 0)
+    assert all(a != 0 for e in examples for a in e.algorithm.advantages)
     held = {}
     hook = model.model.norm.register_forward_hook(lambda m, i, out: held.setdefault("h", out).retain_grad())
     try:

@@ -205,7 +205,9 @@ def test_seeded_samples_are_independent_of_batch_and_order(tokenizer):
     model = load_model("tiny-qwen2")
     prompts = _chat_prompts(tokenizer, ["What is 2 + 2?", "Write a gentle story about a kite.", "Hi"])
     seeds = [11, 22, 33]
-    rollout = SimpleNamespace(max_new_tokens=8, temperature=0.9, top_p=1.0, generation_batch_size=32)
+    rollout = SimpleNamespace(
+        max_new_tokens=8, temperature=0.9, top_p=1.0, generation_batch_size=32, routing_replay=False
+    )
     engine = HFEngine(model, tokenizer, rollout)
     batched = engine.complete(prompts, 2, seeds)
     alone = [c for p, s in zip(prompts, seeds, strict=True) for c in engine.complete([p], 2, [s])]
@@ -250,7 +252,9 @@ def test_sampler_logprobs_equal_the_trainers_on_fp32_weights(tokenizer):
 
     model = load_model("tiny-qwen2")
     prompts = _chat_prompts(tokenizer, ["What is 2 + 2?", "Write a gentle story about a kite.", "Hi"])
-    rollout = SimpleNamespace(max_new_tokens=10, temperature=0.7, top_p=0.9, generation_batch_size=32)
+    rollout = SimpleNamespace(
+        max_new_tokens=10, temperature=0.7, top_p=0.9, generation_batch_size=32, routing_replay=False
+    )
     completions = HFEngine(model, tokenizer, rollout).complete(prompts, 2, [1, 2, 3])
     examples = [
         Example(c.prompt_ids + c.completion_ids, [False] * len(c.prompt_ids) + [True] * len(c.completion_ids))
@@ -274,7 +278,9 @@ def test_hybrid_cached_decoding_equals_one_by_one_and_the_packed_forward(tokeniz
     model = load_model("tiny-qwen3.5")
     prompts = _chat_prompts(tokenizer, ["What is 2 + 2?", "Write a gentle story about a kite.", "Hi"])
     seeds = [11, 22, 33]
-    rollout = SimpleNamespace(max_new_tokens=8, temperature=0.9, top_p=1.0, generation_batch_size=32)
+    rollout = SimpleNamespace(
+        max_new_tokens=8, temperature=0.9, top_p=1.0, generation_batch_size=32, routing_replay=False
+    )
     engine = HFEngine(model, tokenizer, rollout)
     batched = engine.complete(prompts, 2, seeds)
     alone = [c for p, s in zip(prompts, seeds, strict=True) for c in engine.complete([p], 2, [s])]

@@ -124,7 +124,10 @@ def test_load_bundled_module_and_file(reward_file: Path, monkeypatch: pytest.Mon
     [
         (
             "arithmetc",
-            ["not a bundled reward (bundled: arithmetic, arithmetic_distance)", "did you mean 'arithmetic'?"],
+            [
+                "not a bundled reward (bundled: arithmetic, arithmetic_distance, math_verify, reasoning_gym)",
+                "did you mean 'arithmetic'?",
+            ],
         ),
         ("lenght", ["not of the form 'module:function'", "fix: write 'package.module:function'"]),
         ("padless.rl.rewards:", ["not of the form 'module:function'"]),
@@ -318,3 +321,35 @@ def test_arithmetic_distance_gives_partial_credit_by_hand():
     )
     assert got == pytest.approx([1 - 2 / 43, 0.0, 1.0, 0.0])
     assert load_reward_function("arithmetic_distance") is arithmetic_distance
+
+
+def test_math_verify_compares_answers_as_mathematics():
+    """The bundled math_verify reward: LaTeX, fractions and decimals agree; a wrong value, no answer or a
+    missing gold answer do not count (None where the row has no answer)."""
+    reward = load_reward_function("math_verify")
+    completions = [
+        "so the answer is $\\boxed{\\frac{1}{2}}$",
+        "0.5",
+        "x = 3, so 2x = 6",
+        "I am not sure",
+        "7",
+    ]
+    assert reward(prompts=[""] * 5, completions=completions, answer=["0.5", "1/2", "6", "4", None]) == [
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+        None,
+    ]
+    with pytest.raises(RewardError, match="needs an 'answer' column"):
+        reward(prompts=[""], completions=["1"])
+
+
+def test_a_bundled_reward_whose_package_is_missing_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    missing = lambda n, *a: None if n == "math_verify" else real(n, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    with pytest.raises(RewardError, match=r"needs the math_verify package.*padless\[math\]"):
+        load_reward_function("math_verify")

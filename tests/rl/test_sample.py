@@ -25,13 +25,14 @@ def full_sample() -> Sample:
         staleness=1,
         episode=EpisodeStats(2, 3, 1, 5, 0.5, "max_turns"),
         env_images=["iVBORw0KGgo="],
+        routes=[[[t % 4, (t + 1) % 4]] for t in range(7)],  # one router, top-2, per token
     )
     return Sample(
         [5, 6, 7, 8, 9, 10, 11],
         [False, False, False, True, True, False, False],
         drawn=drawn,
         scored=Scored(1.5, {"variety": 2.0, "environment": None}),
-        passes=Passes([-0.5, -1.0], [-0.75, -1.5], [0.25, 0.125]),
+        passes=Passes([-0.5, -1.0], [-0.75, -1.5], [0.25, 0.125], [-0.5, -1.125]),
         algorithm=Algorithm([0.5, 0.5], [1.0, 2.0], [1.0, 0.75], 0.0),
     )
 

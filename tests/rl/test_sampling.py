@@ -32,6 +32,8 @@ REFUSED = [
         None,
         r"before the temperature or after top-p, never both",
     ),
+    (["rollout.routing_replay=true", "rollout.engine=vllm"], None, "does not ask vLLM for the experts"),
+    (["rollout.routing_replay=true", "rollout.max_staleness=1"], None, "recorded for single completions"),
 ]
 
 

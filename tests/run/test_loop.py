@@ -7,6 +7,10 @@ import torch
 from accelerate import Accelerator
 
 from padless.config.schema import TrainSettings
+from padless.forward.engine import ModelEngine, use_backend
+from padless.forward.packing import Example, pack
+from padless.losses import sft_token_weights
+from padless.proof.check import zoo_model
 from padless.run.loop import MicroBatch, Recipe, Trainer, parameter_groups, plan_steps
 
 
@@ -83,3 +87,53 @@ def test_every_rank_runs_the_same_number_of_micro_batches_in_every_step(count, r
         real += done
     assert sorted(real) == list(range(count))
     assert any(m.scale == 0.0 for p in plans for step in p for m in step.micros)  # fillers were needed
+
+
+class Whole(Recipe):
+    """SFT over fixed micro-batches of one sequence each (every token a target), two per step."""
+
+    def __init__(self, seqs: list[list[int]]):
+        self.seqs = seqs
+
+    def plan(self, epoch: int) -> list[MicroBatch]:
+        return [MicroBatch([s], len(s) - 1, len(s)) for s in self.seqs]
+
+    def loss(self, model, micro, normaliser):
+        batch = pack([Example(s, [True] * len(s)) for s in micro.data])
+        loss = model(
+            batch, logps=True, logp_weights=sft_token_weights(batch.loss_mask[0], normaliser)
+        ).weighted
+        return loss, {"loss": loss.item()}
+
+
+def test_a_mixture_of_experts_router_loss_is_weighted_by_each_micro_batchs_tokens(probe_seqs, tmp_path):
+    """One step of two micro-batches of a MoE with a load-balancing term: the loop adds
+    coef * sum_m aux_m T_m / T to the loss (T_m the micro-batch's tokens, T the step's), logs
+    sum_m aux_m T_m / T as aux_loss, and the step's gradient is that of the sum (recomputed by hand)."""
+    model = zoo_model("qwen3-moe", probe_seqs)
+    model.config.output_router_logits, model.router_aux_loss_coef = True, 0.02
+    use_backend(model, "varlen")
+    engine = ModelEngine(model)
+    settings = TrainSettings(
+        output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=2, max_grad_norm=0
+    )
+    trainer = Trainer(Whole(probe_seqs[:2]), engine, None, settings, Accelerator(cpu=True))
+    step = trainer.steps_of(0)[0]
+    seqs = [m.data[0] for m in step.micros]
+    tokens, targets = sum(len(s) for s in seqs), sum(len(s) - 1 for s in seqs)
+    expected = 0.0
+    for s in seqs:  # by hand, before the step changes the weights
+        batch = pack([Example(s, [True] * len(s))])
+        with engine.recording() as routed:
+            nll = engine(
+                batch, logps=True, logp_weights=sft_token_weights(batch.loss_mask[0], targets)
+            ).weighted
+        (nll + routed.weighted / tokens).backward()
+        expected += routed.plain / tokens
+    router = model.model.layers[0].mlp.gate.weight
+    by_hand, router.grad = router.grad.clone(), None
+    seen = {}
+    trainer.optimizer.optimizer.register_step_pre_hook(lambda *_: seen.update(grad=router.grad.clone()))
+    metrics = trainer._train_step(step)
+    assert metrics["aux_loss"] == pytest.approx(expected, rel=1e-6) and expected > 1.0
+    assert torch.allclose(seen["grad"], by_hand, atol=1e-7) and by_hand.abs().max() > 1e-4

@@ -371,24 +371,29 @@ def test_build_script_reproduces_committed_files(tmp_path: Path) -> None:
         assert (tmp_path / rel).read_bytes() == (tiny / rel).read_bytes(), rel
 
 
-def test_the_shipped_warm_start_earns_some_reward() -> None:
+@pytest.mark.parametrize(
+    "name, low, high",
+    [("tiny-llama-arith", 0.15, 0.6), ("tiny-llama-arith-rl", 0.5, 1.0)],
+)
+def test_the_shipped_arithmetic_models_earn_their_reward(name, low, high) -> None:
     """tiny-llama-arith answers some of the embedded arithmetic prompts right (greedy: 5 of the first 16,
-    measured), and not all: RL examples start from a policy with reward to gain."""
+    measured), and not all: RL examples start from a policy with reward to gain. tiny-llama-arith-rl, its
+    GRPO-sharpened copy (the distillation example's teacher), answers more (9 of 16, measured)."""
     from padless.data import load_rows
     from padless.proof.load import load_model, load_tokenizer
     from padless.rl.generate import generate
     from padless.rl.rewards import arithmetic
 
-    tok, model = load_tokenizer("tiny-llama-arith"), load_model("tiny-llama-arith")
-    assert model.name_or_path == "tiny-llama-arith" and model.dtype == torch.float32
-    assert (SHIPPED_MODELS["tiny-llama-arith"] / "model.safetensors").stat().st_size < 3_000_000
+    tok, model = load_tokenizer(name), load_model(name)
+    assert model.name_or_path == name and model.dtype == torch.float32
+    assert (SHIPPED_MODELS[name] / "model.safetensors").stat().st_size < 3_000_000
     rows = [r.data for r in load_rows("tiny:rl[:16]")]
     user = [[{"role": "user", "content": r["prompt"]}] for r in rows]
     prompts = [chat_ids(tok, messages, add_generation_prompt=True) for messages in user]
     completions = generate(model, tok, prompts, max_new_tokens=8)
     texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
     exact = sum(arithmetic(None, texts, [r["answer"] for r in rows])) / len(rows)
-    assert 0.15 <= exact <= 0.6, texts
+    assert low <= exact <= high, texts
 
 
 def build_script():

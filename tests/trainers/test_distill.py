@@ -1,17 +1,11 @@
 """Distillation: a step's loss and gradient do not depend on how its examples are packed and split (every
-example alone in its row, a few per row, all in one), on data completions and on the student's samples, nor
-on the number of processes; a teacher whose tokenizer differs is refused in one line; the teacher is proven
-at load like every model."""
+example alone in its row, a few per row, all in one), on data completions and on the student's samples; a
+teacher whose tokenizer differs is refused in one line. One process against two (DDP, FSDP2, ZeRO-2/3: losses,
+gradient norms, weights, resume) is ``tests/trainers/test_strategies.py``'s ``distill`` kind."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +25,6 @@ from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers.distill import DistillRecipe, OnPolicyRecipe
 
 CPU = torch.device("cpu")
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 TEACHER = "tiny-llama-arith"
 
 
@@ -181,60 +174,3 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, capsy
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"distill.teacher {folder}: its tokenizer differs from the student's" in err and named in err
     assert "fix:" in err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def losses(run: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
-
-
-@pytest.mark.slow
-def test_one_and_two_processes_train_the_same_steps(tmp_path):
-    """gkd with lmbda 0.5 (steps on data completions and steps on the student's samples) for 4 steps: one
-    process accumulating 2 micro-batches a step, and two processes of one each (gloo), log the same losses."""
-    common = [
-        "distill.mode=gkd",
-        "distill.lmbda=0.5",
-        "data.train=tiny:sft_prompt_completion[:24]",
-        "data.max_length=512",
-        "rollout.max_new_tokens=8",
-        "train.max_steps=4",
-        "train.max_tokens_per_batch=400",
-        "train.logging_steps=1",
-        "train.learning_rate=1e-3",
-        "train.progress_bar=false",
-        "train.report_to=[jsonl]",
-    ]
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = [sys.executable, "-m", "padless.cli", "distill", *common, "train.gradient_accumulation_steps=2"]
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-    ]
-    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    for cmd in (
-        [*single, f"train.output_dir={one}"],
-        [*launch, "-m", "padless.cli", "distill", *common, f"train.output_dir={two}"],
-    ):
-        result = subprocess.run(cmd, env=ENV, capture_output=True, timeout=900)
-        assert result.returncode == 0, result.stderr.decode()[-3000:]
-    a, b = losses(one), losses(two)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for s in a:
-        assert b[s] == pytest.approx(a[s], rel=1e-5), s
-    on = [
-        json.loads(line).get("train/on_policy") for line in (one / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert 0 < sum(v for v in on if v is not None) < 4  # both kinds of steps ran

@@ -4,7 +4,8 @@ under ZeRO-3: ``NOT_UNDER``) and the embedded VLM), DPO
 (frozen reference model; reference log-probs precomputed by a pass shared between ranks; LoRA with the
 adapters-off policy as reference), RM, GRPO (on-policy, one step off-policy: ``rollout.max_staleness:
 1``, the rollout sampled ahead carried through a checkpoint per rank, and multi-turn calculator episodes
-whose turn counts differ between ranks) and PPO under DDP, FSDP2, DeepSpeed
+whose turn counts differ between ranks), PPO and GKD distillation (steps on data and on the student's
+samples, the teacher sharded like a reference, its head gathered per chunk) under DDP, FSDP2, DeepSpeed
 ZeRO-2 and ZeRO-3 gives the same per-step losses and final weights as one process with the same global
 batch, and a run resumed from a mid-run checkpoint (mid-rollout for RL) continues exactly. The plans are
 deliberately uneven: 3 RL prompts on 2 ranks (one rank samples a filler), eval sets and rollouts whose
@@ -129,6 +130,15 @@ TRAINERS = {
         "rollout.max_new_tokens=8",
         "grpo.mini_batches_per_rollout=2",
     ],
+    "distill": [  # GKD from a frozen teacher sharded like a reference: steps on data and on student samples
+        "data.train=tiny:sft_eval",
+        "data.max_length=1024",
+        "distill.mode=gkd",
+        "distill.lmbda=0.5",
+        "rollout.max_new_tokens=6",
+        "train.max_steps=4",
+        "train.save_steps=2",
+    ],
 }
 # the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
 # rollout plan); the VLM, hybrid and precomputed-reference variants add nothing to resume and are not
@@ -142,6 +152,7 @@ RESUME_FROM = {
     "grpo_stale": 2,
     "ppo": 3,
     "grpo_env": 3,
+    "distill": 2,
 }
 # ZeRO-3 gathers a module's parameters at each call, and the hybrid's exact path calls each stateful layer
 # once per group of sequence lengths, a count that differs between ranks: the collectives mismatch and gloo

@@ -47,7 +47,7 @@ def worker(tokens: int, out: Path) -> None:
     from accelerate import PartialState
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from padless.forward import sequence_parallel
+    from padless.forward import ranks
     from padless.forward.attention import hf_name
     from padless.forward.engine import EngineSettings, ModelEngine
     from padless.forward.packing import Example, pack
@@ -70,8 +70,8 @@ def worker(tokens: int, out: Path) -> None:
     length = tokens // 4
     batch = pack([Example(torch.randint(3, 4096, (length,), generator=gen).tolist()) for _ in range(4)])
     weights = sft_token_weights(batch.loss_mask[0], float(batch.loss_mask.sum()))
-    sp = sequence_parallel.start(state.num_processes)
-    engine = ModelEngine(model, settings=EngineSettings(sequence_parallel=sp))
+    topology = ranks.start(state.num_processes)
+    engine = ModelEngine(model, settings=EngineSettings(topology=topology))
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = _status("VmRSS")
@@ -81,7 +81,7 @@ def worker(tokens: int, out: Path) -> None:
     elapsed = time.perf_counter() - started
     peak = _status("VmHWM")
     record = {
-        "degree": 1 if sp is None else sp.degree,
+        "degree": topology.degree,
         "rank": state.process_index,
         "tokens": tokens,
         "tokens_per_rank": tokens // state.num_processes,

@@ -96,9 +96,9 @@ def tokenize(spec: dict[str, Any], rows: list[Row], model: Any) -> list[Any]:
     """padless's examples of the rows (input ids, assistant loss mask, pixel values, M-RoPE rows)."""
     from padless.data import Row as DataRow
     from padless.data import tokenize_sft
-    from padless.data.images import ImageInputs
+    from padless.data.sources import image_inputs
 
-    images = ImageInputs.for_model(spec["model"], model)
+    images = image_inputs(spec["model"], model)
     data = [DataRow(r, spec["data"]["spec"], i) for i, r in enumerate(rows)]
     examples, _ = tokenize_sft(data, images.tokenizer, max_length=spec["max_length"], images=images)
     return examples

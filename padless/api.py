@@ -79,7 +79,7 @@ def load_target(target: str) -> Any:
 @contextlib.contextmanager
 def offline_run() -> Iterator[None]:
     """What every command and API run does around its work: nothing is downloaded (peft would ask the hub
-    about LoRA bases), and a run that stopped gives back its folder's lock, log file and kernel pin."""
+    about LoRA bases), and a run that stopped gives back its folder's lock and log file."""
     offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:

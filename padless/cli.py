@@ -22,7 +22,7 @@ from padless.api import TRAINERS, offline_run
 from padless.api import load_target as _load
 from padless.config.choices import BACKENDS, DTYPE_NAMES, VARLEN_KERNELS
 from padless.errors import InputError, describe, exit_code
-from padless.forward.attention import backend_problem, set_varlen_kernel, validate_backend_name
+from padless.forward.attention import backend_problem, validate_backend_name
 from padless.run.interrupts import handled, interruption
 from padless.run.logs import log_failure, setup_logging
 
@@ -93,8 +93,7 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 must mean fp32 in an fp32 check
-    if args.varlen_kernel:
-        set_varlen_kernel(args.varlen_kernel)
+    kernel = args.varlen_kernel or "auto"  # pinned on every model checked
     dtype = resolve_dtype(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     name = "the model zoo" if args.zoo else args.model
     if args.zoo:
@@ -110,6 +109,7 @@ def _check(args: argparse.Namespace) -> int:
             device=device,
             probe=False,
             trust_remote_code=args.trust_remote_code,
+            varlen_kernel=kernel,
         )
         layouts: dict[str, Any] = {"layouts": check.LAYOUTS + check.TREE_LAYOUTS}
         if is_vision_config(model.config):  # image+text chats, with their pixel values and M-RoPE rows
@@ -129,7 +129,9 @@ def _check(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"unknown zoo architecture {', '.join(unknown)}; `padless check --zoo` runs them all"
             )
-        results = check.run_zoo(seqs, pad_id, backends, names, dtype=dtype, device=device)
+        results = check.run_zoo(
+            seqs, pad_id, backends, names, dtype=dtype, device=device, varlen_kernel=kernel
+        )
         print(check.format_zoo(results, markdown=args.markdown))
         failed = check.zoo_failures(results, requested)
     else:

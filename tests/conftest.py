@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from padless.forward.attention import set_varlen_kernel
-
 # Very different lengths on purpose: a short sequence packed before a long one is where leaks show.
 PROBE_LENGTHS = (3, 20, 90)
 
@@ -42,12 +40,10 @@ _TORCH_LINEAR = torch.nn.functional.linear
 
 
 @pytest.fixture(autouse=True)
-def _reset_varlen_kernel() -> Iterator[None]:
-    """``set_varlen_kernel`` (and ``padless check --varlen-kernel``) set process-wide state: never leak it.
-    Nor DeepSpeed's ZeRO-3 linear, which it leaves in ``torch.nn.functional`` for the rest of the process
-    (every later test ran slower through it): a test that leaves it there fails."""
+def _no_leaked_linear() -> Iterator[None]:
+    """DeepSpeed's ZeRO-3 linear stays in ``torch.nn.functional`` for the rest of the process (every later
+    test ran slower through it): a test that leaves it there fails."""
     yield
-    set_varlen_kernel("auto")
     leaked = torch.nn.functional.linear is not _TORCH_LINEAR
     torch.nn.functional.linear = _TORCH_LINEAR
     assert not leaked, "this test left torch.nn.functional.linear patched (DeepSpeed ZeRO-3): restore it"

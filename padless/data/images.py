@@ -160,16 +160,6 @@ class ImageInputs:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.rope = RopeIndex(config) if uses_mrope(config) else None
 
-    @classmethod
-    def for_model(cls, name: str, model: torch.nn.Module) -> ImageInputs | None:
-        """The image side of the model ``name`` (its processor), or None for a text-only model."""
-        from padless.data.sources import load_processor
-        from padless.forward.engine import unwrap
-        from padless.forward.vision import is_vision_config
-
-        config = unwrap(model).config
-        return cls(load_processor(name), config) if is_vision_config(config) else None
-
     def prompt_rows(self, rows: Sequence[Row]) -> list[Row]:
         """Generation prompts of chat rows, as prompt rows (:func:`padless.data.prompts.tokenize_prompts`
         reads them): each conversation up to its last assistant turn, with the images of the turns kept."""

@@ -26,8 +26,10 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from padless import tiny
+from padless.data.images import ImageInputs
 from padless.errors import InputError
 from padless.forward import vision
+from padless.forward.engine import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -427,6 +429,13 @@ def _processor_class(folder: Path) -> str | None:
         _read_json(folder / "config.json").get("model_type") if (folder / "config.json").exists() else None
     )
     return PROCESSOR_MAPPING_NAMES.get(model_type)
+
+
+def image_inputs(name_or_path: str | Path, model: torch.nn.Module) -> ImageInputs | None:
+    """The image side of the model ``name_or_path`` (its processor, see
+    :class:`padless.data.images.ImageInputs`), or None for a text-only model, which never builds one."""
+    config = unwrap(model).config
+    return ImageInputs(load_processor(name_or_path), config) if vision.is_vision_config(config) else None
 
 
 def load_processor(name_or_path: str | Path) -> Any:

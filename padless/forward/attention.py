@@ -1,6 +1,12 @@
 """Attention backends by name: which exist, which can run here, which kernel ``varlen`` runs, and which
 backend a model dispatches to.
 
+What a layer's attention runs with travels on the layer itself, never in process state: transformers
+passes the layer to the attention function, which reads there the kernel pinned behind ``varlen``
+(:func:`pin_kernel`) and the sequence-parallel group the layer's rows are split over
+(:func:`padless.forward.sequence_parallel.attach`). Copies of a model carry them, and two models in one
+process, in two threads (a sampler beside a trainer), each run their own.
+
 ``varlen`` is padless's own backend (:mod:`padless.forward.varlen`, the kernel); transformers' own ``sdpa``,
 ``eager``, ``flex_attention`` and ``flash_attention_2`` are driven through position_ids that restart per
 sequence, with no attention mask and no KV cache (with a cache, transformers skips its per-sequence mask
@@ -14,6 +20,7 @@ import contextlib
 import difflib
 import importlib.util
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,8 +30,8 @@ from padless.errors import AttentionError
 
 VARLEN_NAME = "padless_varlen"  # the name under which transformers sees our backend
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # all that flash-attn and PyTorch's varlen_attn take
-
-_varlen_kernel_choice = "auto"
+KERNEL_ATTRIBUTE = "padless_varlen_kernel"  # the kernel pinned behind varlen, on every module of a model
+SPLIT_ATTRIBUTE = "padless_sequence_parallel"  # the sequence-parallel group a layer's rows are split over
 
 
 def hf_name(backend: str) -> str:
@@ -56,8 +63,11 @@ def torch_varlen_available() -> bool:
     return "window_size" in inspect.signature(varlen_attn).parameters
 
 
-def backend_problem(backend: str, device: torch.device | str, training: bool = False) -> str | None:
-    """Why ``backend`` cannot run on ``device`` (``None`` when it can), with the fix."""
+def backend_problem(
+    backend: str, device: torch.device | str, training: bool = False, kernel: str = "auto"
+) -> str | None:
+    """Why ``backend`` cannot run on ``device`` (``None`` when it can), with the fix; ``kernel``: the one
+    pinned behind ``varlen``."""
     validate_backend_name(backend)
     cuda = torch.device(device).type == "cuda"
     if backend == "flash_attention_2":
@@ -70,13 +80,15 @@ def backend_problem(backend: str, device: torch.device | str, training: bool = F
             "flex_attention has no backward pass on CPU (PyTorch: 'FlexAttention does not support backward "
             "on CPU'); train with attn_implementation=varlen or sdpa, or run on CUDA"
         )
-    if backend == "varlen" and _varlen_kernel_choice != "auto":
-        return varlen_kernel_problem(_varlen_kernel_choice, torch.device(device))
+    if backend == "varlen" and kernel != "auto":
+        return varlen_kernel_problem(kernel, torch.device(device))
     return None
 
 
-def require_backend(backend: str, device: torch.device | str, training: bool = False) -> None:
-    problem = backend_problem(backend, device, training)
+def require_backend(
+    backend: str, device: torch.device | str, training: bool = False, kernel: str = "auto"
+) -> None:
+    problem = backend_problem(backend, device, training, kernel)
     if problem:
         raise AttentionError(problem)
 
@@ -85,12 +97,33 @@ def available_backends(device: torch.device | str, training: bool = False) -> li
     return [b for b in BACKENDS if backend_problem(b, device, training) is None]
 
 
-def set_varlen_kernel(kernel: str) -> None:
-    """Pin the kernel behind ``varlen`` (``auto`` picks per call from device and dtype)."""
-    global _varlen_kernel_choice
+def validate_kernel_name(kernel: str) -> None:
     if kernel not in VARLEN_KERNELS:
         raise AttentionError(f"unknown varlen kernel {kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}")
-    _varlen_kernel_choice = kernel
+
+
+def pin_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """Pin the kernel behind ``varlen`` on every module of ``model`` (``auto``: picked per call from device
+    and dtype): each of its layers runs it, in its forward and in a backward that recomputes it."""
+    validate_kernel_name(kernel)
+    for module in model.modules():
+        setattr(module, KERNEL_ATTRIBUTE, kernel)
+
+
+def kernel_of(module: torch.nn.Module) -> str:
+    """The kernel pinned behind ``varlen`` on ``module`` (``auto`` where none was)."""
+    return getattr(module, KERNEL_ATTRIBUTE, "auto")
+
+
+@contextlib.contextmanager
+def pinned(model: torch.nn.Module, kernel: str) -> Iterator[None]:
+    """``kernel`` pinned on ``model`` inside the block, its own pin again after it."""
+    before = kernel_of(model)
+    pin_kernel(model, kernel)
+    try:
+        yield
+    finally:
+        pin_kernel(model, before)
 
 
 def varlen_kernel_problem(kernel: str, device: torch.device) -> str | None:
@@ -106,8 +139,8 @@ def varlen_kernel_problem(kernel: str, device: torch.device) -> str | None:
     return None
 
 
-def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel ``varlen`` runs for tensors on ``device`` in ``dtype``.
+def varlen_kernel(device: torch.device, dtype: torch.dtype, choice: str = "auto") -> str:
+    """Which kernel ``varlen`` runs for tensors on ``device`` in ``dtype``, ``choice`` pinned.
 
     CUDA half precision uses flash-attn when installed, else PyTorch's ``varlen_attn``; everything else
     (CPU, or fp32 on CUDA, which the flash kernels do not take) runs exact attention through SDPA
@@ -115,7 +148,6 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     asks for something the fused kernel lacks runs exact too (see
     :func:`padless.forward.varlen.varlen_attention_forward`).
     """
-    choice = _varlen_kernel_choice
     if choice == "auto":
         if device.type == "cuda" and dtype in FUSED_DTYPES:
             if flash_attn_installed():
@@ -129,11 +161,6 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     if choice != "sdpa" and dtype not in FUSED_DTYPES:
         raise AttentionError(f"varlen kernel {choice!r} runs fp16/bf16 only, got {dtype}; use dtype=bfloat16")
     return choice
-
-
-def varlen_kernel_choice() -> str:
-    """The kernel ``varlen`` is pinned to (``auto``: chosen per call by :func:`varlen_kernel`)."""
-    return _varlen_kernel_choice
 
 
 def runtime_context(backend: str, device: torch.device) -> contextlib.AbstractContextManager:

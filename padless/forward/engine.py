@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -25,22 +25,21 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from padless.config.choices import TREE_PACKING, VARLEN_KERNELS
+from padless.config.choices import TREE_PACKING
 from padless.config.schema import TrainSettings
-from padless.errors import AttentionError
-from padless.forward import hybrid, routing, sequence_parallel
+from padless.forward import hybrid, ranks, routing, sequence_parallel
 from padless.forward.attention import (
     assert_attention,
     attention_in_use,
     hf_name,
+    pin_kernel,
     runtime_context,
-    set_varlen_kernel,
-    varlen_kernel_choice,
+    validate_kernel_name,
 )
 from padless.forward.distill import Distillation, distill_from_hidden
 from padless.forward.packing import IGNORE_INDEX, PackedBatch, PaddedBatch, Side, to_padded, unpad
+from padless.forward.ranks import Topology
 from padless.forward.routers import SPLIT_ROWS, RouterLoss, RouterRecord, defines_router_loss
-from padless.forward.sequence_parallel import SequenceParallel
 from padless.forward.tree import TreeRow, resolve_tree, tree_inputs, tree_row
 from padless.forward.varlen import sequence_bounds
 
@@ -53,31 +52,27 @@ DEFAULT_LOGITS_MEMORY_MB = 1024
 class EngineSettings:
     """What every pass of one engine runs with; it travels with the engine, never in process state.
 
-    ``varlen_kernel`` pins the kernel behind ``varlen`` (``model.varlen_kernel``) for the engine's passes
-    and the backward of their losses; ``None`` leaves the process's choice as it is. ``logits_memory_mb``
+    ``varlen_kernel`` (``model.varlen_kernel``) is pinned on the engine's models, whose layers run it in
+    every pass and the backward of its loss (:func:`padless.forward.attention.pin_kernel`); ``None`` leaves
+    the models' own pin (the one they were loaded and proven with). ``logits_memory_mb``
     (``train.logits_memory_mb``) is what the fp32 logits of one micro-batch may take before the LM head
-    runs in chunks. ``sequence_parallel`` (``train.sequence_parallel``) is the group the engine splits every
-    packed row over (:mod:`padless.forward.sequence_parallel`). ``router_aux_loss_coef`` weights the
-    load-balancing loss of a mixture of experts in training forwards (:mod:`padless.forward.routers`)."""
+    runs in chunks. ``topology`` is where this process stands among the run's (made at run start: its
+    data-parallel rank and the sequence-parallel group every packed row is split over,
+    :mod:`padless.forward.sequence_parallel`); the loop and the recipes read it here.
+    ``router_aux_loss_coef`` weights the load-balancing loss of a mixture of experts in training forwards
+    (:mod:`padless.forward.routers`)."""
 
     varlen_kernel: str | None = None
     logits_memory_mb: int = DEFAULT_LOGITS_MEMORY_MB
-    sequence_parallel: SequenceParallel | None = None  # the group each packed row is split over
+    topology: Topology = field(default_factory=ranks.start)
     tree_packing: str = "off"  # train.tree_packing: auto / on / off (see resolve_tree)
     router_aux_loss_coef: float | None = None  # model.router_aux_loss_coef; None: each model's config's
-
-    @property
-    def degree(self) -> int:
-        """The sequence-parallel degree (1: rows run whole); data is dealt by data-parallel rank for it."""
-        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
 
     def __post_init__(self) -> None:
         if self.logits_memory_mb <= 0:
             raise ValueError(f"logits memory budget must be positive, got {self.logits_memory_mb} MB")
-        if self.varlen_kernel is not None and self.varlen_kernel not in VARLEN_KERNELS:
-            raise AttentionError(
-                f"unknown varlen kernel {self.varlen_kernel!r}; choose one of {', '.join(VARLEN_KERNELS)}"
-            )
+        if self.varlen_kernel is not None:
+            validate_kernel_name(self.varlen_kernel)
         if self.tree_packing not in TREE_PACKING:
             raise ValueError(
                 f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
@@ -86,25 +81,7 @@ class EngineSettings:
     def probed_tree(self) -> str:
         """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
         rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
-        return self.tree_packing if self.degree == 1 else "off"
-
-    def pinned(self) -> contextlib.AbstractContextManager:
-        """The kernel pin in force inside the block, the previous choice back after it."""
-        return pinned_kernel(self.varlen_kernel)
-
-
-@contextlib.contextmanager
-def pinned_kernel(kernel: str | None) -> Iterator[None]:
-    """``kernel`` behind ``varlen`` inside the block (``None``: as it is), the previous choice after it."""
-    if kernel is None:
-        yield
-        return
-    before = varlen_kernel_choice()
-    set_varlen_kernel(kernel)
-    try:
-        yield
-    finally:
-        set_varlen_kernel(before)
+        return self.tree_packing if self.topology.degree == 1 else "off"
 
 
 @dataclass(frozen=True)
@@ -610,22 +587,23 @@ class ModelEngine(torch.nn.Module):
         for m in (model, value):  # the models' structure, checked once here, not before each forward
             if m is not None:
                 hybrid.require_packing(unwrap(m))
+        if self.settings.varlen_kernel is not None:  # its layers run it in any pass, in any thread
+            pin_kernel(self, self.settings.varlen_kernel)
         # each model's router load-balancing term (None: its objective has none, or its coefficient is 0)
         self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
         self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # whether packed batches run as tree rows (train.tree_packing), decided once per engine
         self.tree = all(
-            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.settings.degree)
+            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.topology.degree)
             for m in (model, value)
             if m is not None
         )
-        # the group every packed forward is split over (None: rows run whole)
-        self.sequence_parallel = self.settings.sequence_parallel
-        if self.sequence_parallel is not None:
+        split = self.topology.sequence_parallel  # the group every packed forward is split over
+        if split is not None:
             for m in (model, value):
                 if m is not None:
-                    sequence_parallel.check_model(m, self.sequence_parallel.degree)
-                    sequence_parallel.attach(m, self.sequence_parallel)  # its layers split over this group
+                    sequence_parallel.check_model(m, split.degree)
+                    sequence_parallel.attach(m, split)  # its layers split over this group
 
     def forward(
         self,
@@ -657,40 +635,45 @@ class ModelEngine(torch.nn.Module):
 
         Under sequence parallelism a packed batch runs split over the group (each rank its chunk, see
         :mod:`padless.forward.sequence_parallel`) and every rank returns the whole row's results."""
-        with self.settings.pinned():
-            if generate is not None:
-                return self.model.generate(**generate)
-            if head_of is not None:
-                head = LogitsHead.of(unwrap(self.model), temperature)
-                return head.finish(head.module(head_of.to(head.dtype)))
-            if not isinstance(batch, PackedBatch):
+        if generate is not None:
+            return self.model.generate(**generate)
+        if head_of is not None:
+            head = LogitsHead.of(unwrap(self.model), temperature)
+            return head.finish(head.module(head_of.to(head.dtype)))
+        if not isinstance(batch, PackedBatch):
+            raise ValueError(
+                f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
+                "passes the packed batch with layout=BatchLayout(side, pad_id)"
+            )
+        kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
+        split = self.topology.sequence_parallel
+        if hidden or distill is not None:
+            if layout.side is not None or split is not None:
                 raise ValueError(
-                    f"the engine takes packed batches only, got {type(batch).__name__}; a padded comparison "
-                    "passes the packed batch with layout=BatchLayout(side, pad_id)"
+                    "distillation runs on packed batches of whole rows: set train.batching: tokens or "
+                    "packing, and train.sequence_parallel: 1"
                 )
-            kw = dict(logps=logps, entropy=entropy, temperature=temperature, values=values)
-            if hidden or distill is not None:
-                if layout.side is not None or self.sequence_parallel is not None:
-                    raise ValueError(
-                        "distillation runs on packed batches of whole rows: set train.batching: tokens or "
-                        "packing, and train.sequence_parallel: 1"
-                    )
-                return self._distill(batch, hidden, distill)
-            if batch.routes is not None and (layout.side is not None or self.sequence_parallel is not None):
-                raise ValueError(
-                    "routing replay runs packed rows whole: set train.batching: tokens and "
-                    "train.sequence_parallel: 1, or rollout.routing_replay: false"
+            return self._distill(batch, hidden, distill)
+        if batch.routes is not None and (layout.side is not None or split is not None):
+            raise ValueError(
+                "routing replay runs packed rows whole: set train.batching: tokens and "
+                "train.sequence_parallel: 1, or rollout.routing_replay: false"
+            )
+        if layout.side is not None:
+            if split is not None:
+                raise sequence_parallel.SequenceParallelError(
+                    "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
+                    "or packing"
                 )
-            if layout.side is not None:
-                if self.sequence_parallel is not None:
-                    raise sequence_parallel.SequenceParallelError(
-                        "train.sequence_parallel > 1 runs packed batches only; set train.batching: tokens "
-                        "or packing"
-                    )
-                return self._padded(batch, layout, logp_weights=logp_weights, **kw)
-            if self.sequence_parallel is None:
-                return self._forward(batch, logp_weights=logp_weights, **kw)
-            return self.sequence_parallel.run(self._forward, batch, logp_weights, **kw)
+            return self._padded(batch, layout, logp_weights=logp_weights, **kw)
+        if split is None:
+            return self._forward(batch, logp_weights=logp_weights, **kw)
+        return split.run(self._forward, batch, logp_weights, **kw)
+
+    @property
+    def topology(self) -> Topology:
+        """Where this process stands among the run's: what data it holds and which rows it splits."""
+        return self.settings.topology
 
     @property
     def scorer(self) -> torch.nn.Module:
@@ -705,7 +688,7 @@ class ModelEngine(torch.nn.Module):
         if not any(self.routers):
             yield None
             return
-        if self.sequence_parallel is not None:
+        if self.topology.sequence_parallel is not None:
             raise sequence_parallel.SequenceParallelError(SPLIT_ROWS)
         self._record = RouterRecord()
         try:

@@ -5,7 +5,7 @@ Two ways to share the items out:
 
 - each rank its own items (a rollout's share): a rank that runs out of batches repeats a filler, whose
   results are dropped, until every rank has run as many (sharded engines gather in every forward);
-- ``share=degree``: the same items on every rank (a whole data set), the batches dealt out round robin
+- ``share=topology``: the same items on every rank (a whole data set), the batches dealt out round robin
   between data-parallel ranks, each item's result computed by exactly one rank (the first of its
   sequence-parallel group) and summed over ranks once, in float64: exact, since the others add zeros.
 """
@@ -19,10 +19,9 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import reduce
 
-from padless.forward import sequence_parallel
 from padless.forward.engine import inner_engine, sequence_scores
 from padless.forward.packing import Example, budget_batches, pack
-from padless.forward.ranks import lockstep
+from padless.forward.ranks import Topology, lockstep
 from padless.forward.tree import plan_batches
 
 T = TypeVar("T")
@@ -36,7 +35,7 @@ def lockstep_pass(
     run: Callable[[list[T]], Sequence[R]],
     max_tokens: int,
     filler: T | None = None,
-    share: int | None = None,
+    share: Topology | None = None,
     tree: bool = False,
 ) -> list[R]:
     """``run(batch)`` (one result per item of the batch) on batches of at most ``max_tokens`` tokens (an
@@ -44,8 +43,8 @@ def lockstep_pass(
 
     Without ``share`` every rank passes its own items and ``filler`` (its results dropped) keeps a rank
     whose batches ran out in step with the others; it is needed when a rank may have no items at all.
-    With ``share`` (the engine's sequence-parallel degree) the items are the same on every rank and the
-    results, tensors of one shape, come back summed over ranks (float64; see the module docstring).
+    With ``share`` (the run's topology, which the engine carries) the items are the same on every rank and
+    the results, tensors of one shape, come back summed over ranks (float64; see the module docstring).
     ``tree``: the items are examples that the engine runs as tree rows: batched by the tokens of their
     trees, shared prefixes side by side (:func:`padless.forward.tree.tree_batches`)."""
     budget = max([max_tokens, *lengths])
@@ -59,13 +58,12 @@ def lockstep_pass(
                 for i, value in zip(group, values, strict=True):
                     results[i] = value
         return results  # type: ignore[return-value]
-    rank, world = sequence_parallel.data_parallel(share)
     summed: torch.Tensor | None = None
-    for group, real in lockstep(groups[rank::world], groups[0] if groups else []):
+    for group, real in lockstep(groups[share.rank :: share.world], groups[0] if groups else []):
         values = torch.stack(list(run([items[i] for i in group]))).double()  # type: ignore[arg-type]
         if summed is None:
             summed = values.new_zeros(len(items), *values.shape[1:])
-        if real and sequence_parallel.leads_group(share):  # a sequence-parallel group's first counts it
+        if real and share.leads:  # a sequence-parallel group's first counts it
             summed[group] = values
     if summed is None:
         return []

@@ -1,12 +1,16 @@
 """Ranks in lockstep. Sharded engines (FSDP2, ZeRO-3) gather parameters in every forward and reduce
 gradients in every backward, and DDP broadcasts buffers in every forward: a rank that runs one pass fewer
 than the others leaves them waiting forever. Work is shared out so every rank runs the same count of
-passes, with fillers (real data whose results are dropped) where a rank's share runs out."""
+passes, with fillers (real data whose results are dropped) where a rank's share runs out.
+
+Which share is this process's is its :class:`Topology`, made once at run start (:func:`start`) and carried
+by the engine (``EngineSettings.topology``), from which the loop and the recipes read it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -15,20 +19,49 @@ from accelerate.utils import gather, gather_object
 
 from padless.errors import UserCodeError
 from padless.forward import sequence_parallel
+from padless.forward.sequence_parallel import SequenceParallel
 
 T = TypeVar("T")
 
 
-def equal_share(items: list[T], degree: int) -> tuple[list[T], int]:
+@dataclass(frozen=True)
+class Topology:
+    """Where this process stands among the run's processes. The W processes form W / N data-parallel
+    groups of N consecutive processes (N: the sequence-parallel degree): every process of a group holds
+    the same data, its group's data-parallel ``rank`` of ``world``, and splits each packed row with the
+    others over ``sequence_parallel`` (None for N = 1)."""
+
+    rank: int
+    world: int
+    sequence_parallel: SequenceParallel | None = None
+
+    @property
+    def degree(self) -> int:
+        """The sequence-parallel degree N (1: rows run whole)."""
+        return 1 if self.sequence_parallel is None else self.sequence_parallel.degree
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process is its group's first: the one whose results count once in sums over ranks."""
+        return self.sequence_parallel is None or self.sequence_parallel.rank == 0
+
+
+def start(degree: int = 1) -> Topology:
+    """This process's topology for sequence parallelism of ``degree`` (``train.sequence_parallel``). Every
+    process must call it (a group is made by all of them)."""
+    state = PartialState()
+    group = sequence_parallel.start(degree) if degree > 1 else None  # rows run whole: no group
+    return Topology(state.process_index // degree, state.num_processes // degree, group)
+
+
+def equal_share(items: list[T], topology: Topology) -> tuple[list[T], int]:
     """This rank's contiguous slice of ``items`` padded with fillers (copies of ``items[0]``) to the same
     length on every rank; returns the slice and how many of its items are real (they come first).
-    Ranks are data-parallel ranks: the processes of a sequence-parallel group (of ``degree``, the engine's)
-    get the same slice."""
+    Ranks are data-parallel ranks: the processes of a sequence-parallel group get the same slice."""
     if not items:
         raise ValueError("nothing to share out between ranks")
-    rank, world = sequence_parallel.data_parallel(degree)  # a sequence-parallel group shares one slice
-    size = math.ceil(len(items) / world)
-    mine = items[rank * size : (rank + 1) * size]
+    size = math.ceil(len(items) / topology.world)
+    mine = items[topology.rank * size : (topology.rank + 1) * size]
     return mine + [items[0]] * (size - len(mine)), len(mine)
 
 
@@ -47,12 +80,12 @@ def lockstep(batches: list[T], filler: T) -> Iterator[tuple[T, bool]]:
         yield (batches[i], True) if i < len(batches) else (filler, False)
 
 
-def gather_shares(items: list[T], degree: int) -> list[T]:
+def gather_shares(items: list[T], topology: Topology) -> list[T]:
     """Every data-parallel rank's ``items`` in rank order, on every process (the processes of a
     sequence-parallel group hold the same items: their group's first gives them)."""
     if PartialState().num_processes == 1:
         return items
-    return gather_object(items if sequence_parallel.leads_group(degree) else [])
+    return gather_object(items if topology.leads else [])
 
 
 def agreed(run: Callable[[], T], what: str) -> T:

@@ -1,18 +1,18 @@
 """Sequence parallelism on packed rows (Ulysses): one packed row split over the N ranks of a group.
 
 The world's W processes form W / N data-parallel groups of N consecutive ranks. Every rank of a group
-holds the same packed row (the data is dealt by data-parallel rank, :func:`data_parallel`). The group is
-the engine's (``EngineSettings.sequence_parallel``, started by the session), not the process's. Its labels
+holds the same packed row (the data is dealt by data-parallel rank: :class:`padless.forward.ranks.Topology`,
+made at run start). The group is the engine's (its topology's), not the process's. Its labels
 were shifted per sequence when it was packed (:func:`padless.forward.packing.pack`), before any split, so no
 prediction crosses a sequence or a chunk. The row is padded at its end to a multiple of N with tokens
 that form a sequence of their own and carry no label, then cut into N equal contiguous chunks; each rank
 embeds and runs the MLPs of its chunk with the chunk's own position ids. At every attention call an
 all-to-all trades the chunk's heads for the whole row's tokens (``[chunk, H]`` -> ``[T, H / N]``), the
 varlen backend attends within each sequence of the FULL row's ``cu_seqlens`` (a sequence straddling a
-chunk boundary is attended exactly), and a second all-to-all trades back (:func:`_ulysses`, registered in
-place of ``varlen`` once a group starts; it passes whole rows through untouched). The attention layers
-find the group on themselves (:func:`attach`, done by the engine): it travels with the model, so two
-models in one process can split over two groups.
+chunk boundary is attended exactly), and a second all-to-all trades back (:meth:`SequenceParallel.attend`,
+which the ``varlen`` backend calls for a layer that carries a group; it passes whole rows through
+untouched). The attention layers find the group on themselves (:func:`attach`, done by the engine): it
+travels with the model, so two models in one process can split over two groups.
 
 Outputs are gathered so every rank of a group returns the whole row's per-token results, and computes
 the same loss. The gather's backward hands each rank the gradient of its own chunk only (every rank
@@ -32,12 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
-from transformers import AttentionInterface
 
 from padless.forward import hybrid
-from padless.forward.attention import VARLEN_NAME, attention_in_use, row_position_problem
+from padless.forward.attention import SPLIT_ATTRIBUTE, attention_in_use, row_position_problem
 from padless.forward.packing import IGNORE_INDEX, PackedBatch
-from padless.forward.varlen import sequence_bounds  # registers the varlen backend this module wraps
+from padless.forward.varlen import sequence_bounds
 
 
 class SequenceParallelError(ValueError):
@@ -131,8 +130,6 @@ class SequenceParallel:
                 "train.sequence_parallel > 1 runs text rows only: image tokens are merged into the "
                 "embeddings of whichever chunk holds them; set train.sequence_parallel: 1 for vision models"
             )
-        if AttentionInterface._global_mapping.get(VARLEN_NAME) is _varlen:  # registered again since start
-            AttentionInterface.register(VARLEN_NAME, _ulysses)
         padded = self.pad(batch)
         local = self.chunk(padded)
         if logp_weights is not None:
@@ -148,31 +145,35 @@ class SequenceParallel:
         weighted = None if out.weighted is None else self.sum(out.weighted)
         return out._replace(weighted=weighted, **whole)
 
-
-def _ulysses(module: torch.nn.Module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
-    """The ``varlen`` backend under sequence parallelism: on a chunk of a row (queries fewer than the row's
-    ``cu_seq_lens_q`` span), all-to-all, exact per-sequence attention over the whole row, all-to-all back;
-    on anything else, ``varlen`` as it is. Decided from the call alone and the group the layer carries
-    (:func:`attach`), so activations recomputed in backward (gradient checkpointing, outside any forward
-    context) split exactly as the forward did."""
-    sp, cu = getattr(module, ATTRIBUTE, None), kwargs.get("cu_seq_lens_q")
-    row = sequence_bounds(cu)[-1] if cu is not None else query.shape[2]
-    if sp is None or row == query.shape[2]:
-        return _varlen(module, query, key, value, attention_mask, *args, **kwargs)
-    if attention_mask is not None or row != query.shape[2] * sp.degree:
-        raise SequenceParallelError(
-            f"attention got {query.shape[2]} queries of a {row}-token row under sequence_parallel="
-            f"{sp.degree}: only packed rows split by the engine run split; report this with `padless doctor`"
-        )
-    if kwargs.get("s_aux") is not None:  # per-head sinks: this rank's head group
-        kwargs["s_aux"] = kwargs["s_aux"].chunk(sp.degree)[sp.rank]
-    q, k, v = (sp.heads_to_tokens(t) for t in (query, key, value))
-    out, weights = _varlen(module, q, k, v, None, *args, **kwargs)
-    return sp.tokens_to_heads(out), weights
-
-
-# the backend as padless.forward.varlen registered it
-_varlen = AttentionInterface._global_mapping[VARLEN_NAME]
+    def attend(
+        self,
+        within: Callable[..., Any],
+        module: torch.nn.Module,
+        query,
+        key,
+        value,
+        attention_mask,
+        *args,
+        **kwargs,
+    ):
+        """``within`` (the ``varlen`` backend's per-sequence attention) for a layer of this group: on a
+        chunk of a row (queries fewer than the row's ``cu_seq_lens_q`` span), all-to-all, exact
+        per-sequence attention over the whole row, all-to-all back; on anything else, ``within`` as it is."""
+        cu = kwargs.get("cu_seq_lens_q")
+        row = sequence_bounds(cu)[-1] if cu is not None else query.shape[2]
+        if row == query.shape[2]:
+            return within(module, query, key, value, attention_mask, *args, **kwargs)
+        if attention_mask is not None or row != query.shape[2] * self.degree:
+            raise SequenceParallelError(
+                f"attention got {query.shape[2]} queries of a {row}-token row under sequence_parallel="
+                f"{self.degree}: only packed rows split by the engine run split; report this with "
+                "`padless doctor`"
+            )
+        if kwargs.get("s_aux") is not None:  # per-head sinks: this rank's head group
+            kwargs["s_aux"] = kwargs["s_aux"].chunk(self.degree)[self.rank]
+        q, k, v = (self.heads_to_tokens(t) for t in (query, key, value))
+        out, weights = within(module, q, k, v, None, *args, **kwargs)
+        return self.tokens_to_heads(out), weights
 
 
 def chunk_bounds(tokens: int, degree: int, rank: int) -> tuple[int, int]:
@@ -227,39 +228,34 @@ class _Sum(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Groups and the data-parallel layout
+# Groups
 # ----------------------------------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple[int, int], Any] = {}  # (world, degree) -> this process's group; made once per process
-# Where an attention layer holds the group its chunks are split over. transformers keeps one attention
-# function per backend name in a process, and layers recomputed in backward (gradient checkpointing) call it
-# outside any engine pass: the group is the layer's own, set by the engine that splits its rows.
-ATTRIBUTE = "padless_sequence_parallel"
 
 
 def attach(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """Give the attention layers of ``model`` the group ``sp`` their chunks are split over: every module
-    that holds a config (transformers picks a layer's attention function from its ``config``). A model
-    attends with the group of the last engine that split its rows; whole rows pass through any group."""
+    that holds a config (transformers picks a layer's attention function from its ``config``). transformers
+    keeps one attention function per backend name in a process, and layers recomputed in backward (gradient
+    checkpointing) call it outside any engine pass: the group is the layer's own. A model attends with the
+    group of the last engine that split its rows; whole rows pass through any group."""
     for module in model.modules():
         if getattr(module, "config", None) is not None:
-            setattr(module, ATTRIBUTE, sp)
+            setattr(module, SPLIT_ATTRIBUTE, sp)
 
 
-def start(degree: int) -> SequenceParallel | None:
-    """This process's sequence-parallel group for ``degree`` (``None`` for 1), for the engines that split
-    their rows over it (``EngineSettings.sequence_parallel``, put on their models' attention layers by
-    :func:`attach`). Every process must call it (groups are collective)."""
+def start(degree: int) -> SequenceParallel:
+    """This process's sequence-parallel group of ``degree`` > 1, for the engines that split their rows over
+    it (part of the run's :class:`padless.forward.ranks.Topology`, put on their models' attention layers
+    by :func:`attach`). Every process must call it (groups are collective)."""
     state = PartialState()
     world = state.num_processes
-    if degree > 1 and world % degree:
+    if world % degree:
         raise SequenceParallelError(
             f"train.sequence_parallel={degree} does not divide the {world} process(es): launch a multiple of "
             f"{degree} processes (data parallel = processes / sequence_parallel)"
         )
-    if degree == 1:
-        return None
-    AttentionInterface.register(VARLEN_NAME, _ulysses)  # passes whole rows through untouched
     key = (world, degree)
     if key not in _GROUPS:
         for first in range(0, world, degree):  # every process creates every group, in the same order
@@ -267,18 +263,6 @@ def start(degree: int) -> SequenceParallel | None:
             if first <= state.process_index < first + degree:
                 _GROUPS[key] = group
     return SequenceParallel(degree, state.process_index % degree, _GROUPS[key])
-
-
-def data_parallel(degree: int) -> tuple[int, int]:
-    """``(rank, world)`` of data parallelism under sequence parallelism of ``degree`` (the engine's,
-    ``EngineSettings.degree``): processes of one sequence-parallel group share a rank."""
-    state = PartialState()
-    return state.process_index // degree, state.num_processes // degree
-
-
-def leads_group(degree: int) -> bool:
-    """Whether this process is its group's first: the one whose results count once in sums over ranks."""
-    return PartialState().process_index % degree == 0
 
 
 def check_model(model: torch.nn.Module, degree: int) -> None:

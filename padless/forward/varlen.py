@@ -4,7 +4,9 @@ Registered with transformers' ``AttentionInterface`` under :data:`padless.forwar
 reads the sequence boundaries (``cu_seq_lens_q/k``) that the packed forward passes through the model's forward
 and runs attention within each sequence, honouring every argument transformers passes (causal or not,
 sliding windows, soft-caps, sinks, scale, MLA head sizes) or refusing. Which kernel runs
-(:func:`padless.forward.attention.varlen_kernel`) is chosen by name in :mod:`padless.forward.attention`.
+(:func:`padless.forward.attention.varlen_kernel`) is chosen by the name pinned on the layer that calls
+(:func:`padless.forward.attention.pin_kernel`), and a layer whose rows are split over a sequence-parallel
+group attends through the group it carries (:mod:`padless.forward.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from padless.errors import AttentionError
 from padless.forward import attention
-from padless.forward.attention import VARLEN_NAME
+from padless.forward.attention import SPLIT_ATTRIBUTE, VARLEN_NAME
 
 FUSED_MAX_HEAD_DIM = 256  # both fused kernels' documented limit
 
@@ -507,13 +509,15 @@ def _fused_varlen(
 
 
 def _kernel(module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor, args: AttentionArgs) -> str:
-    """The kernel this call runs (:func:`padless.forward.attention.varlen_kernel`, or exact attention where
-    the fused kernel lacks an argument and the choice is ``auto``), counted in :data:`KERNEL_CALLS`."""
-    kernel = attention.varlen_kernel(query.device, query.dtype)
+    """The kernel this call runs (:func:`padless.forward.attention.varlen_kernel` of the choice the layer
+    carries, or exact attention where the fused kernel lacks an argument and the choice is ``auto``),
+    counted in :data:`KERNEL_CALLS`."""
+    choice = attention.kernel_of(module)
+    kernel = attention.varlen_kernel(query.device, query.dtype, choice)
     if kernel != "sdpa":
         lacking = fused_kernel_lacks(kernel, args, max(query.shape[-1], value.shape[-1]))
         if lacking:
-            if attention.varlen_kernel_choice() != "auto":
+            if choice != "auto":
                 raise AttentionError(
                     f"varlen kernel {kernel!r} has no {lacking}, which {architecture(module)} needs; use "
                     "varlen_kernel=auto (such layers then run exact per-sequence attention) or sdpa"
@@ -662,6 +666,25 @@ def _tree_attention(
 
 
 def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``varlen`` backend as transformers calls it: :func:`attend`, through the sequence-parallel group
+    the layer carries when its rows are split (``SequenceParallel.attend`` in
+    :mod:`padless.forward.sequence_parallel`). Decided from the call and the layer alone, so activations
+    recomputed in backward (gradient checkpointing, outside any engine pass) run as the forward did."""
+    split = getattr(module, SPLIT_ATTRIBUTE, None)
+    if split is None:
+        return attend(module, query, key, value, attention_mask, *args, **kwargs)
+    return split.attend(attend, module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def attend(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

@@ -33,6 +33,8 @@ from padless.errors import AttentionError
 from padless.forward.attention import (
     attention_in_use,
     backend_problem,
+    kernel_of,
+    pin_kernel,
     runtime_context,
 )
 from padless.forward.engine import (
@@ -276,7 +278,7 @@ def run_matrix(
             purpose = f"the load-time probe of {', '.join(backends)}"
             own = probe_reference(model, purpose)
             for backend in backends:
-                problem = backend_problem(backend, device)
+                problem = backend_problem(backend, device, kernel=kernel_of(model))
                 if problem:
                     rows.append(BackendRow(backend, unavailable=problem))
                     continue
@@ -453,10 +455,12 @@ def run_zoo(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     layouts: tuple[str, ...] = LAYOUTS,
+    varlen_kernel: str = "auto",
 ) -> list[ZooResult]:
     """The matrix of every zoo architecture (default: :func:`padless.proof.zoo.zoo_names`), logits scaled to
-    realistic size. An architecture whose tiny config cannot be built, or whose own forward fails on
-    it, is a result (``no tiny config``, with transformers' reason), not a stop."""
+    realistic size, ``varlen_kernel`` pinned behind ``varlen``. An architecture whose tiny config cannot be
+    built, or whose own forward fails on it, is a result (``no tiny config``, with transformers' reason),
+    not a stop."""
     results = []
     for name in names or zoo_names():
         try:
@@ -465,6 +469,7 @@ def run_zoo(
         except Exception as e:  # transformers could not build it or run its own forward: the result
             results.append(ZooResult(name, "", [], math.nan, no_config=_one_line(e)))
             continue
+        pin_kernel(model, varlen_kernel)
         try:  # padless's own crashes are the matrix's cells, never "no tiny config"
             rows, limit = run_matrix(model, seqs, pad_id, backends, layouts)
         except ReferenceForwardError as e:

@@ -12,8 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from padless.config.choices import DTYPE_NAMES
 from padless.data import sources
 from padless.forward import hybrid
-from padless.forward.attention import assert_attention, hf_name, require_backend
-from padless.forward.engine import pinned_kernel
+from padless.forward.attention import assert_attention, hf_name, pin_kernel, require_backend
 from padless.forward.tree import resolve_tree
 from padless.proof import reuse
 
@@ -60,30 +59,31 @@ def load_model(
     folder by :mod:`padless.data.sources` (never downloaded), which gives the model a config object of its
     own. A scorer whose config names no pad token gets ``pad_id`` (its tokenizer's, see :func:`pad_token_id`):
     scores are read at the last token that is not it, as transformers' sequence classifiers read them.
-    ``varlen_kernel`` is the kernel the model's engine will pin
-    (:class:`padless.forward.engine.EngineSettings`): it is checked and proven here with that pin.
+    ``varlen_kernel`` is the kernel pinned behind ``varlen`` on the model (``None``: ``auto``): it travels
+    with the model (:func:`padless.forward.attention.pin_kernel`) and is checked and proven here.
     ``tree_packing`` (``train.tree_packing``): where the engine will run tree rows
     (:func:`padless.forward.engine.resolve_tree`), the probe proves that layout too.
     """
-    with pinned_kernel(varlen_kernel):  # the kernel the engine pins is the one checked and proven
-        require_backend(attn_implementation, device, training)
-        torch_dtype = resolve_dtype(dtype)
-        kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
-        model = sources.load_pretrained(
-            name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
-        )
-        hybrid.install(model)  # every sequence of a packed row starts at zero state in stateful layers
-        if task == "score" and model.config.pad_token_id is None:
-            model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
-        model.to(device)
-        model.train(training)
-        model.padless_attention = attn_implementation
-        if probe:
-            tree = resolve_tree(model, attn_implementation, tree_packing)
-            model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
-        else:
-            hybrid.require_packing(model)  # what the probe refuses first, without it
-            assert_attention(model, attn_implementation)
+    kernel = varlen_kernel or "auto"
+    require_backend(attn_implementation, device, training, kernel)
+    torch_dtype = resolve_dtype(dtype)
+    kwargs: dict[str, Any] = {"attn_implementation": hf_name(attn_implementation), "dtype": torch_dtype}
+    model = sources.load_pretrained(
+        name_or_path, task, seed=seed, trust_remote_code=trust_remote_code, **kwargs
+    )
+    hybrid.install(model)  # every sequence of a packed row starts at zero state in stateful layers
+    pin_kernel(model, kernel)
+    if task == "score" and model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_id if pad_id is not None else model.config.eos_token_id
+    model.to(device)
+    model.train(training)
+    model.padless_attention = attn_implementation
+    if probe:
+        tree = resolve_tree(model, attn_implementation, tree_packing)
+        model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
+    else:
+        hybrid.require_packing(model)  # what the probe refuses first, without it
+        assert_attention(model, attn_implementation)
     return model
 
 

@@ -24,10 +24,11 @@ from padless.forward.attention import (
     VARLEN_NAME,
     assert_attention,
     attention_layers,
+    pinned,
     runtime_context,
     text_config,
 )
-from padless.forward.engine import backbone, lm_head, logps_from_hidden, pinned_kernel, score_head
+from padless.forward.engine import backbone, lm_head, logps_from_hidden, score_head
 from padless.forward.hybrid import installed_layers, require_packing
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.forward.routers import RouterLoss
@@ -661,7 +662,7 @@ def prove_packing(
     except AttentionError as e:
         low_error = e
     try:
-        with _float32(model), pinned_kernel("auto"):
+        with _float32(model), pinned(model, "auto"):
             fine = probe_attention(model, backend, tree=tree)
     except AttentionError as e:
         if low_error is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from padless.forward import hybrid
-from padless.forward.attention import varlen_kernel_choice
+from padless.forward.attention import kernel_of
 from padless.proof.probe import _configs, prove_packing
 
 KEPT = 8  # proofs kept (least recently used dropped): a process holds a few distinct models at most
@@ -73,7 +73,7 @@ def fingerprint(model: torch.nn.Module, backend: str, tree: bool = False) -> tup
     return (
         backend,
         tree,
-        varlen_kernel_choice(),
+        kernel_of(model),
         torch.get_num_threads(),
         _weights(tensors),
         _model_code(model),

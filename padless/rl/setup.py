@@ -13,6 +13,8 @@ from padless.data.images import ImageInputs
 from padless.data.prompts import PromptLayout
 from padless.data.sources import require_scoring_model
 from padless.data.tokenized import load_set
+from padless.forward import ranks
+from padless.forward.ranks import Topology
 from padless.forward.vision import require_same_inputs
 from padless.proof.load import disable_dropout, load_model, load_tokenizer, pad_token_id
 from padless.rl.generate import Engine
@@ -31,7 +33,9 @@ class RolloutSetup:
     prepared form once bound); ``ref_model``: a prepared frozen reference, None for a LoRA policy (its
     adapters switched off) or when the recipe uses none; ``images``: a vision-language policy's image side,
     so each sample keeps its prompt's images in every pass; ``scorer``: by default one with neither reward
-    functions nor a reward model (environment reward and penalties only)."""
+    functions nor a reward model (environment reward and penalties only); ``topology``: the run's (the
+    session's), by which prompts are shared out, also before an engine is bound (one process's by
+    default)."""
 
     prompts: Any  # a sequence of PromptExample (an on-disk ExampleSet)
     cfg: Any
@@ -43,6 +47,7 @@ class RolloutSetup:
     eval_prompts: Any = field(default_factory=list)
     ref_model: torch.nn.Module | None = None
     images: ImageInputs | None = None
+    topology: Topology = field(default_factory=ranks.start)
 
     def __post_init__(self) -> None:
         if self.scorer is None:
@@ -65,7 +70,7 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     without_dropout(session.model, "policy")
     tokenizer, device, data = session.tokenizer, session.accelerator.device, cfg.data
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def prompts(spec: str, role: str) -> Any:
         layout = PromptLayout(
@@ -108,4 +113,5 @@ def start_rl(cfg: Any, reference: bool) -> tuple[Session, RolloutSetup]:
         eval_prompts=prompts(data.eval, "eval") if data.eval else None,
         ref_model=session.frozen(session.companion()) if reference and cfg.model.lora is None else None,
         images=images,
+        topology=session.settings.topology,
     )

@@ -31,7 +31,7 @@ class DivergenceGuard:
     def __init__(self, policy: str, accelerator: Any, float16: bool = False):
         """``float16``: the trained weights are float16 (their overflow is the first advice)."""
         self.policy, self.acc = policy, accelerator
-        self.fix = divergence_fix(float16)
+        self.float16 = float16
         # DeepSpeed's engine applies the gradients inside backward: a step cannot be dropped afterwards
         self.steps_in_backward = expected_strategy(accelerator).startswith("zero")
         if policy == "skip" and self.steps_in_backward:
@@ -66,7 +66,7 @@ class DivergenceGuard:
             when = "after DeepSpeed applied it" if self.steps_in_backward else "before applying it"
             raise DivergenceError(
                 f"training diverged at step {self.step}: {what}; the run stopped {when} (no checkpoint "
-                f"holds this state). Fix: {self.fix}"
+                f"holds this state). Fix: {divergence_fix(self.float16)}"
             )
         self.skipped += 1
         log.warning("step %d skipped: %s (%d skipped so far)", self.step, what, self.skipped)
@@ -84,7 +84,7 @@ class DivergenceGuard:
         if flag.item():
             raise DivergenceError(
                 f"training diverged by step {self.step}: weight {bad or 'on another rank'} is not finite, so "
-                f"no checkpoint was written. Fix: {self.fix}"
+                f"no checkpoint was written. Fix: {divergence_fix(self.float16)}"
             )
 
 

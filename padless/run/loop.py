@@ -30,8 +30,8 @@ from transformers import get_scheduler
 
 from padless.errors import DivergenceError, InputError, Terminated, UserCodeError, is_input_error
 from padless.faults import FileFault, doing
-from padless.forward import sequence_parallel
-from padless.forward.engine import EngineSettings, ModelEngine
+from padless.forward import ranks
+from padless.forward.engine import ModelEngine
 from padless.forward.packing import balance_ranks
 from padless.run import contract
 from padless.run.checkpoint import (
@@ -93,6 +93,10 @@ class Recipe:
     def on_evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         """Evaluation beyond the loss metrics (e.g. generation), run on every rank; none by default."""
         return {}
+
+    def plan_with(self, model: torch.nn.Module) -> None:
+        """Learn from the engine how it lays out packed rows (flat or tree rows), before the first plan: a
+        plan counts the tokens its micro-batches will compute."""
 
     def bind(self, model: torch.nn.Module) -> None:
         """Hand the recipe the prepared engine, once, before training: the only model object every pass
@@ -196,10 +200,10 @@ class Trainer:
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_epsilon,
         )
-        # the engine pins its kernel in its passes (the backward of their losses too) and splits its rows
-        self.engine_settings = model.settings if isinstance(model, ModelEngine) else EngineSettings()
-        self.degree = self.engine_settings.degree
+        # which share of each step this process trains: the engine's (made at run start)
+        self.topology = model.topology if isinstance(model, ModelEngine) else ranks.start()
         self.planned: tuple[int, list[Step]] | None = None
+        recipe.plan_with(model)
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.
@@ -210,9 +214,8 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         digest = None if recipe.steps_per_epoch() is not None else contract.plan_digest(self.steps_of(0))
-        world = sequence_parallel.data_parallel(self.degree)[1]  # a sequence-parallel group reads one share
         self.terms = contract.terms(
-            recipe, getattr(model, "model", model), settings, world, digest, configured
+            recipe, getattr(model, "model", model), settings, self.topology.world, digest, configured
         )
         self.terms["total_steps"] = self.total_steps
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
@@ -226,7 +229,7 @@ class Trainer:
         """The epoch's steps for this rank; one epoch's plan is kept at a time (a rollout's data is large)."""
         if self.planned is None or self.planned[0] != epoch:
             micros = self.recipe.plan(epoch)
-            rank, world = sequence_parallel.data_parallel(self.degree)  # a sequence-parallel group shares it
+            rank, world = self.topology.rank, self.topology.world  # a sequence-parallel group shares one
             steps = plan_steps(micros, self.cfg.gradient_accumulation_steps, world, rank)
             stated = self.recipe.steps_per_epoch()
             if stated is not None and stated != len(steps):
@@ -296,8 +299,7 @@ class Trainer:
                 # Ranks average gradients; the normaliser is already global, so undo the mean. Under
                 # sequence parallelism each rank's gradient is its chunk's share: the sum over all
                 # processes is then the sum over data-parallel groups of whole-row gradients.
-                with self.engine_settings.pinned():
-                    self.acc.backward(loss * (micro.scale * world))
+                self.acc.backward(loss * (micro.scale * world))
             for key, value in metrics.items():
                 sums[key] += value * micro.scale
         if self.cfg.max_grad_norm > 0:
@@ -312,7 +314,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._sum_over_ranks(sums)
         if "grad_norm" in metrics:  # the same on every rank, not a share to sum
-            metrics["grad_norm"] /= sequence_parallel.data_parallel(self.degree)[1]
+            metrics["grad_norm"] /= self.topology.world
         return metrics
 
     def _routed(self) -> contextlib.AbstractContextManager:
@@ -535,7 +537,7 @@ class Trainer:
         micros = self.recipe.eval_plan()
         if not micros:
             return {}
-        rank, world = sequence_parallel.data_parallel(self.degree)
+        rank, world = self.topology.rank, self.topology.world
         step = plan_steps(micros, math.ceil(len(micros) / world), world, rank)[0]
         sums: dict[str, float] = defaultdict(float)
         for micro in step.micros:
@@ -548,7 +550,7 @@ class Trainer:
         """Metric shares summed over data-parallel ranks: the ranks of a sequence-parallel group computed
         the same shares (the same rows), so only each group's first adds its own."""
         keys = sorted(sums)
-        mine = [sums[k] if sequence_parallel.leads_group(self.degree) else 0.0 for k in keys]
+        mine = [sums[k] if self.topology.leads else 0.0 for k in keys]
         totals = self.acc.reduce(torch.tensor(mine, device=self.acc.device), "sum")
         return dict(zip(keys, totals.tolist(), strict=True))
 

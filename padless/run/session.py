@@ -1,4 +1,5 @@
-"""What every trainer does before its first step: accelerator, seeds, tokenizer, model, LoRA, saved config."""
+"""What every trainer does before its first step: accelerator, seeds, the topology, tokenizer, model (and
+its image side), LoRA, saved config."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from accelerate.utils import set_seed
 
 from padless.config.loading import precedence_notes, to_dict
 from padless.config.schema import ModelSettings
+from padless.data.images import ImageInputs
+from padless.data.sources import image_inputs
 from padless.errors import InputError
-from padless.forward import hybrid, sequence_parallel
+from padless.forward import hybrid, ranks
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.routers import SPLIT_ROWS, RouterLoss
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
@@ -32,7 +35,8 @@ class Session:
     tokenizer: Any
     model: torch.nn.Module  # the trained Hugging Face model (a PEFT wrapper with LoRA), not yet prepared
     model_cfg: ModelSettings
-    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, SP group)
+    settings: EngineSettings  # what every engine of this run runs with (kernel pin, logits budget, topology)
+    images: ImageInputs | None  # the model's image side (its processor): vision-language models only
 
     def companion(
         self, name: str | None = None, task: Task = "causal-lm", trainable: bool = False
@@ -83,11 +87,11 @@ def start_session(
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
     log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
-    group = sequence_parallel.start(config.train.sequence_parallel)  # this run's engines split rows over it
+    topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
     settings = EngineSettings(
         model_cfg.varlen_kernel,
         config.train.logits_memory_mb,
-        group,
+        topology,
         _tree_packing(config.train),
         model_cfg.router_aux_loss_coef,
     )
@@ -108,7 +112,8 @@ def start_session(
     if accelerator.is_main_process:
         rundir.save_run_config(config, Path(output_dir))
         remember_config(to_dict(config), output_dir)  # the trackers record it
-    return Session(accelerator, tokenizer, model, model_cfg, settings)
+    images = image_inputs(model_cfg.name, model)
+    return Session(accelerator, tokenizer, model, model_cfg, settings, images)
 
 
 def load_trainable(

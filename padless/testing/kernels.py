@@ -232,8 +232,8 @@ def fused_kernels_on_cpu(dtypes: tuple[torch.dtype, ...] = HALF) -> Iterator[Non
 
     Installs the stand-ins where padless imports the kernels from (``torch.nn.attention.varlen`` and a
     ``flash_attn`` module), reports both as installed and lets a pinned ``varlen_kernel`` (``torch`` or
-    ``flash_attn``) run on CPU in ``dtypes``. Pin the kernel with
-    :func:`padless.forward.attention.set_varlen_kernel` inside the block.
+    ``flash_attn``) run on CPU in ``dtypes``. Pin the kernel on the model
+    (:func:`padless.forward.attention.pin_kernel`).
     """
     import torch.nn.attention.varlen as torch_varlen
 

@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from padless.config.schema import DistillConfig, DistillSettings, RolloutSettings, TrainSettings
-from padless.data.images import ImageInputs
 from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set
 from padless.errors import InputError
+from padless.forward import ranks
 from padless.forward.distill import Distillation
 from padless.forward.packing import Example, budget_batches, pack
-from padless.forward.ranks import equal_share, gather_shares
-from padless.forward.sequence_parallel import data_parallel
+from padless.forward.ranks import Topology, equal_share, gather_shares
 from padless.losses import generalized_jsd, top_k_kl
 from padless.proof.load import load_tokenizer, tokenizer_differences
 from padless.rl.generate import generate
@@ -73,12 +72,16 @@ class DistillRecipe(Recipe):
         teacher: torch.nn.Module,
         eval_examples: ExampleSet[Example] | list[Example] | None = None,
         vocab: int | None = None,
+        topology: Topology | None = None,
     ):
         """``teacher``: the prepared frozen teacher engine; ``vocab``: compare the first ``vocab`` logits
-        (when one head is padded past the tokenizer's vocabulary)."""
+        (when one head is padded past the tokenizer's vocabulary); ``topology``: the run's (the
+        session's): steps are numbered at planning, before any engine is bound (one process's by
+        default)."""
         self.examples, self.cfg, self.distill, self.rollout = as_set(examples), cfg, distill, rollout
         self.tokenizer, self.device, self.teacher, self.vocab = tokenizer, device, teacher, vocab
         self.eval_examples = as_set(eval_examples or [])
+        self.topology = topology or ranks.start()
         self.divergence = divergence_of(distill)
         self.bins = None
         if cfg.batching == "packing":
@@ -91,7 +94,7 @@ class DistillRecipe(Recipe):
 
     def plan(self, epoch: int) -> list[MicroBatch]:
         groups = group_examples(self.examples, self.cfg, epoch, self.bins)
-        per_step = self.cfg.gradient_accumulation_steps * data_parallel(self.cfg.sequence_parallel)[1]
+        per_step = self.cfg.gradient_accumulation_steps * self.topology.world
         targets, lengths = self.examples.targets, self.examples.lengths
         self.epoch, self.steps = epoch, {}
         micros = []
@@ -123,7 +126,7 @@ class DistillRecipe(Recipe):
         if self.samples is not None and self.samples[0] == key:
             return self.samples[1]
         indices = self.steps[step]
-        mine, real = equal_share(indices, self.cfg.sequence_parallel)
+        mine, real = equal_share(indices, self.topology)
         prompts = [prompt_of(e) for e in self.examples.take(mine)]
         r = self.rollout
         completions = generate(
@@ -136,9 +139,7 @@ class DistillRecipe(Recipe):
             batch_size=r.generation_batch_size,
             seeds=[self.cfg.seed * 1_000_003 + self.epoch * 7_919 + i for i in mine],
         )
-        drawn = gather_shares(
-            [(c.prompt_ids, c.completion_ids) for c in completions[:real]], self.cfg.sequence_parallel
-        )
+        drawn = gather_shares([(c.prompt_ids, c.completion_ids) for c in completions[:real]], self.topology)
         samples = {
             i: Example(p + c, [False] * len(p) + [True] * len(c))
             for i, (p, c) in zip(indices, drawn, strict=True)
@@ -296,7 +297,7 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         return run_on_policy(cfg)
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
-    if ImageInputs.for_model(cfg.model.name, session.model) is not None:
+    if session.images is not None:
         raise InputError(
             f"model.name {cfg.model.name} is a vision-language model, and distillation runs on text models "
             "only for now; fix: distill a text model"
@@ -318,5 +319,6 @@ def run_distill(cfg: DistillConfig) -> dict[str, float]:
         teacher,
         tokenize(data.eval, "eval") if data.eval else None,
         vocab,
+        topology=session.settings.topology,
     )
     return Trainer(recipe, session.engine(), tokenizer, cfg.train, acc).train()

@@ -9,9 +9,8 @@ import torch
 
 from padless.config.schema import DPOConfig, DPOSettings, TrainSettings
 from padless.data import PairExample
-from padless.data.images import ImageInputs
 from padless.data.sources import stop_token_ids
-from padless.forward.engine import reference_engine
+from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.passes import lockstep_pass
 from padless.losses import dpo_loss
 from padless.proof.load import pad_token_id
@@ -63,12 +62,8 @@ class DPORecipe(PairRecipe):
                 chunk = pairs.take(group)
                 return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
 
-            indices, budget, degree = (
-                range(len(pairs)),
-                self.cfg.max_tokens_per_batch,
-                self.cfg.sequence_parallel,
-            )
-            ref = lockstep_pass(indices, self.lengths(pairs), run, budget, share=degree)
+            topology, budget = inner_engine(model).topology, self.cfg.max_tokens_per_batch
+            ref = lockstep_pass(range(len(pairs)), self.lengths(pairs), run, budget, share=topology)
             pairs.set_meta(
                 "ref_logps", [tuple(r.tolist()) for r in ref]
             )  # pairs are read from disk when used
@@ -124,7 +119,7 @@ def run_dpo(cfg: DPOConfig) -> dict[str, float]:
     if cfg.dpo.loss_type != "simpo" and cfg.dpo.reference == "model":
         ref_model = session.frozen(session.companion(cfg.dpo.ref_model))
     pad_id = pad_token_id(tokenizer)
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
     stops = stop_token_ids(cfg.model.name)
     recipe = DPORecipe(
         load_pairs(data.train, tokenizer, data, cfg.train, "train", images=images, stop_ids=stops),

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from padless.config.schema import KTOConfig, KTOSettings, TrainSettings
-from padless.data.images import ImageInputs
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.data.unpaired import UnpairedLayout, desirable_flags, prompt_length
 from padless.errors import InputError
+from padless.forward import ranks
 from padless.forward.engine import BatchLayout, reference_engine
 from padless.forward.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.forward.passes import lockstep_pass
-from padless.forward.sequence_parallel import data_parallel
+from padless.forward.ranks import Topology
 from padless.losses import kto_loss
 from padless.proof.load import pad_token_id
 from padless.run.loop import MicroBatch, Recipe, Trainer
@@ -81,8 +81,12 @@ class KTORecipe(Recipe):
         device: torch.device,
         ref_model: torch.nn.Module | None = None,
         eval_items: ExampleSet[Example] | list[Example] | None = None,
+        topology: Topology | None = None,
     ):
+        """``topology``: the run's (the session's); steps are numbered at planning, before any engine is
+        bound, so the data-parallel world is handed down here (one process's by default)."""
         self.cfg, self.kto, self.device, self.ref_model = cfg, kto, device, ref_model
+        self.topology = topology or ranks.start()
         self.layout = BatchLayout.of(cfg, pad_id)
         self.train = Completions.of(as_set(items), cfg.seed)
         self.eval = Completions.of(as_set(eval_items), cfg.seed) if eval_items else None
@@ -98,7 +102,7 @@ class KTORecipe(Recipe):
     def plan(self, epoch: int) -> list[MicroBatch]:
         lengths = self.train.items.lengths
         groups = self._groups(lengths, self.cfg.seed + epoch, shuffle=True)
-        per_step = self.cfg.gradient_accumulation_steps * data_parallel(self.cfg.sequence_parallel)[1]
+        per_step = self.cfg.gradient_accumulation_steps * self.topology.world
         self.plans += 1
         self.steps = {}
         micros = []
@@ -144,12 +148,8 @@ class KTORecipe(Recipe):
                 logps = sequence_logps(model, batch, self.layout)[0]
             return (logps - self.reference_logps(model, pairs, batch))[:, None]
 
-        lengths, budget, degree = (
-            side.items.lengths[indices],
-            self.cfg.max_tokens_per_batch,
-            self.cfg.sequence_parallel,
-        )
-        ratios = lockstep_pass(range(len(indices)), lengths, run, budget, share=degree)
+        lengths, budget = side.items.lengths[indices], self.cfg.max_tokens_per_batch
+        ratios = lockstep_pass(range(len(indices)), lengths, run, budget, share=self.topology)
         z = max(torch.stack(ratios).mean().item(), 0.0)
         self.baseline = (key, z)
         return z
@@ -174,9 +174,9 @@ class KTORecipe(Recipe):
                     1,
                 )
 
-            budget, degree = self.cfg.max_tokens_per_batch, self.cfg.sequence_parallel
+            budget = self.cfg.max_tokens_per_batch
             ref = torch.stack(
-                lockstep_pass(range(len(side.items)), side.items.lengths, run, budget, share=degree)
+                lockstep_pass(range(len(side.items)), side.items.lengths, run, budget, share=self.topology)
             )
             side.items.set_meta("ref_logps", ref[:, 0].tolist())
             side.items.set_meta("ref_kl_logps", ref[:, 1].tolist())
@@ -237,7 +237,7 @@ def load_completions(
 def run_kto(cfg: KTOConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
-    if ImageInputs.for_model(cfg.model.name, session.model) is not None:
+    if session.images is not None:
         raise InputError(
             f"model.name {cfg.model.name} is a vision-language model, and KTO runs on text models only for "
             "now (a KL pair borrows another row's completion, and its images would not follow); fix: use a "
@@ -254,5 +254,6 @@ def run_kto(cfg: KTOConfig) -> dict[str, float]:
         acc.device,
         ref_model,
         load_completions(data.eval, tokenizer, data, cfg.train, "eval") if data.eval else None,
+        topology=session.settings.topology,
     )
     return Trainer(recipe, session.engine(), tokenizer, cfg.train, acc).train()

@@ -11,7 +11,6 @@ import torch
 
 from padless.config.schema import ORPOConfig, ORPOSettings, TrainSettings
 from padless.data import PairExample
-from padless.data.images import ImageInputs
 from padless.losses import orpo_loss
 from padless.proof.load import pad_token_id
 from padless.run.loop import MicroBatch, Trainer
@@ -63,7 +62,7 @@ class ORPORecipe(PairRecipe):
 def run_orpo(cfg: ORPOConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer, data = session.accelerator, session.tokenizer, cfg.data
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def pairs(spec: str, role: str):
         return load_pairs(spec, tokenizer, data, cfg.train, role, images=images)

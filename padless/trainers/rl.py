@@ -51,6 +51,7 @@ class RolloutRecipe(Recipe):
     def __init__(self, setup: RolloutSetup):
         self.setup, self.cfg, self.prompts, self.policy = setup, setup.cfg, setup.prompts, setup.policy
         self.device, self.scorer, self.images = setup.device, setup.scorer, setup.images
+        self.topology = setup.topology  # which share of each rollout this process samples
         self.metrics: dict[int, dict[str, float]] = {}
         self.rollout: tuple[int, list[Sample]] | None = None  # the current epoch's samples
         self._order: tuple[int, np.ndarray] | None = None
@@ -101,7 +102,7 @@ class RolloutRecipe(Recipe):
         """This rank's share of ``prompts`` (fillers where it runs out) as a request, and how many of its
         prompts are real. Each prompt's seed is a function of its place among ``prompts`` alone."""
         seeds = [seed + 104_729 * i for i in range(len(prompts))]
-        mine, real = equal_share(list(zip(prompts, seeds, strict=True)), self.cfg.train.sequence_parallel)
+        mine, real = equal_share(list(zip(prompts, seeds, strict=True)), self.topology)
         share = [p for p, _ in mine]
         return Request(share, group, [s for _, s in mine], greedy, epoch), real
 
@@ -132,7 +133,7 @@ class RolloutRecipe(Recipe):
                 if self.cfg.rollout.routing_replay:  # and what it would be without the sampler's routes
                     passes["unreplayed_logps"] = unreplayed(self.logps_pass(self.policy))
             self.store(samples, passes, filler)
-        return gather_shares(samples, self.cfg.train.sequence_parallel)
+        return gather_shares(samples, self.topology)
 
     def store(self, samples: list[Sample], passes: dict[str, Pass], filler: Sample) -> None:
         """Run each no-grad pass (per-token values ``[T]``) on packed micro-batches, in lockstep with the

@@ -11,8 +11,7 @@ import torch
 
 from padless.config.schema import RMConfig
 from padless.data import PairExample, load_rows, tokenize_scoring
-from padless.data.images import ImageInputs
-from padless.data.sources import require_scoring_model, stop_token_ids
+from padless.data.sources import image_inputs, require_scoring_model, stop_token_ids
 from padless.errors import InputError
 from padless.forward.engine import ModelEngine, sequence_scores
 from padless.forward.passes import score_examples
@@ -49,7 +48,7 @@ def run_rm(cfg: RMConfig) -> dict[str, float]:
     data = cfg.data
 
     pad_id = pad_token_id(tokenizer)
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
 
     def pairs(spec: str, role: str) -> list[PairExample]:
         return load_pairs(
@@ -82,7 +81,7 @@ def score_file(
     )
     model = ModelEngine(scorer).eval()
     rows = load_rows(data)
-    images = ImageInputs.for_model(model_path, scorer)
+    images = image_inputs(model_path, scorer)
     scores = score_examples(
         model,
         tokenize_scoring(

@@ -18,7 +18,7 @@ from padless.data.sft import SFTLayout
 from padless.data.sources import stop_token_ids
 from padless.data.tokenized import ExampleSet, as_set, load_set
 from padless.faults import doing
-from padless.forward.engine import BatchLayout
+from padless.forward.engine import BatchLayout, inner_engine
 from padless.forward.packing import Example, PackedBatch, budget_batches, fixed_count_batches, pack
 from padless.forward.ranks import equal_share, gather_shares
 from padless.losses import sft_token_weights
@@ -112,9 +112,8 @@ class SFTRecipe(Recipe):
         """Greedy completions of the eval prompts, each rank on an equal share (sharded engines decode in
         lockstep), written by the main process."""
         vision = self.eval_vision or [None] * len(self.eval_prompts)
-        mine, real = equal_share(
-            list(zip(self.eval_prompts, vision, strict=True)), self.cfg.sequence_parallel
-        )
+        topology = inner_engine(model).topology
+        mine, real = equal_share(list(zip(self.eval_prompts, vision, strict=True)), topology)
         completions = generate(
             model,
             self.tokenizer,
@@ -123,7 +122,7 @@ class SFTRecipe(Recipe):
             batch_size=self.cfg.eval_batch_size,
             vision=[v for _, v in mine] if self.eval_vision else None,
         )
-        completions = gather_shares(completions[:real], self.cfg.sequence_parallel)
+        completions = gather_shares(completions[:real], topology)
         if not PartialState().is_main_process:
             return None
         path = Path(self.cfg.output_dir) / f"predictions-step{step}.jsonl"
@@ -191,7 +190,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
-    images = ImageInputs.for_model(cfg.model.name, session.model)
+    images = session.images
     stop_ids = stop_token_ids(cfg.model.name)  # what ends a chat turn: the model's stop tokens
 
     def tokenize(spec: str, role: str) -> ExampleSet[Example]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from accelerate import PartialState
 
-from padless.forward import sequence_parallel
+from padless.forward import ranks, sequence_parallel
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import Example, pack
 from padless.losses import clipped_policy_loss, dpo_loss, group_advantages, kl_k3, sft_token_weights
@@ -95,10 +95,11 @@ def main(path: str, degree: int) -> None:
     reference_engine = ModelEngine(model)
     ref, ref_grads = _measure(reference_engine, model, None, None)
     ref_values = ModelEngine(scorer)(pack(_batch()[0]), values=True).values
-    sp = sequence_parallel.start(degree)
+    topology = ranks.start(degree)
+    sp = topology.sequence_parallel
 
     def compare() -> dict[str, float]:
-        split = EngineSettings(sequence_parallel=sp)  # the engine owns the group its rows are split over
+        split = EngineSettings(topology=topology)  # the engine owns the group its rows are split over
         got, got_grads = _measure(ModelEngine(model, settings=split), model, sp, ref["logps"])
         values = ModelEngine(scorer, settings=split)(pack(_batch()[0]), values=True).values
         return {

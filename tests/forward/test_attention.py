@@ -17,7 +17,9 @@ from padless.forward.attention import (
     available_backends,
     backend_problem,
     hf_name,
-    set_varlen_kernel,
+    kernel_of,
+    pin_kernel,
+    pinned,
     validate_backend_name,
     varlen_kernel,
 )
@@ -178,22 +180,25 @@ def test_available_backends_on_cpu():
 
 
 def test_varlen_torch_kernel_refused_on_cpu(models, probe_seqs):
-    set_varlen_kernel("torch")  # the autouse fixture in conftest.py resets it to "auto"
-    problem = backend_problem("varlen", "cpu")
+    problem = backend_problem("varlen", "cpu", kernel="torch")
     assert problem is not None and "needs a CUDA device" in problem and "sdpa" in problem
     with pytest.raises(AttentionError, match="varlen kernel 'torch' needs a CUDA device"):
-        load_model("tiny-qwen2", attn_implementation="varlen")
-    # An already loaded model refuses at its next forward rather than silently running another kernel.
-    with pytest.raises(AttentionError, match="needs a CUDA device"), torch.no_grad():
-        forward_packed(models["varlen"], pack([Example(s) for s in probe_seqs]))
-    set_varlen_kernel("auto")
+        load_model("tiny-qwen2", attn_implementation="varlen", varlen_kernel="torch")
+    # An already loaded model pinned to it refuses at its next forward rather than silently running another
+    # kernel; the pin is the model's own, given back after the block.
+    model = models["varlen"]
+    with pinned(model, "torch"), pytest.raises(AttentionError, match="needs a CUDA device"), torch.no_grad():
+        forward_packed(model, pack([Example(s) for s in probe_seqs]))
+    assert kernel_of(model) == kernel_of(model.model.layers[0].self_attn) == "auto"
     assert backend_problem("varlen", "cpu") is None
 
 
-def test_set_varlen_kernel_rejects_unknown_name():
+def test_pin_kernel_rejects_unknown_name():
+    layer = torch.nn.Linear(2, 2)
     with pytest.raises(AttentionError, match="unknown varlen kernel 'triton'"):
-        set_varlen_kernel("triton")
-    assert varlen_kernel(torch.device("cpu"), torch.float32) == "sdpa"  # choice unchanged: auto
+        pin_kernel(layer, "triton")
+    assert kernel_of(layer) == "auto"  # pin unchanged
+    assert varlen_kernel(torch.device("cpu"), torch.float32, kernel_of(layer)) == "sdpa"
 
 
 def test_varlen_kernel_choice(monkeypatch):
@@ -206,14 +211,11 @@ def test_varlen_kernel_choice(monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
     assert varlen_kernel(cuda, torch.float16) == "torch"
     monkeypatch.setattr(attention, "torch_varlen_available", lambda: True)
-    set_varlen_kernel("torch")
-    assert varlen_kernel(cuda, torch.bfloat16) == "torch"
+    assert varlen_kernel(cuda, torch.bfloat16, "torch") == "torch"
     with pytest.raises(AttentionError, match="fp16/bf16 only"):
-        varlen_kernel(cuda, torch.float32)
-    set_varlen_kernel("flash_attn")
+        varlen_kernel(cuda, torch.float32, "torch")
     with pytest.raises(AttentionError, match=r"pip install 'padless\[flash\]'"):
-        varlen_kernel(cuda, torch.bfloat16)
+        varlen_kernel(cuda, torch.bfloat16, "flash_attn")
     monkeypatch.setattr(attention, "torch_varlen_available", lambda: False)
-    set_varlen_kernel("torch")
     with pytest.raises(AttentionError, match="upgrade torch"):
-        varlen_kernel(cuda, torch.bfloat16)
+        varlen_kernel(cuda, torch.bfloat16, "torch")

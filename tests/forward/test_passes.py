@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from padless.forward import passes
+from padless.forward import passes, ranks
 from padless.forward.packing import budget_batches
 
 LENGTHS = [5, 9, 3, 8, 4, 7, 6]  # 7 items, budget 12: 4 batches by best-fit decreasing
@@ -28,7 +28,7 @@ def test_a_shared_pass_runs_this_ranks_batches_in_lockstep_and_sums_once(monkeyp
     monkeypatch.setattr(passes, "reduce", lambda t, reduction: t + from_rank0)
     calls: list[list[int]] = []
     out = passes.lockstep_pass(
-        list(range(7)), LENGTHS, lambda batch: calls.append(batch) or values(batch), 12, share=1
+        list(range(7)), LENGTHS, lambda batch: calls.append(batch) or values(batch), 12, share=ranks.start()
     )
     assert calls == [groups[1], groups[3], groups[0]]  # its share, then a filler to the common count
     assert torch.stack(out).dtype == torch.float64
@@ -36,9 +36,9 @@ def test_a_shared_pass_runs_this_ranks_batches_in_lockstep_and_sums_once(monkeyp
 
 
 def test_a_shared_pass_on_one_process_runs_everything():
-    out = passes.lockstep_pass(list(range(7)), LENGTHS, values, 12, share=1)
+    out = passes.lockstep_pass(list(range(7)), LENGTHS, values, 12, share=ranks.start())
     assert torch.stack(out).tolist() == [[i + 0.5, -i] for i in range(7)]
-    assert passes.lockstep_pass([], [], values, 12, share=1) == []
+    assert passes.lockstep_pass([], [], values, 12, share=ranks.start()) == []
 
 
 def test_a_rank_with_fewer_batches_repeats_the_filler_and_drops_its_results(as_rank):

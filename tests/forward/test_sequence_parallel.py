@@ -24,10 +24,12 @@ import pytest
 import torch
 
 from padless.forward import sequence_parallel
-from padless.forward.attention import VARLEN_NAME
+from padless.forward.attention import SPLIT_ATTRIBUTE, VARLEN_NAME
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
+from padless.forward.ranks import Topology
 from padless.forward.sequence_parallel import SequenceParallel, SequenceParallelError
+from padless.forward.varlen import varlen_attention_forward
 from padless.proof.load import load_model
 from padless.proof.tolerance import bound
 from padless.proof.zoo import build_zoo_model
@@ -130,17 +132,17 @@ def test_each_model_splits_over_the_group_its_engine_put_on_it():
     own degree."""
     first, second = load_model("tiny-llama", probe=False), load_model("tiny-llama", probe=False)
     two, four = SequenceParallel(2, 0, group=None), SequenceParallel(4, 1, group=None)
-    ModelEngine(first, settings=EngineSettings(sequence_parallel=two))
+    ModelEngine(first, settings=EngineSettings(topology=Topology(0, 1, two)))
     sequence_parallel.attach(second, four)  # what an engine of degree 4 does (tiny-llama's heads allow 2)
     layers = first.model.layers[0].self_attn, second.model.layers[0].self_attn
-    assert [getattr(layer, sequence_parallel.ATTRIBUTE) for layer in layers] == [two, four]
-    assert getattr(copy.deepcopy(first).model.layers[1].self_attn, sequence_parallel.ATTRIBUTE) is two
+    assert [getattr(layer, SPLIT_ATTRIBUTE) for layer in layers] == [two, four]
+    assert getattr(copy.deepcopy(first).model.layers[1].self_attn, SPLIT_ATTRIBUTE) is two
     query, cu = torch.zeros(1, 4, 3, 8), torch.tensor([0, 10], dtype=torch.int32)
     for layer, degree in zip(layers, (2, 4), strict=True):
         with pytest.raises(
             SequenceParallelError, match=f"3 queries of a 10-token row under sequence_parallel={degree}"
         ):
-            sequence_parallel._ulysses(layer, query, query, query, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+            varlen_attention_forward(layer, query, query, query, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_models_the_split_cannot_run_are_refused():

@@ -14,7 +14,7 @@ import torch
 import padless.forward.engine as engine_module
 from padless.data import load_rows, tokenize_preference
 from padless.errors import AttentionError
-from padless.forward.attention import set_varlen_kernel
+from padless.forward.attention import kernel_of, pin_kernel, pinned
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.forward.tree import (
@@ -158,11 +158,10 @@ def test_tree_attention_is_each_segment_against_its_ancestors_and_itself(kernel,
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
     args = {"sliding_window": kw.get("window"), "softcap": kw.get("softcap"), "s_aux": kw.get("sinks")}
     stand_in = fused_kernels_on_cpu((torch.float32,)) if kernel != "sdpa" else contextlib.nullcontext()
+    layer = _Layer()
+    pin_kernel(layer, kernel)
     with stand_in:
-        set_varlen_kernel(kernel)
-        out, _ = varlen_attention_forward(
-            _Layer(), q, k, v, None, scaling=0.3, **args, **row.attention_kwargs()
-        )
+        out, _ = varlen_attention_forward(layer, q, k, v, None, scaling=0.3, **args, **row.attention_kwargs())
     grads = torch.autograd.grad((out[0].double() * weights).sum(), (q, k, v))
     torch.testing.assert_close(out[0].double(), want, rtol=0, atol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
@@ -240,15 +239,17 @@ def _alone(model, examples: list[Example]) -> tuple[list[torch.Tensor], float]:
 
 
 def _run(model, examples, tree: bool, kernel: str | None):
-    """Trained log-probs per sequence and the gradient of a loss over them, through the engine."""
+    """Trained log-probs per sequence and the gradient of a loss over them, through the engine (which pins
+    ``kernel`` on the model's layers: the model's own pin is back afterwards)."""
     batch = pack(examples)
-    engine = ModelEngine(
-        model, settings=EngineSettings(varlen_kernel=kernel, tree_packing="on" if tree else "off")
-    )
-    params = list(model.parameters())
-    logps = engine(batch, logps=True).logps
-    weights = torch.cos(torch.arange(batch.num_tokens, dtype=torch.float32))
-    grads = torch.autograd.grad((logps * weights).sum(), params)
+    with pinned(model, kernel_of(model)):
+        engine = ModelEngine(
+            model, settings=EngineSettings(varlen_kernel=kernel, tree_packing="on" if tree else "off")
+        )
+        params = list(model.parameters())
+        logps = engine(batch, logps=True).logps
+        weights = torch.cos(torch.arange(batch.num_tokens, dtype=torch.float32))
+        grads = torch.autograd.grad((logps * weights).sum(), params)
     mask = batch.loss_mask[0]
     return [t[m] for t, m in zip(batch.split(logps.detach()), batch.split(mask), strict=True)], grads
 

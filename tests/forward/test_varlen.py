@@ -6,8 +6,10 @@ import contextlib
 import itertools
 import math
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -21,7 +23,8 @@ import padless.forward.varlen as varlen
 from padless.forward.attention import (
     VARLEN_NAME,
     AttentionError,
-    set_varlen_kernel,
+    pin_kernel,
+    pinned,
 )
 from padless.forward.engine import forward_packed, forward_padded
 from padless.forward.packing import Example, pack, to_padded
@@ -291,7 +294,7 @@ def test_varlen_converts_nothing_to_host_inside_layers(kernel, probe_seqs):
         fused = fused_kernels_on_cpu(FP32_ONLY) if kernel != "sdpa" else contextlib.nullcontext()
         before = KERNEL_CALLS[f"varlen:{kernel}"]
         with fused:
-            set_varlen_kernel(kernel)
+            pin_kernel(model, kernel)
             with _host_conversions() as counts:
                 forward_packed(model, batch).logps.sum().backward()
         assert KERNEL_CALLS[f"varlen:{kernel}"] - before == layers
@@ -462,9 +465,8 @@ def exact_results(zoo_varlen, probe_seqs, pad_id):
 
     def get(name, layout):
         if (name, layout) not in cache:
-            set_varlen_kernel("sdpa")
-            cache[name, layout] = _logps_and_grads(zoo_varlen[name], probe_seqs, layout, pad_id)
-            set_varlen_kernel("auto")
+            with pinned(zoo_varlen[name], "sdpa"):
+                cache[name, layout] = _logps_and_grads(zoo_varlen[name], probe_seqs, layout, pad_id)
         return cache[name, layout]
 
     return get
@@ -490,8 +492,7 @@ def test_fused_branch_forward_and_backward_match_exact(
     model = zoo_varlen[name]
     want_logps, want_grads = exact_results(name, layout)
     before = KERNEL_CALLS[f"varlen:{kernel}"]
-    with fused_kernels_on_cpu(FP32_ONLY):
-        set_varlen_kernel(kernel)
+    with fused_kernels_on_cpu(FP32_ONLY), pinned(model, kernel):
         logps, grads = _logps_and_grads(model, probe_seqs, layout, pad_id)
     assert KERNEL_CALLS[f"varlen:{kernel}"] - before == model.config.num_hidden_layers  # every layer fused
     assert (logps - want_logps).abs().max() <= bound(torch.float32, want_logps.abs().max())
@@ -527,11 +528,13 @@ def test_torch_kernel_of_each_pytorch_version(zoo_varlen, exact_results, probe_s
     from padless.testing.kernels import fused_kernels_on_cpu
 
     want_logps, _ = exact_results("qwen2", "packed")
-    with fused_kernels_on_cpu(FP32_ONLY), mock.patch.object(torch_varlen, "varlen_attn", _varlen_attn_2_11):
-        set_varlen_kernel("torch")
+    with (
+        fused_kernels_on_cpu(FP32_ONLY),
+        mock.patch.object(torch_varlen, "varlen_attn", _varlen_attn_2_11),
+        pinned(zoo_varlen["qwen2"], "torch"),
+    ):
         logps, _ = _logps_and_grads(zoo_varlen["qwen2"], probe_seqs, "packed", pad_id)
     assert (logps - want_logps).abs().max() <= bound(torch.float32, want_logps.abs().max())
-    set_varlen_kernel("auto")
     with mock.patch.object(torch_varlen, "varlen_attn", _varlen_attn_2_10):
         assert not attention.torch_varlen_available()
         with mock.patch.object(attention, "flash_attn_installed", lambda: False):
@@ -549,19 +552,102 @@ def test_fused_branch_in_bf16_with_the_kernels_own_dtype_checks(probe_seqs, pad_
     with torch.no_grad():
         exact = alone_logps(model, probe_seqs)
         for kernel in ("torch", "flash_attn"):
-            with fused_kernels_on_cpu():  # fp16/bf16 only, as the real kernels
-                set_varlen_kernel(kernel)
+            with fused_kernels_on_cpu(), pinned(model, kernel):  # fp16/bf16 only, as the real kernels
                 assert probe_attention(model, "varlen")["kernel"] == kernel
                 for layout in ("left", "right", "packed"):
                     got = layout_logps(model, probe_seqs, layout, pad_id)
                     delta = max((g - w).abs().max().item() for g, w in zip(got, exact.logps, strict=True))
                     assert delta <= bound(torch.bfloat16, exact.magnitude), (kernel, layout)
-            set_varlen_kernel("auto")
     model32 = build_zoo_model("qwen2", VARLEN_NAME)
     model32.padless_attention = "varlen"
+    pin_kernel(model32, "torch")
     with fused_kernels_on_cpu(), pytest.raises(AttentionError, match="runs fp16/bf16 only"):
-        set_varlen_kernel("torch")
         probe_attention(model32, "varlen")
+
+
+def _two_engines_in_two_threads(probe_seqs, process_pin: dict[str, str] | None = None) -> dict[str, Any]:
+    """Two engines on two copies of tiny-qwen2, one pinned to each fused kernel (their CPU stand-ins), each
+    running a packed forward and backward (gradient checkpointing: the backward recomputes every layer's
+    attention) in a thread of its own. The threads start their passes together and take turns at every
+    kernel call (a barrier inside the kernels), so each pass runs while the other is half-way through
+    its own. Returns what each thread's kernel calls ran and each engine's log-probs and gradients.
+
+    ``process_pin`` plants the design this replaced: the kernel read from process state that each thread
+    sets before its pass."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from padless.forward.engine import EngineSettings, ModelEngine
+    from padless.testing.kernels import fused_kernels_on_cpu
+
+    kernels = ("torch", "flash_attn")
+    batch = pack([Example(s) for s in probe_seqs])
+    barrier = threading.Barrier(len(kernels), timeout=120)
+    ran: dict[str, list[str]] = {kernel: [] for kernel in kernels}
+    out: dict[str, Any] = {}
+
+    def recorded(kernel: str, run: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+            ran[threading.current_thread().name].append(kernel)
+            barrier.wait()  # the other thread is inside its pass too
+            return run(*args, **kwargs)
+
+        return call
+
+    def train(engine: ModelEngine, kernel: str) -> None:
+        if process_pin is not None:
+            process_pin["kernel"] = kernel
+        barrier.wait()
+        logps = engine(batch, logps=True).logps
+        logps.sum().backward()
+        grads = {n: p.grad for n, p in engine.named_parameters() if p.grad is not None}
+        out[kernel] = (logps.detach(), grads)
+
+    engines = {}
+    for kernel in kernels:
+        model = load_model("tiny-qwen2", training=True, probe=False)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engines[kernel] = ModelEngine(model, settings=EngineSettings(varlen_kernel=kernel))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fused_kernels_on_cpu(FP32_ONLY))
+        flash = sys.modules["flash_attn"]
+        run_torch, run_flash = torch_varlen.varlen_attn, flash.flash_attn_varlen_func
+        stack.enter_context(mock.patch.object(torch_varlen, "varlen_attn", recorded("torch", run_torch)))
+        stack.enter_context(
+            mock.patch.object(flash, "flash_attn_varlen_func", recorded("flash_attn", run_flash))
+        )
+        if process_pin is not None:
+            stack.enter_context(
+                mock.patch.object(attention, "kernel_of", lambda module: process_pin["kernel"])
+            )
+        threads = [threading.Thread(target=train, args=(engines[k], k), name=k, daemon=True) for k in kernels]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+    return {"ran": ran, "out": out, "layers": engines["torch"].config.num_hidden_layers}
+
+
+def test_two_engines_in_two_threads_each_run_their_own_kernel(probe_seqs):
+    """The kernel travels with the engine's model, not through process state: two engines pinned to
+    different kernels, interleaved in two threads (a sampler beside a trainer), each run the kernel they
+    were given in every attention call of their forward and of the backward that recomputes it, and both
+    compute the same numbers (same weights, two exact kernels: fp32 round-off apart)."""
+    got = _two_engines_in_two_threads(probe_seqs)
+    calls = 2 * got["layers"]  # each layer in the forward, and again recomputed in the backward
+    assert got["ran"] == {"torch": ["torch"] * calls, "flash_attn": ["flash_attn"] * calls}
+    (logps, grads), (other_logps, other_grads) = got["out"]["torch"], got["out"]["flash_attn"]
+    assert (logps - other_logps).abs().max() <= bound(torch.float32, logps.abs().max())
+    assert grads.keys() == other_grads.keys() and grads
+    for name, grad in grads.items():
+        assert (grad - other_grads[name]).abs().max() <= bound(torch.float32, grad.abs().max()), name
+
+
+def test_a_kernel_read_from_process_state_mixes_the_two_threads(probe_seqs):
+    """The check above catches the design it replaced: with the kernel read from process state that each
+    thread sets before its pass, the thread that set it first runs the other's kernel."""
+    ran = _two_engines_in_two_threads(probe_seqs, process_pin={})["ran"]
+    assert len({kernel for calls in ran.values() for kernel in calls}) == 1  # the last one set, for both
+    assert any(set(calls) != {kernel} for kernel, calls in ran.items())
 
 
 def _args(**kw):
@@ -593,13 +679,12 @@ def test_pinned_fused_kernel_refuses_what_it_lacks():
     ):
         model = build_zoo_model(name, VARLEN_NAME)
         model.padless_attention = "varlen"
+        pin_kernel(model, kernel)
         with (
             fused_kernels_on_cpu(FP32_ONLY),
             pytest.raises(AttentionError, match=f"varlen kernel '{kernel}' has no {lacking}"),
         ):
-            set_varlen_kernel(kernel)
             probe_attention(model, "varlen")
-        set_varlen_kernel("auto")
 
 
 def test_auto_runs_what_the_fused_kernel_lacks_exactly_and_says_so(monkeypatch, caplog, probe_seqs, pad_id):
@@ -611,7 +696,7 @@ def test_auto_runs_what_the_fused_kernel_lacks_exactly_and_says_so(monkeypatch, 
     model = build_zoo_model("gpt-oss", VARLEN_NAME)
     model.padless_attention = "varlen"
     monkeypatch.setattr(
-        attention, "varlen_kernel", lambda device, dtype: "flash_attn"
+        attention, "varlen_kernel", lambda device, dtype, choice: "flash_attn"
     )  # what CUDA bf16 picks
     monkeypatch.setattr(varlen, "_logged", set())
     before = dict(KERNEL_CALLS)
@@ -659,8 +744,9 @@ def test_varlen_fused_kernel_bf16_matches_alone(name, kernel, probe_seqs, pad_id
     from padless.proof.check import alone_logps, layout_logps
     from padless.proof.tolerance import bound
 
-    set_varlen_kernel(kernel)
-    model = load_model(name, attn_implementation="varlen", dtype="bfloat16", device="cuda")
+    model = load_model(
+        name, attn_implementation="varlen", dtype="bfloat16", device="cuda", varlen_kernel=kernel
+    )
     info = probe_attention(model, "varlen")
     assert info["kernel"] == kernel
     before = KERNEL_CALLS[f"varlen:{kernel}"]
@@ -730,14 +816,12 @@ def test_chunked_attention_attends_within_chunks_of_each_sequence(kernel):
 
     q, k, v = _qkv(1, sum(LENS), seed=7)
     fused = fused_kernels_on_cpu(FP32_ONLY) if kernel != "sdpa" else contextlib.nullcontext()
+    chunked_layer, whole_layer = _Llama4Layer("chunked_attention"), _Llama4Layer("full_attention")
+    pin_kernel(chunked_layer, kernel)
+    pin_kernel(whole_layer, kernel)
     with fused:
-        set_varlen_kernel(kernel)
-        chunked, _ = varlen_attention_forward(
-            _Llama4Layer("chunked_attention"), q, k, v, None, scaling=0.4, cu_seq_lens_q=CU
-        )
-        whole, _ = varlen_attention_forward(
-            _Llama4Layer("full_attention"), q, k, v, None, scaling=0.4, cu_seq_lens_q=CU
-        )
+        chunked, _ = varlen_attention_forward(chunked_layer, q, k, v, None, scaling=0.4, cu_seq_lens_q=CU)
+        whole, _ = varlen_attention_forward(whole_layer, q, k, v, None, scaling=0.4, cu_seq_lens_q=CU)
     torch.testing.assert_close(chunked[0], _expected_chunked(q, k, v, 0.4, 4), rtol=0, atol=1e-5)
     torch.testing.assert_close(whole[0], _expected_packed(q, k, v, 0.4), rtol=0, atol=1e-5)
     assert (chunked - whole).abs().max() > 1e-2  # the 9- and 6-token sequences span chunks

@@ -12,6 +12,7 @@ from padless.cli import main
 from padless.config.loading import load_config
 from padless.config.schema import SFTConfig
 from padless.forward import attention
+from padless.proof.load import load_model
 from padless.run.logs import LOG_FILE, setup_logging
 from padless.trainers.sft import run_sft
 
@@ -42,8 +43,9 @@ def test_a_run_states_backend_kernel_precision_engine_and_world_size(tmp_path):
 
 
 def test_runs_in_one_process_keep_their_own_logs_and_defaults(tmp_path):
-    """A run that pins the varlen kernel gives the pin back; a second run's lines stay out of the
-    first run's log; a failing run (through the CLI) releases its lock, log file and pin too."""
+    """A run that pins the varlen kernel pins it on its own models only (a model loaded after it runs
+    ``auto``); a second run's lines stay out of the first run's log; a failing run (through the CLI)
+    releases its lock and log file too."""
     first, second = tmp_path / "a", tmp_path / "b"
     run_sft(
         load_config(
@@ -52,7 +54,7 @@ def test_runs_in_one_process_keep_their_own_logs_and_defaults(tmp_path):
             [*FAST, f"train.output_dir={first}", "train.max_steps=1", "model.varlen_kernel=sdpa"],
         )
     )
-    assert attention._varlen_kernel_choice == "auto"
+    assert attention.kernel_of(load_model("tiny-llama", probe=False)) == "auto"
     size = (first / LOG_FILE).stat().st_size
     run_sft(load_config(SFTConfig, None, [*FAST, f"train.output_dir={second}", "train.max_steps=1"]))
     assert (first / LOG_FILE).stat().st_size == size
@@ -64,7 +66,7 @@ def test_runs_in_one_process_keep_their_own_logs_and_defaults(tmp_path):
         "data.train=tiny:nope",
     ]
     assert main(["sft", *bad]) == 2
-    assert attention._varlen_kernel_choice == "auto" and file_handlers() == []
+    assert attention.kernel_of(load_model("tiny-llama", probe=False)) == "auto" and file_handlers() == []
     assert not (tmp_path / "c" / "run.lock").exists()
     assert (
         "ERROR padless: padless sft: error: tiny:nope: no embedded dataset"

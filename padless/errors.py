@@ -23,6 +23,28 @@ class InputError(ValueError):
     """
 
 
+class DataError(ValueError):
+    """A problem with the data itself; the message says where it is and how to fix it.
+
+    ``reason`` is a short, stable label (e.g. ``"too long"``) used to count skipped rows by cause.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        index: int | None = None,
+        field: str | None = None,
+        reason: str = "bad row",
+    ) -> None:
+        super().__init__(message)
+        self.source = source
+        self.index = index
+        self.field = field
+        self.reason = reason
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived (a scheduler or ``kill`` ended the run): unwinds like Ctrl-C, exits with 143."""
 

@@ -1454,7 +1454,8 @@ def test_image_modes_are_converted_as_they_look_or_refused() -> None:
     import numpy as np
 
     from padless.data.images import load_image
-    from padless.data.records import DataError, Row
+    from padless.data.records import Row
+    from padless.errors import DataError
 
     row = Row(data={}, source="rows.jsonl", index=3)
     grey = np.asarray(load_image(row, "images", _image("I;16")))[..., 0]

@@ -36,7 +36,7 @@ from typing import Any
 import xxhash
 
 from padless.data.chat import ChatTemplateError
-from padless.data.records import DataError
+from padless.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from padless.data.records import REASONING_KEYS, DataError, Row
+from padless.data.records import REASONING_KEYS, Row
 from padless.data.sentinels import SENTINEL, Leaf, with_sentinels
+from padless.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -27,7 +27,7 @@ from urllib.parse import unquote
 
 import yaml
 
-from padless.data.records import DataError
+from padless.errors import DataError
 
 PREFIX = "reasoning_gym:"
 VERIFIERS = "verifiers:"

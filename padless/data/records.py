@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 import pyarrow as pa
 
 from padless.data import given
+from padless.errors import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -35,28 +36,6 @@ SKIP_FIX = "Fix the row or set data.skip_bad_rows: true to skip it."
 SKIP_CLAUSE = re.compile(r",? or set data\.skip_bad_rows: true to skip (?:it|the row)(?=\.)")
 # What to do with a row longer than the length limit: refuse it, or keep its first tokens.
 Truncation = Literal["error", "truncate"]
-
-
-class DataError(ValueError):
-    """A problem with the data itself; the message says where it is and how to fix it.
-
-    ``reason`` is a short, stable label (e.g. ``"too long"``) used to count skipped rows by cause.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        source: str | None = None,
-        index: int | None = None,
-        field: str | None = None,
-        reason: str = "bad row",
-    ) -> None:
-        super().__init__(message)
-        self.source = source
-        self.index = index
-        self.field = field
-        self.reason = reason
 
 
 def _content_hash(path: Path) -> str:

@@ -18,9 +18,9 @@ from padless import tiny
 from padless.data import sources
 from padless.data.chat import ChatTemplateError
 from padless.data.images import ImageInputs
-from padless.data.records import REASONING_KEYS, TRAIN_FLAGS, DataError, Row, load_rows
+from padless.data.records import REASONING_KEYS, TRAIN_FLAGS, Row, load_rows
 from padless.data.sft import SftEncoder, SftFormat, sft_examples, sft_format
-from padless.errors import InputError
+from padless.errors import DataError, InputError
 from padless.forward.vision import is_vision_config
 
 FIRST_ROWS = 5  # row numbers shown per cause

@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from padless.data.chat import ChatEncoder, ChatTemplateError, common_prefix
-from padless.data.records import IMAGE_COLUMNS, DataError, Row, chat_messages, load_rows
-from padless.errors import InputError, UserCodeError
+from padless.data.records import IMAGE_COLUMNS, Row, chat_messages, load_rows
+from padless.errors import DataError, InputError, UserCodeError
 from padless.forward.packing import concat_vision
 from padless.forward.ranks import agreed, common_count
 from padless.rl.environments import (

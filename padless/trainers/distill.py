@@ -194,7 +194,7 @@ class OnPolicyRecipe(RolloutRecipe):
     def passes(self) -> dict[str, Pass]:
         return {"ref_logps": self.reference_pass()}
 
-    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+    def process(self, samples: list[Sample], epoch: int) -> dict[str, float]:
         """Nothing: the advantages are the current log-probs' reverse KL, taken in :meth:`loss`."""
         return {}
 

@@ -119,7 +119,7 @@ class GRPORecipe(RolloutRecipe):
         error.every_rank = True  # type: ignore[attr-defined]
         raise error
 
-    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+    def process(self, samples: list[Sample], epoch: int) -> dict[str, float]:
         g, group = self.cfg.grpo, self.cfg.rollout.num_generations
         rewards = group_rewards(samples)
         if g.advantage == "rloo":

@@ -29,12 +29,12 @@ class PPORecipe(RolloutRecipe):
             "old_values": lambda b: self.policy(b, values=True).values,
         }
 
-    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
+    def process(self, samples: list[Sample], epoch: int) -> dict[str, float]:
         """Per-target rewards (score at the last target, minus the KL penalty), GAE, whitened advantages."""
         p = self.cfg.ppo
         for s in samples:
             s.algorithm.advantages, s.algorithm.returns = [], []
-        live = [(s, score) for s, score in zip(samples, rewards.tolist(), strict=True) if s.num_targets]
+        live = [(s, s.scored.reward) for s in samples if s.num_targets]
         kls: list[float] = []
         if live:  # every sequence in one vectorised GAE over the concatenated targets
             lengths = [s.num_targets for s, _ in live]

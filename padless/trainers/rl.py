@@ -187,8 +187,9 @@ class RolloutRecipe(Recipe):
         """The no-grad per-token passes the loss needs, by :class:`~padless.rl.sample.Passes` field."""
         raise NotImplementedError
 
-    def process(self, samples: list[Sample], rewards: torch.Tensor, epoch: int) -> dict[str, float]:
-        """Advantages and whatever else the loss needs, into each sample's ``algorithm``; returns metrics."""
+    def process(self, samples: list[Sample], epoch: int) -> dict[str, float]:
+        """Advantages and whatever else the loss needs, from each sample's ``scored`` and ``passes`` into its
+        ``algorithm``; returns metrics."""
         raise NotImplementedError
 
     def sample(self, epoch: int) -> tuple[list[Sample], dict[str, float]]:
@@ -204,12 +205,11 @@ class RolloutRecipe(Recipe):
     def plan(self, epoch: int) -> list[MicroBatch]:
         if self.rollout is None or self.rollout[0] != epoch:
             samples, sampling = self.sample(epoch)
-            rewards = torch.tensor([s.scored.reward for s in samples])
             self.metrics[epoch] = {
                 **summary(samples, "rollout/"),
                 **sampling,
                 **correct(samples, self.cfg.rollout),
-                **self.process(samples, rewards, epoch),
+                **self.process(samples, epoch),
             }
             self.rollout = (epoch, samples)
         return self.micro_batches(self.rollout[1], epoch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from padless.data import load_rows
-from padless.data.records import DataError
+from padless.errors import DataError
 from padless.rl.rewards import load_reward_function
 
 SPEC = (

@@ -10,8 +10,7 @@ import json
 import pytest
 
 from padless.data import load_rows
-from padless.data.records import DataError
-from padless.errors import InputError
+from padless.errors import DataError, InputError
 from padless.rl.environments import Turn, load_environment
 
 pytest.importorskip("verifiers")

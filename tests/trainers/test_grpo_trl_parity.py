@@ -272,7 +272,7 @@ def test_unscored_completions_get_trls_advantages():
         )
         for r in rewards
     ]
-    recipe.process(samples, torch.zeros(len(samples)), epoch=0)
+    recipe.process(samples, epoch=0)
     assert [s.algorithm.advantages[0] for s in samples] == pytest.approx(
         expected.tolist(), rel=1e-6, abs=1e-7
     )

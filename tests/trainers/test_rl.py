@@ -365,7 +365,9 @@ def test_ppo_process_equals_per_sequence_gae(whiten_advantages):
         stored = Passes(*(torch.randn(n, generator=g).tolist() for _ in range(3)))  # old, ref, values
         examples.append(Sample(list(range(n + 2)), [False, False] + [True] * n, passes=stored))
     scores = torch.tensor([1.0, -0.5, 2.0, 0.25])
-    out = PPORecipe.process(SimpleNamespace(cfg=SimpleNamespace(ppo=settings)), examples, scores, epoch=5)
+    for ex, score in zip(examples, scores.tolist(), strict=True):
+        ex.scored = Scored(score, {})
+    out = PPORecipe.process(SimpleNamespace(cfg=SimpleNamespace(ppo=settings)), examples, epoch=5)
 
     want_adv, want_ret, kls = [], [], []
     for ex, score in zip(examples, scores.tolist(), strict=True):

@@ -94,10 +94,6 @@ class Recipe:
         """Evaluation beyond the loss metrics (e.g. generation), run on every rank; none by default."""
         return {}
 
-    def plan_with(self, model: torch.nn.Module) -> None:
-        """Learn from the engine how it lays out packed rows (flat or tree rows), before the first plan: a
-        plan counts the tokens its micro-batches will compute."""
-
     def bind(self, model: torch.nn.Module) -> None:
         """Hand the recipe the prepared engine, once, before training: the only model object every pass
         outside ``loss`` (reference precompute, rollouts) may go through."""
@@ -203,7 +199,6 @@ class Trainer:
         # which share of each step this process trains: the engine's (made at run start)
         self.topology = model.topology if isinstance(model, ModelEngine) else ranks.start()
         self.planned: tuple[int, list[Step]] | None = None
-        recipe.plan_with(model)
         self.total_steps = self._count_steps()
         warmup = settings.warmup_steps or math.ceil(settings.warmup_ratio * self.total_steps)
         # The scheduler is not passed to prepare(): accelerate would step it once per process.

@@ -25,7 +25,7 @@ class PairRecipe(Recipe):
     runs tree rows (``train.tree_packing``), a pair's prompt is computed once and counts once in the
     token budget (:meth:`lengths`)."""
 
-    tree = False  # whether the engine runs tree rows (set by plan_with)
+    tree = False  # whether the bound engine runs tree rows (set in bind)
 
     def __init__(
         self,
@@ -39,11 +39,8 @@ class PairRecipe(Recipe):
         self.layout = BatchLayout.of(cfg, pad_id)
         self.eval_pairs = as_set(eval_pairs or [])
 
-    def plan_with(self, model: torch.nn.Module) -> None:
-        self.tree = inner_engine(model).tree
-
     def bind(self, model: torch.nn.Module) -> None:
-        self.plan_with(model)
+        self.tree = inner_engine(model).tree
 
     def lengths(self, pairs: ExampleSet[PairExample]) -> np.ndarray:
         """Tokens each pair's forward computes: both sides, their shared prompt once in a tree row."""

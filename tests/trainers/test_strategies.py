@@ -147,7 +147,8 @@ TRAINERS = {
 # (step 1 gets the nonzero-advantage groups on 2 ranks, step 2 on 1 rank), so their per-step losses differ
 # while each step's own arithmetic is exact. Recorded as an expected failure (xfail, not a pass) until the
 # mini-batch split is made independent of the world size; every other kind is held to its numbers.
-KNOWN_MISMATCH = {"grpo": "GRPO's mini-batches are split differently on 2 processes than on 1 (open)"}
+SPLIT = "a GRPO rollout's mini-batches are split differently on 2 processes than on 1 (open)"
+KNOWN_MISMATCH = {"grpo": SPLIT, "grpo_stale": SPLIT}
 RESUME_FROM = {
     "sft": 2,
     "dpo": 2,
@@ -295,7 +296,7 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
     assert exported.state_dict().keys() >= weights(tmp_path / "sft", 3).keys()
     shutil.rmtree(tmp_path, ignore_errors=True)
     if known:
-        pytest.xfail(f"{known}: {KNOWN_MISMATCH['grpo']}")
+        pytest.xfail(f"{known}: {SPLIT}")
 
 
 def _free_port() -> int:

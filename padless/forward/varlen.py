@@ -16,7 +16,7 @@ import inspect
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -212,8 +212,8 @@ def _math_attention(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
-    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``; ``allowed`` (broadcast to ``[N, H, Lq, Lk]``) replaces the
-    mask of ``args`` (tree segments, whose keys outnumber their queries).
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``; ``allowed`` (broadcast to ``[N, H, Lq, Lk]``, boolean or
+    additive) replaces the mask of ``args`` (tree segments, whose keys outnumber their queries).
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
     eager kernels do; memory ``N * H * L^2`` for these sequences only.
@@ -225,8 +225,10 @@ def _math_attention(
         scores = torch.tanh(scores / args.softcap) * args.softcap
     if allowed is None:
         allowed = _allowed(q.shape[2], args, q.device)
-    if allowed is not None:
+    if allowed is not None and allowed.dtype == torch.bool:
         scores = scores.masked_fill(~allowed, -math.inf)
+    elif allowed is not None:  # additive (0 or -inf)
+        scores = scores + allowed
     if args.sinks is not None:
         sink = args.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
@@ -558,6 +560,10 @@ class TreeGroups:
     padded: bool  # some query slot is padding
     shapes: tuple[tuple[int, int, int], ...]  # (segments, padded queries, padded keys) of each group
     offsets: tuple[torch.Tensor | None, ...]
+    # (window, dtype) -> each group's additive mask (None: plain causal), built once per batch, not per layer
+    _masks: dict[tuple[int | None, torch.dtype], tuple[torch.Tensor | None, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def plan(
@@ -605,9 +611,120 @@ class TreeGroups:
             allowed &= i - j < window
         return allowed[:, None]
 
+    def masks(self, window: int | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """Each group's mask (:meth:`allowed`) as an additive ``dtype`` mask (0 or -inf), ``None`` for a group
+        of roots; made once per batch and window and read by every layer (SDPA would otherwise turn a
+        boolean mask into this one in each call, forward and backward)."""
+        key = (window, dtype)
+        if key not in self._masks:
+            self._masks[key] = tuple(
+                None
+                if offsets is None
+                else torch.zeros((), dtype=dtype, device=offsets.device).masked_fill(
+                    ~self.allowed(offsets, size_q, size_k, window), -math.inf
+                )
+                for (_, size_q, size_k), offsets in zip(self.shapes, self.offsets, strict=True)
+            )
+        return self._masks[key]
 
-# cu_seq_lens_q tensor of a tree row -> its groups, planned once per batch like a packed row's.
+
+# cu_seq_lens_q tensor of a tree row -> its groups (or parts), planned once per batch like a packed row's.
 _TREES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_TREE_PARTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# PyTorch's fused CPU attention with each query's log-sum-exp, and its backward (private aten ops)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+@dataclass(frozen=True)
+class TreeParts:
+    """A tree row's attention as parts that need no mask, merged through their log-sum-exp (on CPU).
+
+    Each segment attends causally to itself (``own``: its row range, queries and keys alike), and fully to
+    every key of its ancestors (``shared``: ``(q0, q1, k0, k1)``, queries ``q0:q1`` against keys
+    ``k0:k1``; the segments that see the same contiguous run of ancestor keys side by side in the row,
+    as a prefix's branches are, make one part). Nothing is gathered or padded, no key is computed for a
+    query that does not see it, and causal parts skip their upper blocks, which a segment's mask in
+    :class:`TreeGroups` cannot.
+    """
+
+    own: tuple[tuple[int, int], ...]
+    shared: tuple[tuple[int, int, int, int], ...]
+
+    @classmethod
+    def plan(cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int]) -> TreeParts:
+        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (q0, q1), (k0, k1) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
+            ancestors = keys[k0 : k1 - (q1 - q0)]  # then its own keys, the row's q0:q1
+            if not ancestors:
+                continue
+            breaks = [i for i in range(1, len(ancestors)) if ancestors[i] != ancestors[i - 1] + 1]
+            for a, b in pairwise([0, *breaks, len(ancestors)]):
+                queries = runs.setdefault((ancestors[a], ancestors[b - 1] + 1), [])
+                if queries and queries[-1][1] == q0:  # a sibling's queries just before: one part
+                    queries[-1] = (queries[-1][0], q1)
+                else:
+                    queries.append((q0, q1))
+        shared = tuple((q0, q1, k0, k1) for (k0, k1), spans in runs.items() for q0, q1 in spans)
+        return cls(tuple(pairwise(bounds_q)), shared)
+
+
+def _tree_parts_run(args: AttentionArgs, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :class:`TreeParts` computes this call: CPU tensors of a dtype its fused kernel takes,
+    plain causal attention (no window, soft-cap, sinks or dropout) and value heads of the query's size."""
+    plain = args.window is None and args.softcap is None and args.sinks is None and not args.dropout
+    return (
+        _CPU_FLASH is not None
+        and _CPU_FLASH_BACKWARD is not None
+        and plain
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.shape[-1] == v.shape[-1]
+    )
+
+
+class _TreePartsAttention(torch.autograd.Function):
+    """Attention of a tree row by :class:`TreeParts`: q, k, v ``[1, H, R, D]`` (k and v with q's heads)
+    -> ``[1, H, R, D]``. Forward: each part's output and log-sum-exp, merged per query in fp32. Backward:
+    each part's gradients from the kernel's backward given the *merged* output and log-sum-exp (the
+    probabilities of a part's keys are then the whole softmax's), summed where parts share a tensor."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, parts: TreeParts, scale: float):
+        out = torch.empty(q.shape, dtype=torch.float32)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32)
+        for a, b in parts.own:
+            o, lse[:, :, a:b] = _CPU_FLASH(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale)
+            out[:, :, a:b] = o
+        for q0, q1, k0, k1 in parts.shared:
+            o, part = _CPU_FLASH(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, False, scale=scale)
+            before = lse[:, :, q0:q1]
+            total = torch.logaddexp(before, part)
+            mixed = out[:, :, q0:q1] * (before - total).exp()[..., None] + o * (part - total).exp()[..., None]
+            out[:, :, q0:q1], lse[:, :, q0:q1] = mixed, total
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.parts, ctx.scale = parts, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        parts, scale = ctx.parts, ctx.scale
+        grad = grad.contiguous()
+        dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+        calls = [(a, b, a, b, True) for a, b in parts.own] + [(*part, False) for part in parts.shared]
+        for i, (q0, q1, k0, k1, causal) in enumerate(calls):
+            pieces = (grad[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], out[:, :, q0:q1])
+            gq, gk, gv = _CPU_FLASH_BACKWARD(*pieces, lse[:, :, q0:q1], 0.0, causal, scale=scale)
+            if i < len(parts.own):  # the own parts cover the row once: the first gradient of each position
+                dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1] = gq, gk, gv
+            else:
+                dq[:, :, q0:q1] += gq
+                dk[:, :, k0:k1] += gk
+                dv[:, :, k0:k1] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _tree_attention(
@@ -642,6 +759,17 @@ def _tree_attention(
         max_q, max_k = kwargs["max_length_q"], kwargs["max_length_k"]
         out = _fused_call(kernel, flat_q, flat_k, flat_v, cu_q, cu_k, max_q, max_k, args)
         return out[..., :out_dim].reshape(1, q.shape[2], heads, out_dim)
+    if _tree_parts_run(args, q, v):
+        parts = _TREE_PARTS.get(cu_q)
+        if parts is None:
+            parts = _TREE_PARTS[cu_q] = TreeParts.plan(
+                sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist()
+            )
+        rep = heads // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _TreePartsAttention.apply(q, k, v, parts, args.scale).transpose(1, 2)
     plan = _TREES.get(cu_q)
     if plan is None:
         plan = _TREES[cu_q] = TreeGroups.plan(
@@ -652,16 +780,18 @@ def _tree_attention(
     # ways; keys and values: a prefix's in every branch's slots, their gradients summed (index_select)
     qs = _Gather.apply(flat_q, plan.queries, plan.back, False)
     ks, vs = flat_k.index_select(0, plan.keys), flat_v.index_select(0, plan.keys)
-    outs, at_q, at_k = [], 0, 0
-    for (n, size_q, size_k), offsets in zip(plan.shapes, plan.offsets, strict=True):
-        group_q = qs[at_q : at_q + n * size_q].view(n, size_q, *qs.shape[1:]).transpose(1, 2)
-        group_k, group_v = (
-            t[at_k : at_k + n * size_k].view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (ks, vs)
-        )
-        allowed = None if offsets is None else TreeGroups.allowed(offsets, size_q, size_k, args.window)
-        out = _sequence_attention(group_q, group_k, group_v, args, allowed)
+    # split, not sliced: a slice's backward writes its gradient into zeros the size of the whole tensor,
+    # once per group; a split's is one concatenation
+    sizes_q = [n * size_q for n, size_q, _ in plan.shapes]
+    sizes_k = [n * size_k for n, _, size_k in plan.shapes]
+    masks = plan.masks(args.window, q.dtype)
+    groups = zip(plan.shapes, qs.split(sizes_q), ks.split(sizes_k), vs.split(sizes_k), masks, strict=True)
+    outs = []
+    for (n, size_q, size_k), group_q, group_k, group_v, mask in groups:
+        group_q = group_q.view(n, size_q, *qs.shape[1:]).transpose(1, 2)
+        group_k, group_v = (t.view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (group_k, group_v))
+        out = _sequence_attention(group_q, group_k, group_v, args, mask)
         outs.append(out.transpose(1, 2).reshape(n * size_q, heads, out_dim))
-        at_q, at_k = at_q + n * size_q, at_k + n * size_k
     return _Gather.apply(torch.cat(outs), plan.back, plan.owner, plan.padded)[None]
 
 

@@ -178,8 +178,9 @@ class TrainSettings(ConfigModel):
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
     tree_packing: TreePacking = "auto"
-    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (where
-    the model runs it exactly; the log says which layout ran), on (refused where it cannot run), off"""
+    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (in
+    tasks whose sequences share a prompt, not SFT, where the model runs it exactly; the log says which
+    layout ran), on (SFT too; refused where it cannot run), off"""
     logging_steps: PositiveInt = 10
     """optimizer steps between metrics records"""
     eval_steps: NonNegativeInt = 0

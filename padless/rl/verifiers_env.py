@@ -81,17 +81,24 @@ class VerifiersEnvironment(Environment):
         self.answered: asyncio.Future[None] | None = None  # the model answered it
         self.messages: list[dict[str, Any]] = []  # the seat's conversation, as verifiers keeps messages
         self.seat: str | None = None
-        self.servers: dict[str, Any] = {}  # tool server name -> its MCP server
+        self.dispatch: dict[str, tuple[Any, str]] = {}  # a tool's name -> its MCP server, its name there
+        self.offered: dict[str, Any] = {}  # the tools as verifiers records them (vf.Tool)
         self.trace: Any = None
 
     @classmethod
     def tools_for(cls, data: Sequence[str]) -> list[dict[str, Any]]:
         """The tools of the verifiers tasksets in ``data`` as the model sees them (run by ``run_tool``)."""
-        schemas: dict[str, dict[str, Any]] = {}
+        schemas: dict[str, tuple[str, dict[str, Any]]] = {}
         for spec in dict.fromkeys(s for s in data if isinstance(s, str) and s.startswith(VERIFIERS)):
             for schema in tool_schemas(spec):
-                schemas.setdefault(schema["function"]["name"], schema)
-        return list(schemas.values())
+                other, known = schemas.setdefault(schema["function"]["name"], (spec, schema))
+                if known != schema:
+                    raise InputError(
+                        f"{other} and {spec} both bring a tool named {schema['function']['name']!r}, as "
+                        "different tools, and a call can run only one of them; fix: give the tools distinct "
+                        "names (a toolset's TOOL_PREFIX)"
+                    )
+        return [schema for _, schema in schemas.values()]
 
     # -- padless's side: the episode's turns ------------------------------------------------------------
 
@@ -194,13 +201,13 @@ class VerifiersEnvironment(Environment):
 
     async def finish(self, task: Any, seat: Seat) -> Any:
         """The seat's conversation as a verifiers trace, scored by the task's rubric."""
-        self.trace = trace_of(task, self.messages, list(self.tools.values()), seat.name)
+        self.trace = trace_of(task, self.messages, list(self.offered.values()), seat.name)
         await task.score(self.trace)
         return self.trace
 
     async def tool_servers(self) -> dict[str, tuple[Any, str]]:
-        """The task's tool servers (made and set up for this task) and the taskset's (shared): each model
-        tool name -> (its MCP server, the server's name for it). Also keeps ``self.tools`` (the vf Tools)."""
+        """The task's tool servers (made and set up for this task) and the taskset's (shared): each tool's
+        name -> its MCP server and its name there; ``offered`` keeps them as verifiers records tools."""
         import verifiers.v1 as vf
 
         own = []
@@ -208,12 +215,12 @@ class VerifiersEnvironment(Environment):
             await toolset.setup()
             await toolset.setup_task(self.task)
             own.append(toolset)
-        dispatch, self.tools = {}, {}
+        dispatch: dict[str, tuple[Any, str]] = {}
         for toolset, server in [*served(own), *self.shared]:
             for tool in await server.list_tools():
                 name = qualified(toolset, tool.name)
                 dispatch[name] = (server, tool.name)
-                self.tools[name] = vf.Tool(
+                self.offered[name] = vf.Tool(
                     name=name, description=tool.description or "", parameters=tool.input_schema
                 )
         return dispatch
@@ -225,18 +232,29 @@ class Seat:
     def __init__(self, game: VerifiersEnvironment, name: str) -> None:
         self.game, self.name, self.trainable = game, name, True
 
-    async def run(self, task: Any, **_: Any) -> Any:
+    async def run(self, task: Any, **resources: Any) -> Any:
         """The whole rollout of ``task``: its messages, then model turns until one calls no tool."""
-        self.game.take(self)
+        self.take(resources)
         await self.game.ask(opening(task))
         return await self.game.finish(task, self)
 
     @asynccontextmanager
-    async def interaction(self, task: Any, **_: Any) -> AsyncIterator[Exchange]:
+    async def interaction(self, task: Any, **resources: Any) -> AsyncIterator[Exchange]:
         """The rollout held open turn by turn, the Env as the user; scored when the exchange closes."""
-        self.game.take(self)
+        self.take(resources)
         yield Exchange(self.game, task)
         await self.game.finish(task, self)
+
+    def take(self, resources: dict[str, Any]) -> None:
+        """The policy takes this seat; an agent program's resources (a box, tool servers, a trace watcher)
+        have nothing to run in here and are refused rather than dropped."""
+        given = sorted(k for k, v in resources.items() if v is not None and v is not False)
+        if given:
+            raise RuntimeError(
+                f"seat {self.name!r} is handed {', '.join(given)}: resources of a verifiers agent program, "
+                "which padless does not run (it plays the seat in process); fix: leave them out"
+            )
+        self.game.take(self)
 
 
 class Exchange:
@@ -260,7 +278,9 @@ class Exchange:
 
     @property
     def trace(self) -> Any:
-        return self.game.trace
+        """The exchange's trace: live (the conversation so far) until it closes, then the scored one."""
+        game = self.game
+        return game.trace or trace_of(self.task, game.messages, list(game.offered.values()), game.seat or "")
 
 
 class Seats:
@@ -350,8 +370,14 @@ def tool_schemas(spec: str) -> tuple[dict[str, Any], ...]:
         schemas = []
         for toolset, server in servers:
             for tool in await server.list_tools():
+                name = qualified(toolset, tool.name)
+                if any(name == s["function"]["name"] for s in schemas):
+                    raise InputError(
+                        f"{spec}: two tool servers bring a tool named {name!r}; fix: give one of them a "
+                        "distinct TOOL_PREFIX"
+                    )
                 function = {
-                    "name": qualified(toolset, tool.name),
+                    "name": name,
                     "description": tool.description or "",
                     "parameters": tool.input_schema,
                 }

@@ -282,6 +282,15 @@ def test_a_seat_padless_cannot_play_and_an_env_that_never_asks_the_model_are_ref
     spec = f"verifiers:{path}:teacher"
     with pytest.raises(UserCodeError, match="the environment ended before the model's first turn"):
         episodes(tokenizer, spec, [load_rows(spec)[0].data], Scripted(tokenizer, ["1"]))
+    path = tmp_path / "boxed.py"  # an agent program's box has nothing to run in: refused, not dropped
+    path.write_text(
+        CALCULATOR.replace("STUDENT_TRAINS", "True").replace("(task) as chat", "(task, runtime=1) as chat")
+    )
+    spec = f"verifiers:{path}:teacher"
+    with pytest.raises(
+        UserCodeError, match="seat 'student' is handed runtime: resources of a verifiers agent"
+    ):
+        episodes(tokenizer, spec, [load_rows(spec)[0].data], Scripted(tokenizer, ["1"]))
 
 
 @pytest.mark.slow
@@ -291,7 +300,7 @@ def test_a_verifiers_env_with_a_tool_server_trains_through_padless_grpo(
     """tiny-llama-calc plays the Teacher over the calculator taskset, verifiers' rubric the only reward, for
     two steps. Every sample trained: its targets are exactly the model's turns (the user's and the tool's
     turns are context), and its reward is verifiers' own score of its conversation, read back from its ids.
-    The run's episodes hold both kinds of environment turns (measured: 10 of 12 retried, 2 called the tool)."""
+    The episodes hold both kinds of environment turns (measured: 10 of 12 retried, 2 called the tool)."""
     from padless.cli import main
     from padless.data.procedural import verifiers_tasks
     from padless.trainers.grpo import GRPORecipe

@@ -385,10 +385,8 @@ class EpisodeRunner:
         for e in episodes:
             if not e.done:
                 e.done, e.truncated = True, "max_turns"
-        close = [
-            partial(user_call, self.spec, "close()", e.env.close) for e in episodes if hasattr(e.env, "close")
-        ]
-        agreed(lambda: [c() for c in close], who)
+        ended = [e.env for e in episodes if hasattr(e.env, "close")]  # cut ones too: nothing left running
+        agreed(lambda: [user_call(self.spec, "close()", env.close) for env in ended], who)
         return episodes
 
     def take_turns(self, running: list[Episode], completions: list[Completion], turn: int) -> None:

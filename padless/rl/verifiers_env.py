@@ -193,9 +193,9 @@ class VerifiersEnvironment(Environment):
             )
         if self.seat is not None:
             raise RuntimeError(
-                f"seat {seat.name!r} is played a second time in one episode (seat {self.seat!r} already "
-                "was): padless trains one conversation per episode; fix: keep one run or interaction per "
-                "episode"
+                f"seat {seat.name!r} is played after seat {self.seat!r} in the same episode: padless trains "
+                "one conversation per episode (the policy plays one seat, once); fix: keep one run or "
+                "interaction per episode"
             )
         self.seat = seat.name
 
@@ -341,9 +341,17 @@ def qualified(toolset: Any, tool: str) -> str:
 def served(toolsets: Sequence[Any]) -> list[tuple[Any, Any]]:
     """Each toolset with an MCP server holding its tools (the server its HTTP app would serve)."""
     from mcp.server.mcpserver import MCPServer
+    from verifiers.v1.state import State, state_cls
 
     pairs = []
     for toolset in toolsets:
+        kept = state_cls(type(toolset))
+        if kept is not State:
+            raise InputError(
+                f"tool server {type(toolset).__name__} keeps state between calls ({kept.__name__}), "
+                "which verifiers carries through its interception server's /state channel; padless runs "
+                "tools in process without it; fix: keep the state in the tool's arguments or the task"
+            )
         server = MCPServer(toolset.server_name or type(toolset).__name__)
         toolset.register(server)
         pairs.append((toolset, server))

@@ -269,7 +269,9 @@ def test_a_tool_server_and_an_env_play_their_turns_and_verifiers_scores_the_conv
     assert model == "44<|im_end|>" + CALL + "<|im_end|>45<|im_end|>"  # every other token is the environment's
 
 
-def test_a_seat_padless_cannot_play_and_an_env_that_never_asks_the_model_are_refused(tokenizer, tmp_path):
+def test_a_seat_a_box_or_tool_state_padless_cannot_play_and_an_env_that_never_asks_are_refused(
+    tokenizer, tmp_path
+):
     path = tmp_path / "untrained.py"
     path.write_text(CALCULATOR.replace("STUDENT_TRAINS", "False"))
     spec = f"verifiers:{path}:teacher"
@@ -290,6 +292,14 @@ def test_a_seat_padless_cannot_play_and_an_env_that_never_asks_the_model_are_ref
     with pytest.raises(
         UserCodeError, match="seat 'student' is handed runtime: resources of a verifiers agent"
     ):
+        episodes(tokenizer, spec, [load_rows(spec)[0].data], Scripted(tokenizer, ["1"]))
+    path = tmp_path / "stateful.py"  # a tool server whose state verifiers carries between calls: refused
+    stateful = (
+        "class Memo(vf.State):\n    n: int = 0\n\n\nclass Calculator(vf.Toolset[vf.ToolsetConfig, Memo]):"
+    )
+    path.write_text(CALCULATOR.replace("class Calculator(vf.Toolset[vf.ToolsetConfig]):", stateful))
+    spec = f"verifiers:{path}:tools"
+    with pytest.raises(InputError, match=r"tool server Calculator keeps state between calls \(Memo\)"):
         episodes(tokenizer, spec, [load_rows(spec)[0].data], Scripted(tokenizer, ["1"]))
 
 
@@ -328,7 +338,6 @@ def test_a_verifiers_env_with_a_tool_server_trains_through_padless_grpo(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     prompts = [t.data.prompt for t in verifiers_tasks(spec)]
-    kinds = set()
     kinds = []
     for s in trained:
         said = conversation(tokenizer.decode(s.input_ids))

@@ -666,8 +666,8 @@ class RolloutSettings(ConfigModel):
     the old-log-prob and update passes (hf engine, single completions on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
-    bundled: tools, the plain tool loop; calculator; verifiers, a verifiers task per row of data.train:
-    verifiers:...); max_new_tokens is then per model turn"""
+    bundled: tools, the plain tool loop; calculator; verifiers, the verifiers task of each row of data.train:
+    verifiers:..., played through its Env with its tool servers); max_new_tokens is then per model turn"""
     tools: list[str] = Field(default_factory=list)
     """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
     template's tools"""

@@ -178,8 +178,9 @@ class TrainSettings(ConfigModel):
     sequence_parallel: PositiveInt = 1
     """ranks each packed row is split over (Ulysses); data parallel = processes / this"""
     tree_packing: TreePacking = "auto"
-    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (where
-    the model runs it exactly; the log says which layout ran), on (refused where it cannot run), off"""
+    """a prefix that packed sequences share (a DPO pair's prompt, a GRPO group's) computed once: auto (in
+    tasks whose sequences share a prompt, not SFT, where the model runs it exactly; the log says which
+    layout ran), on (SFT too; refused where it cannot run), off"""
     logging_steps: PositiveInt = 10
     """optimizer steps between metrics records"""
     eval_steps: NonNegativeInt = 0
@@ -665,8 +666,8 @@ class RolloutSettings(ConfigModel):
     the old-log-prob and update passes (hf engine, single completions on-policy)"""
     environment: str | None = None
     """multi-turn episodes: an environment class built per prompt row (module:Class, file.py:Class, or
-    bundled: tools, the plain tool loop; calculator; verifiers, a verifiers task per row of data.train:
-    verifiers:...); max_new_tokens is then per model turn"""
+    bundled: tools, the plain tool loop; calculator; verifiers, the verifiers task of each row of data.train:
+    verifiers:..., played through its Env with its tool servers); max_new_tokens is then per model turn"""
     tools: list[str] = Field(default_factory=list)
     """tool functions the model may call (module:fn, file.py:fn); their JSON schemas go to the chat
     template's tools"""

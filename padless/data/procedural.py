@@ -7,10 +7,11 @@ goes to the task's own config (``&max_digits=2``, values read as YAML). Each row
 question), ``answer``, and ``reasoning_gym``: the whole entry, which the bundled ``reasoning_gym`` reward
 (:mod:`padless.rl.rewards`) scores with the task's own scorer. ``pip install 'padless[reasoning-gym]'``.
 
-``verifiers:<module>:<name>`` (or ``verifiers:<file.py>:<name>``) names a verifiers ``Taskset``, or a function
-or class that makes one without arguments: one row per task, holding ``prompt`` (the task's prompt text) and
-``verifiers`` (the taskset's spec, the task's position and key), from which the bundled ``verifiers``
-environment (:mod:`padless.rl.verifiers_env`) finds the task again and scores the episode by its rubric.
+``verifiers:<module>:<name>`` (or ``verifiers:<file.py>:<name>``) names a verifiers ``Taskset`` or ``Env`` (a
+multi-turn environment over its taskset), or a function or class that makes one without arguments: one row
+per task, holding ``prompt`` (the task's prompt text) and ``verifiers`` (the spec, the task's position and
+key), from which the bundled ``verifiers`` environment (:mod:`padless.rl.verifiers_env`) finds the task
+again, plays it and scores the episode by its rubric.
 ``pip install 'padless[verifiers]'``.
 """
 
@@ -79,9 +80,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
-@functools.cache
 def verifiers_tasks(spec: str) -> tuple[Any, ...]:
     """The tasks of the verifiers taskset ``spec`` names, in its order (made once per process)."""
+    return verifiers_source(spec)[2]
+
+
+@functools.cache
+def verifiers_source(spec: str) -> tuple[Any, Any, tuple[Any, ...]]:
+    """What ``spec`` names: a verifiers ``Env`` (a multi-turn environment over its taskset) or a bare
+    ``Taskset`` (None then), the taskset, and its tasks in order (made once per process)."""
     try:
         import verifiers.v1 as vf
     except ImportError:
@@ -104,10 +111,12 @@ def verifiers_tasks(spec: str) -> tuple[Any, ...]:
         made = getattr(module, name)
     except (ImportError, AttributeError, SyntaxError) as e:
         raise _error(spec, f"it cannot be loaded ({type(e).__name__}: {e})", form) from None
-    taskset = made if isinstance(made, vf.Taskset) else made() if callable(made) else made
-    if not isinstance(taskset, vf.Taskset):
-        problem = f"{name} is a {type(taskset).__name__}, not a verifiers Taskset"
-        raise _error(spec, problem, "name a Taskset, or a function or class that makes one")
+    kinds = (vf.Taskset, vf.Env)
+    made = made if isinstance(made, kinds) else made() if callable(made) else made
+    if not isinstance(made, kinds):
+        problem = f"{name} is a {type(made).__name__}, not a verifiers Taskset or Env"
+        raise _error(spec, problem, "name a Taskset or an Env, or a function or class that makes one")
+    env, taskset = (made, made.taskset) if isinstance(made, vf.Env) else (None, made)
     if not taskset.bounded:
         raise _error(spec, "the taskset is infinite", "bound it (taskset.take(n)) where it is made")
-    return tuple(taskset)
+    return env, taskset, tuple(taskset)

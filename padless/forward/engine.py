@@ -593,7 +593,7 @@ class ModelEngine(torch.nn.Module):
         self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
         self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # whether packed batches run as tree rows (train.tree_packing), decided once per engine
-        self.tree = all(
+        self.tree = self.settings.tree_packing != "off" and all(
             resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.topology.degree)
             for m in (model, value)
             if m is not None

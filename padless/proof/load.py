@@ -79,7 +79,7 @@ def load_model(
     model.train(training)
     model.padless_attention = attn_implementation
     if probe:
-        tree = resolve_tree(model, attn_implementation, tree_packing)
+        tree = tree_packing != "off" and resolve_tree(model, attn_implementation, tree_packing)
         model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
     else:
         hybrid.require_packing(model)  # what the probe refuses first, without it

@@ -80,6 +80,20 @@ class Environment:
     def __init__(self, row: dict[str, Any]) -> None:
         self.row = row
 
+    @classmethod
+    def tools_for(cls, data: Sequence[str]) -> Sequence[Callable[..., Any] | dict[str, Any]]:
+        """The tools the environment brings to a run on the data sets ``data``: ``tools`` by default; a
+        JSON schema (``{"type": "function", "function": {...}}``) stands for a tool the environment runs
+        itself, through :meth:`run_tool`."""
+        return cls.tools
+
+    def run_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        """Run a call to a tool the environment brought as a schema (its result: the tool message's text)."""
+        raise NotImplementedError(f"{type(self).__name__} brings tool {name!r} but does not run it")
+
+    def close(self) -> None:
+        """The episode is over (ended or cut): release what the environment holds."""
+
     def reset(self) -> list[dict[str, Any]]:
         """The episode's first messages: the row's prompt (a string becomes one user message)."""
         prompt = self.row.get("prompt")
@@ -115,17 +129,21 @@ class Tools:
         self,
         specs: Sequence[str | Callable[..., Any]],
         response_template: dict[str, Any] | None,
-        environment: tuple[str, Sequence[Callable[..., Any]]] = ("", ()),
+        environment: tuple[str, Sequence[Callable[..., Any] | dict[str, Any]]] = ("", ()),
     ):
-        """``specs``: ``rollout.tools``; ``environment``: an environment's name and the tools it brings."""
-        self.functions: dict[str, Callable[..., Any]] = {}
+        """``specs``: ``rollout.tools``; ``environment``: an environment's name and the tools it brings
+        (functions, or the JSON schemas of tools it runs itself)."""
+        self.functions: dict[str, Callable[..., Any] | None] = {}  # None: the environment runs it
         self.schemas: list[dict[str, Any]] = []
         origins: dict[str, str] = {}
         env_name, env_tools = environment
         given = [(f"rollout.tools[{i}] ({spec!r})", spec) for i, spec in enumerate(specs)]
         for origin, spec in given + [(f"environment {env_name!r}", fn) for fn in env_tools]:
-            fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
-            schema = tool_schema(str(spec), fn)
+            if isinstance(spec, dict):  # a tool the environment runs: its schema as the model sees it
+                fn, schema = None, spec
+            else:
+                fn = spec if callable(spec) else load_callable(spec, "tool", BUNDLED_TOOLS)
+                schema = tool_schema(str(spec), fn)
             name = schema["function"]["name"]
             if name in self.functions:
                 fix = (
@@ -170,10 +188,13 @@ class Tools:
             calls.append({"name": inner["name"], "arguments": inner.get("arguments", {})})
         return calls, None
 
-    def run(self, call: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """A call's tool message and whether the call succeeded (exceptions become the message's text)."""
+    def run(self, call: dict[str, Any], env: Any = None) -> tuple[dict[str, Any], bool]:
+        """A call's tool message and whether the call succeeded (exceptions become the message's text);
+        ``env``: the episode's environment, which runs the tools it brought as schemas."""
         name, arguments = call["name"], call["arguments"]
         fn = self.functions.get(name)
+        if fn is None and name in self.functions:  # a tool the environment runs: arguments as one object
+            fn = lambda **kw: env.run_tool(name, kw)  # noqa: E731
         if fn is None:
             result, ok = f"error: no tool named {name!r}; the tools are {', '.join(self.functions)}", False
         elif not isinstance(arguments, dict):

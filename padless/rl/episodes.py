@@ -385,6 +385,8 @@ class EpisodeRunner:
         for e in episodes:
             if not e.done:
                 e.done, e.truncated = True, "max_turns"
+        ended = [e.env for e in episodes if hasattr(e.env, "close")]  # cut ones too: nothing left running
+        agreed(lambda: [user_call(self.spec, "close()", env.close) for env in ended], who)
         return episodes
 
     def take_turns(self, running: list[Episode], completions: list[Completion], turn: int) -> None:
@@ -423,7 +425,7 @@ class EpisodeRunner:
             e.failed_calls += 1
             e.calls += 1
         for call in calls:
-            message, ok = self.tools.run(call)
+            message, ok = self.tools.run(call, e.env)
             tool_messages.append(message)
             e.calls += 1
             e.failed_calls += not ok
@@ -539,14 +541,20 @@ class EpisodeSampler(Sampler):
 
 
 def make_runner(
-    tokenizer: Any, rollout: Any, eos_ids: set[int], images: ImageInputs | None = None
+    tokenizer: Any,
+    rollout: Any,
+    eos_ids: set[int],
+    images: ImageInputs | None = None,
+    data: Sequence[str] = (),
 ) -> EpisodeRunner:
+    """``data``: the run's data sets (an environment may bring tools that depend on them)."""
     from padless.rl.environments import load_environment
 
     response_template = rollout.response_template or getattr(tokenizer, "response_template", None)
     env_cls = load_environment(rollout.environment)
     spec = rollout.environment or "tools"
-    tools = Tools(rollout.tools, response_template, (spec, getattr(env_cls, "tools", ())))
+    brought = env_cls.tools_for(data) if hasattr(env_cls, "tools_for") else getattr(env_cls, "tools", ())
+    tools = Tools(rollout.tools, response_template, (spec, brought))
     return EpisodeRunner(tokenizer, rollout, env_cls, spec, tools, eos_ids, images)
 
 

@@ -159,8 +159,8 @@ class Mode:
 def _episodes(parts: Parts) -> Sampler:
     cfg, policy = parts.cfg, parts.policy
     eos = eos_token_ids(unwrap(inner_engine(as_engine(policy)).model), parts.tokenizer)
-    runner = make_runner(parts.tokenizer, cfg.rollout, eos, parts.images)
     specs = [cfg.data.train] + ([cfg.data.eval] if cfg.data.eval else [])
+    runner = make_runner(parts.tokenizer, cfg.rollout, eos, parts.images, specs)
     return EpisodeSampler(parts.engine, cfg.rollout, runner, specs, parts.images)
 
 

@@ -66,9 +66,20 @@ class Session:
         return prepare_frozen(self.accelerator, ModelEngine(model, settings=self.settings))
 
 
-def _tree_packing(train: Any) -> str:
-    """``train.tree_packing``, off where rows are padded (no packed row to lay out as a tree)."""
-    return "off" if train.batching == "padded" else train.tree_packing
+def _tree_packing(train: Any, shared_prompts: bool) -> str:
+    """``train.tree_packing``: off where rows are padded (no packed row to lay out as a tree); ``auto`` is
+    off where the task's sequences share no prompt by construction (``shared_prompts`` false: SFT), for
+    what its examples share is a chat template's header, too little for a tree row to pay (``on`` still
+    asks for it: a long system prompt every example holds)."""
+    if train.batching == "padded":
+        return "off"
+    if train.tree_packing == "auto" and not shared_prompts:
+        log.info(
+            "tree packing off (auto): this task's examples share no prompt by construction; set "
+            "train.tree_packing: on to compute a system prompt they all hold once"
+        )
+        return "off"
+    return train.tree_packing
 
 
 def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -79,9 +90,16 @@ def resolve_model_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def start_session(
-    model_cfg: ModelSettings, seed: int, output_dir: str, config: Any, task: Task = "causal-lm"
+    model_cfg: ModelSettings,
+    seed: int,
+    output_dir: str,
+    config: Any,
+    task: Task = "causal-lm",
+    shared_prompts: bool = True,
 ) -> Session:
-    """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config."""
+    """Load the policy (or scorer) on its proven backend, apply LoRA / checkpointing, save the config.
+    ``shared_prompts``: whether the task packs sequences that share a prompt (pairs, groups), which
+    ``train.tree_packing: auto`` computes once (:func:`_tree_packing`)."""
     accelerator = start_accelerator(config.train.max_grad_norm)
     setup_logging(config.train.log_level, accelerator.is_main_process)
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
@@ -92,7 +110,7 @@ def start_session(
         model_cfg.varlen_kernel,
         config.train.logits_memory_mb,
         topology,
-        _tree_packing(config.train),
+        _tree_packing(config.train, shared_prompts),
         model_cfg.router_aux_loss_coef,
     )
     dtype = resolve_model_dtype(model_cfg.dtype, accelerator.device)

@@ -2,12 +2,14 @@
 store per-target values, and mini-batch steps. Padding exists only inside the sampling engine; every scoring
 pass and update runs on packed token-budget micro-batches. One "epoch" of the shared loop is one rollout.
 
-With several data-parallel ranks, each rank samples, scores and runs the no-grad passes for its own slice
-of the rollout's prompts (equal slices, fillers where prompts run out: every rank runs the same passes);
-the slices are then gathered so every rank plans the same global steps. Every pass — sampling included —
-goes through the prepared engine the recipe is bound to. Sampling is the :class:`Sampler` the factory
-builds (:mod:`padless.rl.sampling`), scoring the setup's :class:`~padless.rl.scoring.Scorer`; what the
-recipe learns about each sample is a typed :class:`~padless.rl.sample.Sample`.
+With several data-parallel ranks, each rank samples and scores its own slice of the rollout's prompts
+(equal slices, fillers where prompts run out: every rank runs the same passes); the slices are then
+gathered so every rank plans the same global steps, and the no-grad passes run on that plan's
+micro-batches, dealt out between ranks: every number is the one a single process computes. Every pass —
+sampling included — goes through the prepared engine the recipe is bound to. Sampling is the
+:class:`Sampler` the factory builds (:mod:`padless.rl.sampling`), scoring the setup's
+:class:`~padless.rl.scoring.Scorer`; what the recipe learns about each sample is a typed
+:class:`~padless.rl.sample.Sample`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import torch
 
 from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.packing import PackedBatch, pack
-from padless.forward.passes import lockstep_pass
-from padless.forward.ranks import equal_share, gather_shares
+from padless.forward.ranks import equal_share, gather_shares, lockstep
 from padless.forward.tree import plan_batches
 from padless.rl.correction import correct
 from padless.rl.sample import Sample, per_target, summary
@@ -119,26 +120,42 @@ class RolloutRecipe(Recipe):
     def collect(
         self, prompts: list[Any], group: int, seed: int, greedy: bool = False, epoch: int | None = None
     ) -> list[Sample]:
-        """Sample ``group`` completions per prompt, score them and run the no-grad passes, each rank on its
-        own contiguous slice of ``prompts``; returns every rank's samples in prompt order. Targets are the
-        completion's model tokens, or none when it was truncated and ``rollout.mask_truncated`` is set."""
+        """Sample ``group`` completions per prompt and score them, each rank on its own contiguous slice of
+        ``prompts``; returns every rank's samples in prompt order. Targets are the completion's model
+        tokens, or none when it was truncated and ``rollout.mask_truncated`` is set. The no-grad passes run
+        later, on the planned rollout (:meth:`store`)."""
         request, real = self.request(prompts, group, seed, greedy, epoch)
         samples = self.sampler.sample(request)
         filler, samples = samples[0], samples[: real * group]
         self.scorer.score(request.prompts[:real], samples, group, filler)
-        if not greedy:
-            passes = self.passes()
-            if filler.drawn.logps is not None:  # the trainer's side of the mismatch, at sampling time
-                passes.setdefault("old_logps", self.logps_pass(self.policy))
-                if self.cfg.rollout.routing_replay:  # and what it would be without the sampler's routes
-                    passes["unreplayed_logps"] = unreplayed(self.logps_pass(self.policy))
-            self.store(samples, passes, filler)
         return gather_shares(samples, self.topology)
 
-    def store(self, samples: list[Sample], passes: dict[str, Pass], filler: Sample) -> None:
-        """Run each no-grad pass (per-token values ``[T]``) on packed micro-batches, in lockstep with the
-        other ranks; keep each sample's targets' values in its :class:`~padless.rl.sample.Passes` field of
-        that name."""
+    def rollout_passes(self, samples: list[Sample]) -> dict[str, Pass]:
+        """The recipe's no-grad passes, and where the sampler reported its log-probs the trainer's side of
+        the mismatch (old log-probs; with routing replay also those without the sampler's routes)."""
+        passes = self.passes()
+        if samples and samples[0].drawn.logps is not None:
+            passes.setdefault("old_logps", self.logps_pass(self.policy))
+            if self.cfg.rollout.routing_replay:
+                passes["unreplayed_logps"] = unreplayed(self.logps_pass(self.policy))
+        return passes
+
+    def store(
+        self, samples: list[Sample], plan: list[MicroBatch], passes: dict[str, Pass] | None = None
+    ) -> None:
+        """Run each no-grad pass (per-token values ``[T]``; by default :meth:`rollout_passes`) and keep each
+        sample's targets' values in its :class:`~padless.rl.sample.Passes` field of that name, on every rank.
+
+        The passes run on the very micro-batches of ``plan`` (the rollout's global plan) that its first
+        pass over the rollout trains, dealt out between ranks in lockstep and gathered; samples no step of
+        that pass trains (a rollout that does not split evenly into mini-batches) are packed on their own.
+        A sample's values then come from the same packed row whatever the number of ranks, and at a
+        rollout's first step (the weights that ran the passes) the training forward gives them back
+        exactly: a round-off difference there (~1e-6, from another packing) is a gradient from nothing
+        that Adam, dividing by its running RMS, turns into a step of the whole learning rate."""
+        passes = self.rollout_passes(samples) if passes is None else passes
+        if not passes or not samples:
+            return
 
         def run(chunk: list[Sample]) -> list[dict[str, list[float]]]:
             batch = pack(chunk, device=self.device)
@@ -150,11 +167,21 @@ class RolloutRecipe(Recipe):
                     start += s.num_targets
             return out
 
+        first = [list(m.data) for m in plan if m.step is not None and m.step < self.mini_batches]
+        trained = {id(s) for chunk in first for s in chunk}
+        rest = [s for s in samples if id(s) not in trained]
         budget = self.cfg.train.max_tokens_per_batch
-        stored = lockstep_pass(samples, [len(s) for s in samples], run, budget, filler, tree=self.tree)
-        for s, values in zip(samples, stored, strict=True):
+        chunks = first + [[rest[i] for i in b] for b in plan_batches(rest, budget, self.tree)]
+        index = {id(s): i for i, s in enumerate(samples)}
+        mine: list[tuple[int, dict[str, list[float]]]] = []
+        with torch.no_grad():
+            for chunk, real in lockstep(chunks[self.topology.rank :: self.topology.world], samples[:1]):
+                values = run(chunk)
+                if real:
+                    mine += [(index[id(s)], v) for s, v in zip(chunk, values, strict=True)]
+        for i, values in gather_shares(mine, self.topology):
             for key, kept in values.items():
-                setattr(s.passes, key, kept)
+                setattr(samples[i].passes, key, kept)
 
     def bind(self, model: torch.nn.Module) -> None:
         """Sample and score through the prepared engine from now on; plan micro-batches by the tokens of
@@ -203,16 +230,19 @@ class RolloutRecipe(Recipe):
         return self.updates * self.mini_batches
 
     def plan(self, epoch: int) -> list[MicroBatch]:
-        if self.rollout is None or self.rollout[0] != epoch:
-            samples, sampling = self.sample(epoch)
-            self.metrics[epoch] = {
-                **summary(samples, "rollout/"),
-                **sampling,
-                **correct(samples, self.cfg.rollout),
-                **self.process(samples, epoch),
-            }
-            self.rollout = (epoch, samples)
-        return self.micro_batches(self.rollout[1], epoch)
+        if self.rollout is not None and self.rollout[0] == epoch:
+            return self.micro_batches(self.rollout[1], epoch)
+        samples, sampling = self.sample(epoch)
+        micros = self.micro_batches(samples, epoch)
+        self.store(samples, micros)  # the no-grad passes, on the micro-batches the steps train
+        self.metrics[epoch] = {
+            **summary(samples, "rollout/"),
+            **sampling,
+            **correct(samples, self.cfg.rollout),
+            **self.process(samples, epoch),
+        }
+        self.rollout = (epoch, samples)
+        return micros
 
     def plan_metrics(self, epoch: int) -> dict[str, float]:
         return self.metrics.pop(epoch, {})

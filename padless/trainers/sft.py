@@ -187,7 +187,8 @@ def load_examples(
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, float]:
-    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg)
+    # SFT examples share no prompt by construction: tree rows only where train.tree_packing: on asks
+    session = start_session(cfg.model, cfg.train.seed, cfg.train.output_dir, cfg, shared_prompts=False)
     acc, tokenizer = session.accelerator, session.tokenizer
     data = cfg.data
     images = session.images

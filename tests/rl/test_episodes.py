@@ -377,6 +377,7 @@ def sampled(tokenizer):
         recipe.sampler.rows[("t", i)] = {"prompt": text, "extra": 3 * i}
         prompts.append(PromptExample([1, 2], {}, {"row": i, "source": "t"}))
     examples = recipe.collect(prompts, group=2, seed=5)
+    recipe.store(examples, recipe.micro_batches(examples, 0))  # the no-grad passes, on the plan
     return model, recipe, examples
 
 
@@ -622,6 +623,7 @@ def vlm_sampled(talkative_vlm):
     picture, tool turns of different lengths."""
     model, recipe, prompts = vlm_recipe(talkative_vlm)
     examples = recipe.collect(prompts, group=2, seed=5)
+    recipe.store(examples, recipe.micro_batches(examples, 0))  # the no-grad passes, on the plan
     assert {e.drawn.episode.turns for e in examples} == {3}
     assert all(e.drawn.episode.env_tokens > 0 and len(e.drawn.env_images) == 1 for e in examples)
     for e, prompt in zip(examples, [p for p in prompts for _ in range(2)], strict=True):
@@ -686,6 +688,7 @@ def test_vlm_episodes_without_their_images_or_m_rope_positions_break_the_match(v
 
     _, blind, _ = vlm_recipe(talkative_vlm, Blind)
     blind_examples = blind.collect(prompts, group=2, seed=5)
+    blind.store(blind_examples, blind.micro_batches(blind_examples, 0))  # the no-grad passes, on the plan
     blind_trained = torch.tensor([v for e in blind_examples for v in e.passes.old_logps])
     dropped = logps_gap(blind_examples, blind_trained)
 

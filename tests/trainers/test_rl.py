@@ -55,7 +55,7 @@ def test_stored_rollout_logps_equal_scoring_each_alone(tokenizer):
         prompt = torch.randint(3, 4096, (prompt_len,), generator=gen).tolist()
         completion = [*torch.randint(3, 4096, (completion_len - 1,), generator=gen).tolist(), eos]
         examples.append(Sample(prompt + completion, [False] * prompt_len + [True] * completion_len))
-    recipe.store(examples, {"ref_logps": recipe.logps_pass(engine)}, filler=examples[0])
+    recipe.store(examples, recipe.micro_batches(examples, 0), {"ref_logps": recipe.logps_pass(engine)})
     with torch.no_grad():
         for e in examples:
             batch = pack([e])
@@ -76,7 +76,7 @@ def test_lora_reference_is_the_policy_with_its_adapters_off(tokenizer, monkeypat
     recipe = GRPORecipe(RolloutSetup([], cfg, tokenizer, policy, engine, torch.device("cpu")))
     examples = [Sample(list(range(3, 3 + n)), [False] * 4 + [True] * (n - 4)) for n in (9, 17)]
     passes = {"ref_logps": recipe.reference_pass(), "old_logps": recipe.logps_pass(policy)}
-    recipe.store(examples, passes, filler=examples[0])
+    recipe.store(examples, recipe.micro_batches(examples, 0), passes)
     base = load_model("tiny-llama")
     with torch.no_grad():
         for e in examples:
@@ -351,6 +351,42 @@ def test_first_update_ratio_is_one_under_bf16_mixed_precision(monkeypatch, tmp_p
     with torch.no_grad():
         outside = forward_packed(session.model, batch).logps[batch.loss_mask[0]]
     assert (new - outside).abs().max().item() > 1e-2  # what a pass outside the policy would have given
+
+
+def test_a_rollout_without_signal_trains_nothing(tmp_path, monkeypatch):
+    """Every completion of the untrained model scores 0, so every advantage is 0, and at the rollout's first
+    step the policy is the reference: the true gradient is 0. The stored reference and old log-probs run on
+    the very micro-batches the steps train (the same computation on the same weights), so the KL and the
+    ratio are exactly 0 and so is every step's gradient: exact equality is the claim. The same passes packed
+    their own way (as they were, each rank its own share) differ by fp32 round-off (9.5e-7 in log-probs), a
+    gradient of 1.4e-7 that Adam, dividing by its running RMS, turned into steps of the whole learning rate
+    (KL 2.9e-4 a step later); which round-off depended on the number of ranks."""
+    overrides = [
+        "model.name=tiny-llama",
+        "train.learning_rate=1e-3",
+        "grpo.beta=0.1",
+        "grpo.mini_batches_per_rollout=2",
+        "rollout.prompts_per_step=3",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=6",
+        "rollout.mask_truncated=false",
+        "reward.functions=[arithmetic_distance]",
+        *FAST,
+    ]
+
+    def steps(run: str, count: int) -> list[dict[str, float]]:
+        extra = [f"train.output_dir={tmp_path / run}", f"train.max_steps={count}"]
+        run_grpo(load_config(GRPOConfig, None, [*overrides, *extra]))
+        records = map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+        return [r for r in records if "rollout/reward" in r or "train/grad_norm" in r]
+
+    rollout, *trained = steps("planned", 2)
+    assert rollout["rollout/reward"] == 0 and rollout["rollout/reward_std"] == 0  # no signal at all
+    assert [(r["train/grad_norm"], r["train/loss"], r["train/kl"]) for r in trained] == [(0.0, 0.0, 0.0)] * 2
+    store = grpo.GRPORecipe.store  # planted: the passes packed on their own, not on the plan
+    monkeypatch.setattr(grpo.GRPORecipe, "store", lambda self, samples, plan: store(self, samples, []))
+    _, first = steps("planted", 1)
+    assert first["train/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("whiten_advantages", [False, True])

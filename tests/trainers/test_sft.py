@@ -172,3 +172,30 @@ def test_chunked_attention_and_hybrids_train_packed(tmp_path, name):
     assert len(losses) == 6 and sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "attention varlen, kernel sdpa (proved by the load-time probe" in log
+
+
+def test_tree_rows_only_where_asked_and_equal_to_flat(tmp_path, monkeypatch, caplog):
+    """SFT examples share only a template header: ``tree_packing: auto`` runs them flat (and says so);
+    ``on`` lays them out as tree rows, which must train the same numbers as flat rows."""
+    from padless.forward import engine
+    from padless.proof.tolerance import bound
+
+    trees = []
+    real = engine.tree_row
+    monkeypatch.setattr(engine, "tree_row", lambda batch: trees.append(real(batch)) or trees[-1])
+    runs = {}
+    for mode in ("auto", "on"):
+        caplog.clear()
+        trees.clear()
+        with caplog.at_level("INFO", logger="padless"):
+            cfg = tiny_config(tmp_path / mode, max_steps=1, tree_packing=mode)
+            run_sft(cfg.model_copy(update={"data": DataSettings(train="tiny:sft_eval", max_length=1024)}))
+        runs[mode] = next(r for r in read_metrics(tmp_path / mode / "run") if "train/loss" in r)
+        said = "tree packing off (auto): this task's examples share no prompt" in caplog.text
+        assert said == (mode == "auto"), caplog.text
+        shared = [t for t in trees if t is not None]
+        assert bool(shared) == (mode == "on"), (mode, len(trees))
+    assert shared[0].input_ids.shape[1] < shared[0].flat_tokens  # the tree computed fewer tokens
+    loss = runs["auto"]["train/loss"]
+    assert runs["on"]["train/loss"] == pytest.approx(loss, abs=bound(torch.float32, 30 * loss))
+    assert runs["on"]["train/grad_norm"] == pytest.approx(runs["auto"]["train/grad_norm"], rel=1e-4)

@@ -143,12 +143,6 @@ TRAINERS = {
 # the step each kind resumes from (its own checkpoint state: full weights, LoRA adapters, value model, RL
 # rollout plan); the VLM, hybrid and precomputed-reference variants add nothing to resume and are not
 # resumed
-# Open (2026-11-27): 2 processes fill a GRPO rollout's two mini-batches with other groups than 1 process does
-# (step 1 gets the nonzero-advantage groups on 2 ranks, step 2 on 1 rank), so their per-step losses differ
-# while each step's own arithmetic is exact. Recorded as an expected failure (xfail, not a pass) until the
-# mini-batch split is made independent of the world size; every other kind is held to its numbers.
-SPLIT = "a GRPO rollout's mini-batches are split differently on 2 processes than on 1 (open)"
-KNOWN_MISMATCH = {"grpo": SPLIT, "grpo_stale": SPLIT}
 RESUME_FROM = {
     "sft": 2,
     "dpo": 2,
@@ -244,7 +238,6 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
     result = subprocess.run(launch, env=ENV, capture_output=True, timeout=900)
     assert result.returncode == 0, result.stderr.decode()[-4000:]
 
-    known: list[str] = []
     for kind in kinds:
         facts = json.loads((tmp_path / f"{kind}.json").read_text())
         assert facts["strategy"] == strategy and facts["world"] == 2, (kind, facts)
@@ -260,9 +253,6 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
         assert sorted(two) == sorted(one) and one, kind
         if kind == "grpo_stale":  # the first rollout on-policy, the second sampled one update ahead
             assert losses(tmp_path / kind, "rollout/staleness_max") == {1: 0.0, 3: 1.0}
-        if kind in KNOWN_MISMATCH and two != pytest.approx(one, rel=1e-5, abs=1e-7):
-            known.append(kind)  # recorded below; every other kind is still held to its numbers
-            continue
         for step in one:
             assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), (kind, step)
         # the norm every strategy clips with and logs. DeepSpeed computes its own: on these runs it came out
@@ -295,8 +285,6 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "checkpoint-3")
     assert exported.state_dict().keys() >= weights(tmp_path / "sft", 3).keys()
     shutil.rmtree(tmp_path, ignore_errors=True)
-    if known:
-        pytest.xfail(f"{known}: {SPLIT}")
 
 
 def _free_port() -> int:

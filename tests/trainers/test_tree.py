@@ -139,11 +139,12 @@ def test_rl_passes_plan_and_update_on_tree_rows_equal_flat(tokenizer, trainer):
         recipe.bind(engine)
         assert recipe.tree == (name == "tree")
         samples = [copy.deepcopy(s) for s in samples]
-        recipe.store(samples, recipe.passes(), filler=samples[0])
+        micros = recipe.micro_batches(samples, 0)
+        recipe.store(samples, micros, recipe.passes())
         stored[name] = {
             key: torch.tensor([v for s in samples for v in getattr(s.passes, key)]) for key in keys
         }
-        plan = [m for m in recipe.micro_batches(samples, 0) if m.step == 0]
+        plan = [m for m in micros if m.step == 0]
         results[name] = (plan, *_grads(recipe, engine, plan, sum(m.units for m in plan)))
     for key, flat in stored["flat"].items():
         limit = bound(torch.float32, flat.abs().max().item())

@@ -343,16 +343,16 @@ def padless_attention(cuda: bool) -> str:
 
 def count_passes(recorder: StepRecorder) -> None:
     """Record the tokens of every forward padless's engine runs in this process (:meth:`StepRecorder.passes`):
-    ``hidden_states`` is where every pass of every engine meets the model (generation does not)."""
+    ``routed_hidden_states`` is where every pass of every engine meets the model (generation does not)."""
     import padless.forward.engine as engine
 
-    hidden_states = engine.hidden_states
+    routed = engine.routed_hidden_states
 
-    def counted(model: Any, batch: Any) -> Any:
+    def counted(model: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         recorder.passes(batch.input_ids.numel())
-        return hidden_states(model, batch)
+        return routed(model, batch, *args, **kwargs)
 
-    engine.hidden_states = counted
+    engine.routed_hidden_states = counted
 
 
 def padless_layout(trainer: Any, packed: str) -> str:

@@ -16,7 +16,8 @@ import inspect
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -212,8 +213,8 @@ def _math_attention(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequences of one length written out: q ``[N, H, L, Dqk]``, k ``[N, Hkv, L, Dqk]``, v
-    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``; ``allowed`` (broadcast to ``[N, H, Lq, Lk]``) replaces the
-    mask of ``args`` (tree segments, whose keys outnumber their queries).
+    ``[N, Hkv, L, Dv]`` -> ``[N, H, L, Dv]``; ``allowed`` (broadcast to ``[N, H, Lq, Lk]``, boolean or
+    additive) replaces the mask of ``args`` (tree segments, whose keys outnumber their queries).
 
     For what SDPA cannot express (soft-capping, sinks). Scores and softmax in fp32, as transformers'
     eager kernels do; memory ``N * H * L^2`` for these sequences only.
@@ -225,8 +226,10 @@ def _math_attention(
         scores = torch.tanh(scores / args.softcap) * args.softcap
     if allowed is None:
         allowed = _allowed(q.shape[2], args, q.device)
-    if allowed is not None:
+    if allowed is not None and allowed.dtype == torch.bool:
         scores = scores.masked_fill(~allowed, -math.inf)
+    elif allowed is not None:  # additive (0 or -inf)
+        scores = scores + allowed
     if args.sinks is not None:
         sink = args.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
@@ -558,6 +561,10 @@ class TreeGroups:
     padded: bool  # some query slot is padding
     shapes: tuple[tuple[int, int, int], ...]  # (segments, padded queries, padded keys) of each group
     offsets: tuple[torch.Tensor | None, ...]
+    # (window, dtype) -> each group's additive mask (None: plain causal), built once per batch, not per layer
+    _masks: dict[tuple[int | None, torch.dtype], tuple[torch.Tensor | None, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def plan(
@@ -605,9 +612,168 @@ class TreeGroups:
             allowed &= i - j < window
         return allowed[:, None]
 
+    def masks(self, window: int | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """Each group's mask (:meth:`allowed`) as an additive ``dtype`` mask (0 or -inf), ``None`` for a group
+        of roots; made once per batch and window and read by every layer (SDPA would otherwise turn a
+        boolean mask into this one in each call, forward and backward)."""
+        key = (window, dtype)
+        if key not in self._masks:
+            self._masks[key] = tuple(
+                None
+                if offsets is None
+                else torch.zeros((), dtype=dtype, device=offsets.device).masked_fill(
+                    ~self.allowed(offsets, size_q, size_k, window), -math.inf
+                )
+                for (_, size_q, size_k), offsets in zip(self.shapes, self.offsets, strict=True)
+            )
+        return self._masks[key]
 
-# cu_seq_lens_q tensor of a tree row -> its groups, planned once per batch like a packed row's.
+
+# cu_seq_lens_q tensor of a tree row -> its groups (or parts), planned once per batch like a packed row's.
 _TREES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_TREE_PARTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# PyTorch's fused CPU attention with each query's log-sum-exp, and its backward (private aten ops)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+@dataclass(frozen=True)
+class TreeParts:
+    """A tree row's attention as parts that need no mask, merged through their log-sum-exp (on CPU).
+
+    Each segment attends causally to itself (its own part), and fully to every key of its ancestors
+    (``shared``: ``(q0, q1, k0, k1)``, queries ``q0:q1`` against keys ``k0:k1``; the segments that see
+    the same contiguous run of ancestor keys side by side in the row, as a prefix's branches are, make one
+    part). Own parts run as :class:`SequenceGroups` runs sequences: in few calls of segments padded on
+    the right to a length that depends on their own (``slots`` ``[S]``: the row position each slot reads,
+    a padding slot its segment's last one; ``zeroed``: the same with padding slots at ``R``, a zero row;
+    ``back`` ``[R]``: the slot of each row position; ``groups``: ``(segments, padded length)``). No key
+    is computed for a query that does not see it, nothing of a prefix is copied per branch, and causal
+    parts skip their upper blocks, which a segment's mask in :class:`TreeGroups` cannot.
+    """
+
+    slots: torch.Tensor
+    zeroed: torch.Tensor
+    back: torch.Tensor
+    groups: tuple[tuple[int, int], ...]
+    shared: tuple[tuple[int, int, int, int], ...]
+
+    @classmethod
+    def plan(cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int], device) -> TreeParts:
+        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (q0, q1), (k0, k1) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
+            ancestors = keys[k0 : k1 - (q1 - q0)]  # then its own keys, the row's q0:q1
+            if not ancestors:
+                continue
+            breaks = [i for i in range(1, len(ancestors)) if ancestors[i] != ancestors[i - 1] + 1]
+            for a, b in pairwise([0, *breaks, len(ancestors)]):
+                queries = runs.setdefault((ancestors[a], ancestors[b - 1] + 1), [])
+                if queries and queries[-1][1] == q0:  # a sibling's queries just before: one part
+                    queries[-1] = (queries[-1][0], q1)
+                else:
+                    queries.append((q0, q1))
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for q0, q1 in pairwise(bounds_q):
+            by_length.setdefault(padded_length(q1 - q0), []).append((q0, q1))
+        rows = bounds_q[-1]
+        slots, zeroed, back, groups = [], [], [0] * rows, []
+        for size, members in sorted(by_length.items(), reverse=True):
+            for q0, q1 in members:
+                back[q0:q1] = range(len(slots), len(slots) + q1 - q0)
+                slots += [*range(q0, q1), *[q1 - 1] * (size - (q1 - q0))]
+                zeroed += [*range(q0, q1), *[rows] * (size - (q1 - q0))]
+            groups.append((len(members), size))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        shared = tuple((q0, q1, k0, k1) for (k0, k1), spans in runs.items() for q0, q1 in spans)
+        return cls(as_tensor(slots), as_tensor(zeroed), as_tensor(back), tuple(groups), shared)
+
+    def own(
+        self, *rows: torch.Tensor, zeroed: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Each group's slots of ``rows`` (``[R, H, ...]``) as ``[n, H, L, ...]``, ``zeroed`` (``[R, H, D]``)
+        with its padding slots zero."""
+        sizes = [n * size for n, size in self.groups]
+        gathered = [t.index_select(0, self.slots).split(sizes) for t in rows]
+        if zeroed is not None:
+            padded = torch.cat([zeroed, zeroed.new_zeros(1, *zeroed.shape[1:])])
+            gathered.append(padded.index_select(0, self.zeroed).split(sizes))
+        for (n, size), *pieces in zip(self.groups, *gathered, strict=True):
+            yield tuple(t.view(n, size, *t.shape[1:]).transpose(1, 2) for t in pieces)
+
+    def to_rows(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Each group's ``[n, H, L, ...]`` results back to the row, ``[R, H, ...]``."""
+        slots = [t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:]) for t in pieces]
+        return torch.cat(slots).index_select(0, self.back)
+
+
+def _tree_parts_run(args: AttentionArgs, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :class:`TreeParts` computes this call: CPU tensors of a dtype its fused kernel takes,
+    plain causal attention (no window, soft-cap, sinks or dropout) and value heads of the query's size."""
+    plain = args.window is None and args.softcap is None and args.sinks is None and not args.dropout
+    return (
+        _CPU_FLASH is not None
+        and _CPU_FLASH_BACKWARD is not None
+        and plain
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.shape[-1] == v.shape[-1]
+    )
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[L, H, ...]`` rows of a part -> ``[1, H, L, ...]`` as the kernels take them."""
+    return t.transpose(0, 1)[None]
+
+
+class _TreePartsAttention(torch.autograd.Function):
+    """Attention of a tree row by :class:`TreeParts`: q, k, v ``[R, H, D]`` (k and v with q's heads) ->
+    ``[R, H, D]``. Forward: each part's output and log-sum-exp, merged per query in fp32. Backward: each
+    part's gradients from the kernel's backward given the *merged* output and log-sum-exp (the
+    probabilities of a part's keys are then the whole softmax's), summed where parts share a position."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, parts: TreeParts, scale: float):
+        own = [_CPU_FLASH(*group, 0.0, True, scale=scale) for group in parts.own(q, k, v)]
+        out = parts.to_rows([o for o, _ in own]).float()
+        lse = parts.to_rows([lse for _, lse in own])
+        for q0, q1, k0, k1 in parts.shared:
+            o, part = _CPU_FLASH(
+                _heads_first(q[q0:q1]),
+                _heads_first(k[k0:k1]),
+                _heads_first(v[k0:k1]),
+                0.0,
+                False,
+                scale=scale,
+            )
+            o, part = o[0].transpose(0, 1), part[0].transpose(0, 1)  # [Lq, H, D], [Lq, H]
+            before = lse[q0:q1]
+            total = torch.logaddexp(before, part)
+            out[q0:q1] = out[q0:q1] * (before - total).exp()[..., None] + o * (part - total).exp()[..., None]
+            lse[q0:q1] = total
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.parts, ctx.scale = parts, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        parts, scale = ctx.parts, ctx.scale
+        own = [
+            _CPU_FLASH_BACKWARD(g, gq, gk, gv, go, gl.contiguous(), 0.0, True, scale=scale)
+            for gq, gk, gv, go, gl, g in parts.own(q, k, v, out, lse, zeroed=grad)
+        ]
+        dq, dk, dv = (parts.to_rows([g[i] for g in own]).float() for i in range(3))
+        for q0, q1, k0, k1 in parts.shared:
+            pieces = (grad[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1])
+            gq, gk, gv = _CPU_FLASH_BACKWARD(
+                *map(_heads_first, pieces), _heads_first(lse[q0:q1]).contiguous(), 0.0, False, scale=scale
+            )
+            dq[q0:q1] += gq[0].transpose(0, 1)
+            dk[k0:k1] += gk[0].transpose(0, 1)
+            dv[k0:k1] += gv[0].transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _tree_attention(
@@ -642,6 +808,17 @@ def _tree_attention(
         max_q, max_k = kwargs["max_length_q"], kwargs["max_length_k"]
         out = _fused_call(kernel, flat_q, flat_k, flat_v, cu_q, cu_k, max_q, max_k, args)
         return out[..., :out_dim].reshape(1, q.shape[2], heads, out_dim)
+    if _tree_parts_run(args, q, v):
+        parts = _TREE_PARTS.get(cu_q)
+        if parts is None:
+            parts = _TREE_PARTS[cu_q] = TreeParts.plan(
+                sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist(), q.device
+            )
+        rep = heads // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        rows = (t[0].transpose(0, 1) for t in (q, k, v))  # [R, H, D]
+        return _TreePartsAttention.apply(*rows, parts, args.scale)[None]
     plan = _TREES.get(cu_q)
     if plan is None:
         plan = _TREES[cu_q] = TreeGroups.plan(
@@ -652,16 +829,18 @@ def _tree_attention(
     # ways; keys and values: a prefix's in every branch's slots, their gradients summed (index_select)
     qs = _Gather.apply(flat_q, plan.queries, plan.back, False)
     ks, vs = flat_k.index_select(0, plan.keys), flat_v.index_select(0, plan.keys)
-    outs, at_q, at_k = [], 0, 0
-    for (n, size_q, size_k), offsets in zip(plan.shapes, plan.offsets, strict=True):
-        group_q = qs[at_q : at_q + n * size_q].view(n, size_q, *qs.shape[1:]).transpose(1, 2)
-        group_k, group_v = (
-            t[at_k : at_k + n * size_k].view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (ks, vs)
-        )
-        allowed = None if offsets is None else TreeGroups.allowed(offsets, size_q, size_k, args.window)
-        out = _sequence_attention(group_q, group_k, group_v, args, allowed)
+    # split, not sliced: a slice's backward writes its gradient into zeros the size of the whole tensor,
+    # once per group; a split's is one concatenation
+    sizes_q = [n * size_q for n, size_q, _ in plan.shapes]
+    sizes_k = [n * size_k for n, _, size_k in plan.shapes]
+    masks = plan.masks(args.window, q.dtype)
+    groups = zip(plan.shapes, qs.split(sizes_q), ks.split(sizes_k), vs.split(sizes_k), masks, strict=True)
+    outs = []
+    for (n, size_q, size_k), group_q, group_k, group_v, mask in groups:
+        group_q = group_q.view(n, size_q, *qs.shape[1:]).transpose(1, 2)
+        group_k, group_v = (t.view(n, size_k, *t.shape[1:]).transpose(1, 2) for t in (group_k, group_v))
+        out = _sequence_attention(group_q, group_k, group_v, args, mask)
         outs.append(out.transpose(1, 2).reshape(n * size_q, heads, out_dim))
-        at_q, at_k = at_q + n * size_q, at_k + n * size_k
     return _Gather.apply(torch.cat(outs), plan.back, plan.owner, plan.padded)[None]
 
 

@@ -21,11 +21,14 @@ from padless.run.reporting import report_data
 
 class PairRecipe(Recipe):
     """Plans micro-batches of whole pairs, packed as ``[c1, r1, c2, r2, ...]``; ``units`` count pairs.
-    Plans come from the sets' length column; a micro-batch's pairs are read when it runs. Where the engine
-    runs tree rows (``train.tree_packing``), a pair's prompt is computed once and counts once in the
-    token budget (:meth:`lengths`)."""
+    Plans come from the sets' length column; a micro-batch's pairs are read when it runs.
 
-    tree = False  # whether the bound engine runs tree rows (set in bind)
+    The plan is blind to the layout: pairs are budgeted by their flat tokens whether or not the engine
+    runs tree rows (``train.tree_packing``), so the same pairs make the same optimizer steps in every
+    epoch, on one rank or split over a sequence-parallel group (which runs flat rows); a tree row only
+    computes fewer tokens (each pair's prompt once)."""
+
+    tree = False  # whether the bound engine runs tree rows (set in bind): sizes no-grad passes only
 
     def __init__(
         self,
@@ -43,15 +46,16 @@ class PairRecipe(Recipe):
         self.tree = inner_engine(model).tree
 
     def lengths(self, pairs: ExampleSet[PairExample]) -> np.ndarray:
-        """Tokens each pair's forward computes: both sides, their shared prompt once in a tree row."""
+        """Tokens each pair's forward computes: both sides, their shared prompt once in a tree row. Sizes
+        the rows of a no-grad pass over every pair (DPO's reference precompute), never a training plan."""
         return pairs.lengths - pairs.shared if self.tree else pairs.lengths
 
     def _micros(self, pairs: ExampleSet[PairExample], seed: int, shuffle: bool) -> list[MicroBatch]:
-        lengths = self.lengths(pairs)
         if self.cfg.batching == "padded":
             groups = fixed_count_batches(len(pairs), self.cfg.batch_size, seed=seed, shuffle=shuffle)
-        else:
-            groups = budget_batches(lengths, self.cfg.max_tokens_per_batch, seed=seed, shuffle=shuffle)
+        else:  # by flat tokens (see the class docstring)
+            budget = self.cfg.max_tokens_per_batch
+            groups = budget_batches(pairs.lengths, budget, seed=seed, shuffle=shuffle)
         return [MicroBatch(pairs.select(g), units=len(g), tokens=int(pairs.lengths[g].sum())) for g in groups]
 
     def plan(self, epoch: int) -> list[MicroBatch]:

@@ -14,6 +14,7 @@ import torch
 import padless.forward.engine as engine_module
 from padless.data import load_rows, tokenize_preference
 from padless.errors import AttentionError
+from padless.forward import varlen
 from padless.forward.attention import kernel_of, pin_kernel, pinned
 from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
@@ -163,6 +164,8 @@ def test_tree_attention_is_each_segment_against_its_ancestors_and_itself(kernel,
     with stand_in:
         out, _ = varlen_attention_forward(layer, q, k, v, None, scaling=0.3, **args, **row.attention_kwargs())
     grads = torch.autograd.grad((out[0].double() * weights).sum(), (q, k, v))
+    # plain attention on CPU runs as parts merged through their log-sum-exp, the rest by masks
+    assert (row.cu_seqlens in varlen._TREE_PARTS) == (kernel == "sdpa" and extra == "plain")
     torch.testing.assert_close(out[0].double(), want, rtol=0, atol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

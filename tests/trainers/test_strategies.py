@@ -115,6 +115,10 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
+    # The untrained tiny-llama writes no number: every reward and advantage is 0 and the first step's
+    # policy is the reference, so grpo and grpo_stale hold a rollout with nothing to learn to a gradient of
+    # exactly 0 on any number of ranks (no-grad passes packed otherwise than the steps gave 1.4e-7 on 1
+    # process, 0.0 on 2, and Adam made lr-sized steps of it). grpo_env's warm start holds GRPO with signal.
     "grpo": [*RL, "grpo.beta=0.1", "grpo.mini_batches_per_rollout=2"],
     "grpo_stale": [  # the second rollout sampled ahead, in a background thread, from the first's weights
         *RL,

@@ -60,23 +60,35 @@ def _grads(recipe, engine, plan, normaliser) -> tuple[float, list[torch.Tensor]]
 
 
 def test_dpo_and_reward_model_pairs_on_tree_rows_equal_flat(pairs, tokenizer, caplog):
-    """A pair's prompt counts once in the plan (more pairs per micro-batch); the DPO step's loss and
-    gradient, reference log-probs included, and the reward model's, equal the flat layout's."""
+    """The plan is blind to the layout: the same pairs make the same micro-batches in every epoch, before
+    and after the recipe learns that its engine runs tree rows (a sequence-parallel group runs flat rows;
+    a plan by tree tokens made it train other steps). A tree row computes each prompt once; the DPO
+    step's loss and gradient, reference log-probs included, and the reward model's, equal the flat
+    layout's."""
     seqs = [s.input_ids for p in pairs for s in (p.chosen, p.rejected)]
     policy = _realistic(load_model("tiny-llama", training=True, probe=False), seqs)
     ref = ModelEngine(load_model("tiny-llama", seed=1, probe=False))
-    cfg = TrainSettings(max_tokens_per_batch=150)
-    results = {}
+    cfg = TrainSettings(max_tokens_per_batch=190)  # flat: 2 of the 3 pairs fit a micro-batch
+
+    def pairs_of(plan: list[MicroBatch]) -> list[list[list[int]]]:
+        return [[p.chosen.input_ids for p in micro.data] for micro in plan]
+
+    results, plans = {}, {}
     for name, settings in (("flat", FLAT), ("tree", TREE)):
         engine = ModelEngine(policy, settings=settings)
         recipe = DPORecipe(pairs, cfg, DPOSettings(beta=0.5), tokenizer.pad_token_id, CPU, ref)
+        before = recipe.plan(1)
         with caplog.at_level(logging.INFO):
             recipe.bind(engine)
         plan = recipe.plan(0)
-        results[name] = (len(plan), *_grads(recipe, engine, plan, len(pairs)))
-    assert recipe.tree and results["tree"][0] < results["flat"][0]  # a prompt once: fewer micro-batches
-    assert results["tree"][1] == pytest.approx(results["flat"][1], rel=1e-5)
-    delta, limit = gradient_delta(results["flat"][2], results["tree"][2], torch.float32)
+        plans[name] = [pairs_of(p) for p in (plan, before, recipe.plan(1))]
+        results[name] = _grads(recipe, engine, plan, len(pairs))
+    assert recipe.tree and len(plan) == 2
+    assert plans["tree"] == plans["flat"] and plans["tree"][1] == plans["tree"][2]
+    rows = [share_prefixes(recipe.collate(micro.data)) for micro in plan]
+    assert all(r is not None and r.num_tokens < r.flat_tokens for r in rows)  # each prompt once
+    assert results["tree"][0] == pytest.approx(results["flat"][0], rel=1e-5)
+    delta, limit = gradient_delta(results["flat"][1], results["tree"][1], torch.float32)
     assert delta <= limit, (delta, limit)
 
     scorer = load_model("tiny-llama", task="score", training=True, probe=False)

@@ -16,6 +16,7 @@ import inspect
 import logging
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any
@@ -641,19 +642,25 @@ _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 class TreeParts:
     """A tree row's attention as parts that need no mask, merged through their log-sum-exp (on CPU).
 
-    Each segment attends causally to itself (``own``: its row range, queries and keys alike), and fully to
-    every key of its ancestors (``shared``: ``(q0, q1, k0, k1)``, queries ``q0:q1`` against keys
-    ``k0:k1``; the segments that see the same contiguous run of ancestor keys side by side in the row,
-    as a prefix's branches are, make one part). Nothing is gathered or padded, no key is computed for a
-    query that does not see it, and causal parts skip their upper blocks, which a segment's mask in
-    :class:`TreeGroups` cannot.
+    Each segment attends causally to itself (its own part), and fully to every key of its ancestors
+    (``shared``: ``(q0, q1, k0, k1)``, queries ``q0:q1`` against keys ``k0:k1``; the segments that see
+    the same contiguous run of ancestor keys side by side in the row, as a prefix's branches are, make one
+    part). Own parts run as :class:`SequenceGroups` runs sequences: in few calls of segments padded on
+    the right to a length that depends on their own (``slots`` ``[S]``: the row position each slot reads,
+    a padding slot its segment's last one; ``zeroed``: the same with padding slots at ``R``, a zero row;
+    ``back`` ``[R]``: the slot of each row position; ``groups``: ``(segments, padded length)``). No key
+    is computed for a query that does not see it, nothing of a prefix is copied per branch, and causal
+    parts skip their upper blocks, which a segment's mask in :class:`TreeGroups` cannot.
     """
 
-    own: tuple[tuple[int, int], ...]
+    slots: torch.Tensor
+    zeroed: torch.Tensor
+    back: torch.Tensor
+    groups: tuple[tuple[int, int], ...]
     shared: tuple[tuple[int, int, int, int], ...]
 
     @classmethod
-    def plan(cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int]) -> TreeParts:
+    def plan(cls, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], keys: list[int], device) -> TreeParts:
         runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for (q0, q1), (k0, k1) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
             ancestors = keys[k0 : k1 - (q1 - q0)]  # then its own keys, the row's q0:q1
@@ -666,8 +673,38 @@ class TreeParts:
                     queries[-1] = (queries[-1][0], q1)
                 else:
                     queries.append((q0, q1))
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for q0, q1 in pairwise(bounds_q):
+            by_length.setdefault(padded_length(q1 - q0), []).append((q0, q1))
+        rows = bounds_q[-1]
+        slots, zeroed, back, groups = [], [], [0] * rows, []
+        for size, members in sorted(by_length.items(), reverse=True):
+            for q0, q1 in members:
+                back[q0:q1] = range(len(slots), len(slots) + q1 - q0)
+                slots += [*range(q0, q1), *[q1 - 1] * (size - (q1 - q0))]
+                zeroed += [*range(q0, q1), *[rows] * (size - (q1 - q0))]
+            groups.append((len(members), size))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         shared = tuple((q0, q1, k0, k1) for (k0, k1), spans in runs.items() for q0, q1 in spans)
-        return cls(tuple(pairwise(bounds_q)), shared)
+        return cls(as_tensor(slots), as_tensor(zeroed), as_tensor(back), tuple(groups), shared)
+
+    def own(
+        self, *rows: torch.Tensor, zeroed: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Each group's slots of ``rows`` (``[R, H, ...]``) as ``[n, H, L, ...]``, ``zeroed`` (``[R, H, D]``)
+        with its padding slots zero."""
+        sizes = [n * size for n, size in self.groups]
+        gathered = [t.index_select(0, self.slots).split(sizes) for t in rows]
+        if zeroed is not None:
+            padded = torch.cat([zeroed, zeroed.new_zeros(1, *zeroed.shape[1:])])
+            gathered.append(padded.index_select(0, self.zeroed).split(sizes))
+        for (n, size), *pieces in zip(self.groups, *gathered, strict=True):
+            yield tuple(t.view(n, size, *t.shape[1:]).transpose(1, 2) for t in pieces)
+
+    def to_rows(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Each group's ``[n, H, L, ...]`` results back to the row, ``[R, H, ...]``."""
+        slots = [t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:]) for t in pieces]
+        return torch.cat(slots).index_select(0, self.back)
 
 
 def _tree_parts_run(args: AttentionArgs, q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -684,25 +721,36 @@ def _tree_parts_run(args: AttentionArgs, q: torch.Tensor, v: torch.Tensor) -> bo
     )
 
 
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[L, H, ...]`` rows of a part -> ``[1, H, L, ...]`` as the kernels take them."""
+    return t.transpose(0, 1)[None]
+
+
 class _TreePartsAttention(torch.autograd.Function):
-    """Attention of a tree row by :class:`TreeParts`: q, k, v ``[1, H, R, D]`` (k and v with q's heads)
-    -> ``[1, H, R, D]``. Forward: each part's output and log-sum-exp, merged per query in fp32. Backward:
-    each part's gradients from the kernel's backward given the *merged* output and log-sum-exp (the
-    probabilities of a part's keys are then the whole softmax's), summed where parts share a tensor."""
+    """Attention of a tree row by :class:`TreeParts`: q, k, v ``[R, H, D]`` (k and v with q's heads) ->
+    ``[R, H, D]``. Forward: each part's output and log-sum-exp, merged per query in fp32. Backward: each
+    part's gradients from the kernel's backward given the *merged* output and log-sum-exp (the
+    probabilities of a part's keys are then the whole softmax's), summed where parts share a position."""
 
     @staticmethod
     def forward(ctx, q, k, v, parts: TreeParts, scale: float):
-        out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32)
-        for a, b in parts.own:
-            o, lse[:, :, a:b] = _CPU_FLASH(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale)
-            out[:, :, a:b] = o
+        own = [_CPU_FLASH(*group, 0.0, True, scale=scale) for group in parts.own(q, k, v)]
+        out = parts.to_rows([o for o, _ in own]).float()
+        lse = parts.to_rows([lse for _, lse in own])
         for q0, q1, k0, k1 in parts.shared:
-            o, part = _CPU_FLASH(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, False, scale=scale)
-            before = lse[:, :, q0:q1]
+            o, part = _CPU_FLASH(
+                _heads_first(q[q0:q1]),
+                _heads_first(k[k0:k1]),
+                _heads_first(v[k0:k1]),
+                0.0,
+                False,
+                scale=scale,
+            )
+            o, part = o[0].transpose(0, 1), part[0].transpose(0, 1)  # [Lq, H, D], [Lq, H]
+            before = lse[q0:q1]
             total = torch.logaddexp(before, part)
-            mixed = out[:, :, q0:q1] * (before - total).exp()[..., None] + o * (part - total).exp()[..., None]
-            out[:, :, q0:q1], lse[:, :, q0:q1] = mixed, total
+            out[q0:q1] = out[q0:q1] * (before - total).exp()[..., None] + o * (part - total).exp()[..., None]
+            lse[q0:q1] = total
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.parts, ctx.scale = parts, scale
@@ -712,18 +760,19 @@ class _TreePartsAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         parts, scale = ctx.parts, ctx.scale
-        grad = grad.contiguous()
-        dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32) for t in (q, k, v))
-        calls = [(a, b, a, b, True) for a, b in parts.own] + [(*part, False) for part in parts.shared]
-        for i, (q0, q1, k0, k1, causal) in enumerate(calls):
-            pieces = (grad[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], out[:, :, q0:q1])
-            gq, gk, gv = _CPU_FLASH_BACKWARD(*pieces, lse[:, :, q0:q1], 0.0, causal, scale=scale)
-            if i < len(parts.own):  # the own parts cover the row once: the first gradient of each position
-                dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1] = gq, gk, gv
-            else:
-                dq[:, :, q0:q1] += gq
-                dk[:, :, k0:k1] += gk
-                dv[:, :, k0:k1] += gv
+        own = [
+            _CPU_FLASH_BACKWARD(g, gq, gk, gv, go, gl.contiguous(), 0.0, True, scale=scale)
+            for gq, gk, gv, go, gl, g in parts.own(q, k, v, out, lse, zeroed=grad)
+        ]
+        dq, dk, dv = (parts.to_rows([g[i] for g in own]).float() for i in range(3))
+        for q0, q1, k0, k1 in parts.shared:
+            pieces = (grad[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1])
+            gq, gk, gv = _CPU_FLASH_BACKWARD(
+                *map(_heads_first, pieces), _heads_first(lse[q0:q1]).contiguous(), 0.0, False, scale=scale
+            )
+            dq[q0:q1] += gq[0].transpose(0, 1)
+            dk[k0:k1] += gk[0].transpose(0, 1)
+            dv[k0:k1] += gv[0].transpose(0, 1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -763,13 +812,13 @@ def _tree_attention(
         parts = _TREE_PARTS.get(cu_q)
         if parts is None:
             parts = _TREE_PARTS[cu_q] = TreeParts.plan(
-                sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist()
+                sequence_bounds(cu_q), sequence_bounds(cu_k), keys.tolist(), q.device
             )
         rep = heads // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return _TreePartsAttention.apply(q, k, v, parts, args.scale).transpose(1, 2)
+        rows = (t[0].transpose(0, 1) for t in (q, k, v))  # [R, H, D]
+        return _TreePartsAttention.apply(*rows, parts, args.scale)[None]
     plan = _TREES.get(cu_q)
     if plan is None:
         plan = _TREES[cu_q] = TreeGroups.plan(

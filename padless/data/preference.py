@@ -37,12 +37,10 @@ from padless.data.chat import ChatEncoder, ChatTemplateError
 from padless.data.images import ImageInputs
 from padless.data.records import (
     DataError,
-    RawRows,
     Row,
     SkipStats,
     Truncation,
     chat_messages,
-    good_rows,
     nonempty_str,
     present_fields,
     reject_images,
@@ -372,173 +370,102 @@ def pair_fields(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[tuple[str, ..
     return SIDES, "preference rows"
 
 
-def pair_example(
-    row: Row,
-    enc: _PairEncoder,
-    needed: tuple[str, ...],
-    how: str,
-    *,
-    max_length: int,
-    truncation: Truncation,
-    require_margin: bool,
-    images: ImageInputs | None = None,
-) -> PairExample:
-    """One row as a pair; a bad row raises :class:`DataError` (see :func:`tokenize_preference`)."""
-    _require(row, needed, how)
-    row, pictures = _prepare(row, images)
-    if "prompt" in present_fields(row):
-        prompt_ids, completions, prompt_field = enc.explicit(row)
-    else:
-        prompt_ids, completions, prompt_field = enc.implicit(row)
-    vision = None
-    if images is not None:
-        prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-    if completions[0] == completions[1]:
-        raise _equal(row)
-    _fit_prompt(row, prompt_ids, prompt_field, max_length)
-    fitted = [
-        _fit_completion(row, s, len(prompt_ids), ids, max_length, truncation)
-        for s, ids in zip(SIDES, completions, strict=True)
-    ]
-    if fitted[0] == fitted[1]:
-        raise _equal(row, f" once both are truncated to max_length={max_length}")
-    meta: dict[str, Any] = {"row": row.index, "source": row.source}
-    margin = _margin(row, require_margin)
-    if margin is not None:
-        meta["margin"] = margin
-    chosen, rejected = (
-        _example(
-            images,
-            prompt_ids + ids,
-            [False] * len(prompt_ids) + [True] * len(ids),
-            vision,
-            {"row": row.index, "source": row.source, "side": side},
-        )
-        for side, ids in zip(SIDES, fitted, strict=True)
-    )
-    return PairExample(chosen, rejected, meta)
-
-
 def tokenize_preference(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    max_length: int,
-    truncation: Truncation = "error",
-    skip_bad_rows: bool = False,
-    require_margin: bool = False,
     images: ImageInputs | None = None,
-    stop_ids: Sequence[int] = (),
+    **options: Any,
 ) -> tuple[list[PairExample], SkipStats]:
-    """Tokenize preference rows into pairs; see the module docstring for the accepted forms.
-
-    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is a
-    bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
-    ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
-    ``require_margin``, for reward models trained with ``rm.margin``). Bad rows raise :class:`DataError`
-    unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`; template problems raise
-    :class:`ChatTemplateError` regardless. Images (with ``images``, the model's processor) belong to the
-    prompt, so chosen and rejected share them. ``stop_ids``: the tokens the model stops at besides the
-    tokenizer's eos (its generation config's), which end a chat completion.
-    """
-    check_args(max_length, truncation)
-    stats = SkipStats()
-    if not rows:
-        return [], stats
-    needed, how = pair_fields(rows, skip_bad_rows)
-    enc = _PairEncoder(tokenizer, stop_ids)
-    pairs = good_rows(
-        rows,
-        lambda row: pair_example(
-            row,
-            enc,
-            needed,
-            how,
-            max_length=max_length,
-            truncation=truncation,
-            require_margin=require_margin,
-            images=images,
-        ),
-        skip_bad_rows,
-        stats,
-    )
-    return pairs, stats
+    """Preference rows tokenized in memory by ``PairLayout(**options)`` (:meth:`Layout.tokenize`)."""
+    return PairLayout(**options).tokenize(rows, tokenizer, images)
 
 
 def tokenize_scoring(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    max_length: int,
-    truncation: Truncation = "error",
-    skip_bad_rows: bool = False,
-    stats: SkipStats | None = None,
     images: ImageInputs | None = None,
-    stop_ids: Sequence[int] = (),
-) -> list[Example]:
-    """Sequences for scoring ``{"prompt", "response"}`` rows with a reward model (``loss_mask`` is None).
-
-    A response is rendered exactly like a preference completion, so a row scores the same sequence a reward
-    model was trained on. ``meta`` keeps ``row`` and ``source`` so scores map back to their rows, also when
-    ``skip_bad_rows`` leaves some out (counted in ``stats`` when one is given).
-    """
-    check_args(max_length, truncation)
-    stats = stats if stats is not None else SkipStats()
-    enc = _PairEncoder(tokenizer, stop_ids)
-
-    def scoring_example(row: Row) -> Example:
-        _require(row, ("prompt", "response"), "scoring rows")
-        row, pictures = _prepare(row, images)
-        prompt_ids, messages = enc.prompt(row, row.data["prompt"])
-        response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
-        vision = None
-        if images is not None:
-            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
-        _fit_prompt(row, prompt_ids, "prompt", max_length)
-        response = _fit_completion(row, "response", len(prompt_ids), response, max_length, truncation)
-        meta = {"row": row.index, "source": row.source}
-        return _example(images, prompt_ids + response, None, vision, meta)
-
-    return good_rows(rows, scoring_example, skip_bad_rows, stats)
+    **options: Any,
+) -> tuple[list[Example], SkipStats]:
+    """Scoring rows tokenized in memory by ``ScoringLayout(**options)`` (:meth:`Layout.tokenize`)."""
+    return ScoringLayout(**options).tokenize(rows, tokenizer, images)
 
 
 @dataclass
 class PairLayout(Layout[PairExample]):
-    """Preference pairs: the shared ``prompt_ids`` once, each side's completion, and ``margin``.
+    """Preference rows into pairs (see the module docstring for the accepted forms); stored as the shared
+    ``prompt_ids`` once, each side's completion, and ``margin``.
 
-    ``keep_margin`` puts a row's margin into the pair's meta (reward models trained with a margin); the
-    column is stored either way.
+    Each side is one sequence of at most ``max_length`` tokens. A prompt of ``max_length`` tokens or more is a
+    bad row; a longer sequence is a bad row with ``truncation="error"`` and has its *completion* cut with
+    ``"truncate"``. A numeric ``margin`` field is kept in ``meta["margin"]`` (required with
+    ``require_margin``, for reward models trained with ``rm.margin``; dropped with ``keep_margin=False``).
+    Bad rows raise :class:`DataError` unless
+    ``skip_bad_rows``, which counts them; template problems raise :class:`ChatTemplateError` regardless.
+    Images (``images`` in :meth:`prepare`, the model's processor) belong to the prompt, so chosen and rejected
+    share them. ``stop_ids``: the tokens the model stops at besides the tokenizer's eos (its generation
+    config's), which end a chat completion.
     """
 
     name: ClassVar[str] = "preference"
-    fingerprinted = ("max_length", "truncation", "skip_bad_rows", "require_margin", "stop_ids")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
     require_margin: bool = False
     keep_margin: bool = True
     stop_ids: tuple[int, ...] = ()
-    _state: tuple[_PairEncoder, tuple[str, ...], str] | None = field(default=None, repr=False)
+    _state: tuple[_PairEncoder, tuple[str, ...], str, ImageInputs | None] | None = field(
+        default=None, repr=False
+    )
 
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        needed, how = pair_fields(raw, self.skip_bad_rows)
-        self._state = (_PairEncoder(tokenizer, self.stop_ids), needed, how)
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        needed, how = pair_fields(rows, self.skip_bad_rows)
+        self._state = (_PairEncoder(tokenizer, self.stop_ids), needed, how, images)
 
-    def example(self, row: Row) -> PairExample:
+    def examples(self, row: Row) -> list[PairExample]:
+        return [self.pair(row)]
+
+    def pair(self, row: Row) -> PairExample:
+        """One row as a pair; a bad row raises :class:`DataError`. After :meth:`prepare`."""
         assert self._state is not None, "prepare() first"
-        enc, needed, how = self._state
-        return pair_example(
-            row,
-            enc,
-            needed,
-            how,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            require_margin=self.require_margin,
+        enc, needed, how, images = self._state
+        _require(row, needed, how)
+        row, pictures = _prepare(row, images)
+        if "prompt" in present_fields(row):
+            prompt_ids, completions, prompt_field = enc.explicit(row)
+        else:
+            prompt_ids, completions, prompt_field = enc.implicit(row)
+        vision = None
+        if images is not None:
+            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+        if completions[0] == completions[1]:
+            raise _equal(row)
+        _fit_prompt(row, prompt_ids, prompt_field, self.max_length)
+        fitted = [
+            _fit_completion(row, s, len(prompt_ids), ids, self.max_length, self.truncation)
+            for s, ids in zip(SIDES, completions, strict=True)
+        ]
+        if fitted[0] == fitted[1]:
+            raise _equal(row, f" once both are truncated to max_length={self.max_length}")
+        meta: dict[str, Any] = {"row": row.index, "source": row.source}
+        margin = _margin(row, self.require_margin)
+        if margin is not None and self.keep_margin:
+            meta["margin"] = margin
+        chosen, rejected = (
+            _example(
+                images,
+                prompt_ids + ids,
+                [False] * len(prompt_ids) + [True] * len(ids),
+                vision,
+                {"row": row.index, "source": row.source, "side": side},
+            )
+            for side, ids in zip(SIDES, fitted, strict=True)
         )
+        return PairExample(chosen, rejected, meta)
 
     def columns(self, item: PairExample) -> dict[str, Any]:
         n = item.prompt_length
@@ -587,25 +514,64 @@ class PairLayout(Layout[PairExample]):
                 for side, ids in (("chosen", chosen), ("rejected", rejected))
             ]
             meta: dict[str, Any] = {"row": row, "source": source}
-            if margin is not None and self.keep_margin:
+            if margin is not None:
                 meta["margin"] = margin
             pairs.append(PairExample(*sides, meta))
         return pairs
 
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[PairExample], SkipStats]:
-        pairs, stats = tokenize_preference(
-            rows,
-            tokenizer,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            skip_bad_rows=self.skip_bad_rows,
-            require_margin=self.require_margin,
-            images=images,
-            stop_ids=self.stop_ids,
+
+@dataclass
+class ScoringLayout(Layout[Example]):
+    """``{"prompt", "response"}`` rows into sequences for scoring with a reward model (``loss_mask`` is None);
+    stored as ``input_ids``.
+
+    A response is rendered exactly like a preference completion, so a row scores the same sequence a reward
+    model was trained on; ``max_length`` and ``truncation`` cut it as :class:`PairLayout` cuts a completion.
+    ``meta`` keeps ``row`` and ``source`` so scores map back to their rows, also when ``skip_bad_rows``
+    leaves some out.
+    """
+
+    name: ClassVar[str] = "scoring"
+    max_length: int
+    truncation: Truncation = "error"
+    skip_bad_rows: bool = False
+    stop_ids: tuple[int, ...] = ()
+    _state: tuple[_PairEncoder, ImageInputs | None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_args(self.max_length, self.truncation)
+
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        self._state = (_PairEncoder(tokenizer, self.stop_ids), images)
+
+    def examples(self, row: Row) -> list[Example]:
+        assert self._state is not None, "prepare() first"
+        enc, images = self._state
+        _require(row, ("prompt", "response"), "scoring rows")
+        row, pictures = _prepare(row, images)
+        prompt_ids, messages = enc.prompt(row, row.data["prompt"])
+        response = enc.completion(row, "response", row.data["response"], prompt_ids, messages)
+        vision = None
+        if images is not None:
+            prompt_ids, _, vision = images.expand(row, prompt_ids, None, pictures)
+        _fit_prompt(row, prompt_ids, "prompt", self.max_length)
+        response = _fit_completion(
+            row, "response", len(prompt_ids), response, self.max_length, self.truncation
         )
-        if not self.keep_margin:
-            for p in pairs:
-                p.meta.pop("margin", None)
-        return pairs, stats
+        meta = {"row": row.index, "source": row.source}
+        return [_example(images, prompt_ids + response, None, vision, meta)]
+
+    def columns(self, item: Example) -> dict[str, Any]:
+        return {"input_ids": item.input_ids}
+
+    def features(self) -> dict[str, Any]:
+        return {"input_ids": ids_feature()}
+
+    def read_columns(self, stored: list[str]) -> list[str]:
+        return ["input_ids"]
+
+    def decode(self, columns: dict[str, list[Any]], source: str) -> list[Example]:
+        return [
+            Example(ids, None, {"row": row, "source": source})
+            for row, ids in zip(columns["row"], columns["input_ids"], strict=True)
+        ]

@@ -17,7 +17,7 @@ right answer is, so a prompt longer than ``max_prompt_length`` is a bad row.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,7 +28,6 @@ from padless.data.records import (
     Row,
     SkipStats,
     chat_messages,
-    good_rows,
     nonempty_str,
     reject_images,
     type_name,
@@ -132,80 +131,15 @@ class _PromptEncoder(ChatEncoder):
         return ids, str(text)
 
 
-def check_args(max_prompt_length: int, chat_template: bool | None) -> None:
-    if (
-        isinstance(max_prompt_length, bool)
-        or not isinstance(max_prompt_length, int)
-        or max_prompt_length <= 0
-    ):
-        raise ValueError(f"max_prompt_length must be a positive integer, got {max_prompt_length!r}")
-    if chat_template not in (None, True, False):
-        raise ValueError(f"chat_template must be None, True or False, got {chat_template!r}")
-
-
-def prompt_encoder(tokenizer: PreTrainedTokenizerBase, chat_template: bool | None) -> _PromptEncoder:
-    """The encoder for ``chat_template``; refuses ``True`` for a tokenizer without a template."""
-    enc = _PromptEncoder(tokenizer, chat_template)
-    if chat_template is True and enc.template is None:
-        raise ChatTemplateError(
-            "data.chat_template is true, but the tokenizer has no chat_template. Set tokenizer.chat_template "
-            "to a Jinja chat template, or set data.chat_template to false (raw text) or null (template only "
-            "when the tokenizer has one)."
-        )
-    return enc
-
-
-def prompt_example(
-    row: Row, enc: _PromptEncoder, max_prompt_length: int, images: ImageInputs | None = None
-) -> PromptExample:
-    """One row as a prompt; a bad row raises :class:`DataError` (see :func:`tokenize_prompts`)."""
-    vision = None
-    if images is None:
-        reject_images(row)
-        ids, text = enc.prompt(row)
-    else:
-        prepared = images.prepare(row)
-        row = prepared.row
-        ids, text = enc.prompt(row)
-        ids, _, vision = images.expand(row, ids, None, prepared.images)
-    if len(ids) > max_prompt_length:
-        raise row.error(
-            PROMPT,
-            f"is {len(ids)} tokens as rendered, more than max_prompt_length={max_prompt_length} "
-            "(prompts are never truncated: a cut question no longer matches its answer)",
-            reason="prompt too long",
-            fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
-            "to skip it.",
-        )
-    fields = {k: v for k, v in row.data.items() if k != PROMPT}
-    return PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision)
-
-
 def tokenize_prompts(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    max_prompt_length: int,
-    chat_template: bool | None = None,
-    skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
+    **options: Any,
 ) -> tuple[list[PromptExample], SkipStats]:
-    """Tokenize RL prompt rows; see the module docstring for how prompts are rendered.
-
-    Bad rows (missing, mistyped or empty prompt, a prompt longer than ``max_prompt_length`` tokens) raise
-    :class:`DataError` unless ``skip_bad_rows``, which counts them in the returned :class:`SkipStats`.
-    Tokenizer problems (``chat_template=True`` or message prompts without a template) raise
-    :class:`ChatTemplateError` regardless, since no row can fix them.
-    """
-    check_args(max_prompt_length, chat_template)
-    stats = SkipStats()
-    if not rows:
-        return [], stats
-    enc = prompt_encoder(tokenizer, chat_template)
-    out = good_rows(
-        rows, lambda row: prompt_example(row, enc, max_prompt_length, images), skip_bad_rows, stats
-    )
-    return out, stats
+    """RL prompt rows tokenized in memory by ``PromptLayout(**options)`` (:meth:`Layout.tokenize`)."""
+    return PromptLayout(**options).tokenize(rows, tokenizer, images)
 
 
 def reward_inputs(
@@ -228,30 +162,73 @@ def reward_inputs(
 
 @dataclass
 class PromptLayout(Layout[PromptExample]):
-    """RL prompts: ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
+    """RL prompt rows into prompts (see the module docstring for how they are rendered); stored as
+    ``prompt_ids``, the rendered ``text`` and the row's other columns for reward functions.
 
-    Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values); rows
-    read from Arrow keep them as columns of their own types (``field.<name>``).
+    Bad rows (missing, mistyped or empty prompt, a prompt longer than ``max_prompt_length`` tokens) raise
+    :class:`DataError` unless ``skip_bad_rows``, which counts them. Tokenizer problems (``chat_template=True``
+    or message prompts without a template) raise :class:`ChatTemplateError` regardless, since no row can fix
+    them. Rows read from JSON keep their other columns as one JSON text (``fields``, exact for JSON values);
+    rows read from Arrow keep them as columns of their own types (``field.<name>``).
     """
 
     name: ClassVar[str] = "prompts"
-    fingerprinted = ("max_prompt_length", "chat_template", "skip_bad_rows")
     max_prompt_length: int
     chat_template: bool | None = None
     skip_bad_rows: bool = False
-    _state: Any = field(default=None, repr=False)
+    _state: tuple[_PromptEncoder, ImageInputs | None] | None = field(default=None, repr=False)
     _fields: dict[str, Any] | None = field(default=None, repr=False)  # Arrow rows: name -> feature
 
     def __post_init__(self) -> None:
-        check_args(self.max_prompt_length, self.chat_template)
+        if (
+            isinstance(self.max_prompt_length, bool)
+            or not isinstance(self.max_prompt_length, int)
+            or self.max_prompt_length <= 0
+        ):
+            raise ValueError(f"max_prompt_length must be a positive integer, got {self.max_prompt_length!r}")
+        if self.chat_template not in (None, True, False):
+            raise ValueError(f"chat_template must be None, True or False, got {self.chat_template!r}")
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        self._state = prompt_encoder(tokenizer, self.chat_template)
-        if raw.decoder.numbering is None:
-            self._fields = {k: v for k, v in raw.dataset.features.items() if k != "prompt"}
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        enc = _PromptEncoder(tokenizer, self.chat_template)
+        if self.chat_template is True and enc.template is None:
+            raise ChatTemplateError(
+                "data.chat_template is true, but the tokenizer has no chat_template. Set "
+                "tokenizer.chat_template to a Jinja chat template, or set data.chat_template to false (raw "
+                "text) or null (template only when the tokenizer has one)."
+            )
+        self._state = (enc, images)
 
-    def example(self, row: Row) -> PromptExample:
-        return prompt_example(row, self._state, self.max_prompt_length)
+    def store(self, raw: RawRows) -> None:
+        self._fields = (
+            {k: v for k, v in raw.dataset.features.items() if k != PROMPT}
+            if raw.decoder.numbering is None
+            else None
+        )
+
+    def examples(self, row: Row) -> list[PromptExample]:
+        assert self._state is not None, "prepare() first"
+        enc, images = self._state
+        vision = None
+        if images is None:
+            reject_images(row)
+            ids, text = enc.prompt(row)
+        else:
+            prepared = images.prepare(row)
+            row = prepared.row
+            ids, text = enc.prompt(row)
+            ids, _, vision = images.expand(row, ids, None, prepared.images)
+        if len(ids) > self.max_prompt_length:
+            raise row.error(
+                PROMPT,
+                f"is {len(ids)} tokens as rendered, more than max_prompt_length={self.max_prompt_length} "
+                "(prompts are never truncated: a cut question no longer matches its answer)",
+                reason="prompt too long",
+                fix="Raise data.max_prompt_length, shorten the prompt, or set data.skip_bad_rows: true "
+                "to skip it.",
+            )
+        fields = {k: v for k, v in row.data.items() if k != PROMPT}
+        return [PromptExample(ids, fields, {"row": row.index, "source": row.source}, text, vision)]
 
     def columns(self, item: PromptExample) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_ids": item.prompt_ids, "text": item.text}
@@ -284,15 +261,3 @@ class PromptLayout(Layout[PromptExample]):
                 fields = {c.removeprefix("field."): columns[c][k] for c in own}
             out.append(PromptExample(ids, fields, {"row": row, "source": source}, text))
         return out
-
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[PromptExample], SkipStats]:
-        return tokenize_prompts(
-            rows,
-            tokenizer,
-            max_prompt_length=self.max_prompt_length,
-            chat_template=self.chat_template,
-            skip_bad_rows=self.skip_bad_rows,
-            images=images,
-        )

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from padless.data.chat import ChatEncoder, trained_turns
 from padless.data.images import ImageInputs
 from padless.data.records import (
-    RawRows,
     Row,
     SkipStats,
     Truncation,
     chat_messages,
-    good_rows,
     nonempty_str,
     present_fields,
     reject_images,
@@ -215,15 +213,6 @@ def _fit(
     return ids, mask
 
 
-def check_sft_args(format: str, max_length: int, truncation: str) -> None:
-    if format not in ("auto", *FORMAT_FIELDS):
-        raise ValueError(f"unknown SFT format {format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
-    if truncation not in ("error", "truncate"):
-        raise ValueError(f"unknown truncation {truncation!r}; valid: error, truncate")
-    if not isinstance(max_length, int) or max_length <= 0:
-        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-
-
 def sft_format(rows: Iterable[Row], format: SftFormat, skip_bad_rows: bool) -> tuple[str, str]:
     """The format every row must have and how it was decided (for messages): ``format`` unless ``"auto"``,
     else detected from the first row (the first well-formed one when skipping bad rows). Reads rows only
@@ -244,146 +233,100 @@ def _images_in(messages: list[dict[str, Any]]) -> int:
     )
 
 
-def sft_examples(
-    row: Row,
-    enc: SftEncoder,
-    fmt: str,
-    how: str,
-    *,
-    max_length: int,
-    truncation: Truncation,
-    completion_only_loss: bool,
-    per_turn: bool = False,
-    images: ImageInputs | None = None,
-) -> list[Example]:
-    """A row's examples: one, or with ``per_turn`` one per assistant turn of a chat; a bad row raises
-    :class:`DataError` (see :func:`tokenize_sft`)."""
-    _check_fields(row, fmt, how)
-    pictures: list[Any] = []
-    if images is None:
-        reject_images(row)
-    else:
-        prepared = images.prepare(row)
-        row, pictures = prepared.row, prepared.images
-    if fmt == "messages" and per_turn:
-        parts = enc.turn_rows(row)
-        parts = [(ids, mask, _images_in(row.data["messages"][:n])) for ids, mask, n in parts]
-    elif fmt == "messages":
-        parts = [(*enc.messages_row(row), len(pictures))]
-    elif fmt == "prompt_completion":
-        parts = [(*enc.prompt_completion_row(row, completion_only_loss), len(pictures))]
-    else:
-        parts = [(*enc.text_row(row), len(pictures))]
-    out = []
-    for ids, mask, seen in parts:
-        meta = {"row": row.index, "source": row.source}
-        if images is None:
-            out.append(Example(*_fit(row, ids, mask, max_length, truncation), meta))
-            continue
-        ids, mask, vision = images.expand(row, ids, mask, pictures[:seen])
-        if truncation == "truncate":
-            ids, mask, vision = images.fit(row, ids, mask, vision, max_length)
-        ids, mask = _fit(row, ids, mask, max_length, truncation)
-        out.append(images.example(ids, mask, vision, meta))
-    return out
-
-
 def tokenize_sft(
     rows: Sequence[Row],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    format: SftFormat = "auto",
-    max_length: int,
-    truncation: Truncation = "error",
-    completion_only_loss: bool = True,
-    per_turn: bool = False,
-    skip_bad_rows: bool = False,
     images: ImageInputs | None = None,
-    stop_ids: Sequence[int] = (),
+    **options: Any,
 ) -> tuple[list[Example], SkipStats]:
-    """Tokenize SFT rows into examples whose ``loss_mask`` marks the tokens to train on.
+    """SFT rows tokenized in memory by ``SFTLayout(**options)`` (:meth:`Layout.tokenize`)."""
+    return SFTLayout(**options).tokenize(rows, tokenizer, images)
 
-    ``format="auto"`` takes the format from the first row (the first well-formed one when skipping bad
-    rows); every row must then have that format's fields. Bad rows raise :class:`DataError` unless
-    ``skip_bad_rows``, in which case they are counted in the returned :class:`SkipStats`.
-    Template problems raise :class:`ChatTemplateError` regardless. Rows with images need ``images`` (the
-    model's processor, see :mod:`padless.data.images`); without it they are bad rows. ``per_turn`` makes each
-    assistant turn of a chat its own example (see :meth:`SftEncoder.turn_rows`). ``stop_ids``: the tokens the
-    model stops at besides the tokenizer's eos (its generation config's), which end a chat turn.
-    """
-    check_sft_args(format, max_length, truncation)
-    stats = SkipStats()
-    if not rows:
-        return [], stats
-    fmt, how = sft_format(rows, format, skip_bad_rows)
-    enc = SftEncoder(tokenizer, stop_ids)
-    rows_examples = good_rows(
-        rows,
-        lambda row: sft_examples(
-            row,
-            enc,
-            fmt,
-            how,
-            max_length=max_length,
-            truncation=truncation,
-            completion_only_loss=completion_only_loss,
-            per_turn=per_turn,
-            images=images,
-        ),
-        skip_bad_rows,
-        stats,
-    )
-    examples = [example for got in rows_examples for example in got]
-    return examples, stats
+
+class _Prepared(NamedTuple):
+    """What :meth:`SFTLayout.prepare` decides once for a data set."""
+
+    enc: SftEncoder
+    fmt: str  # the format every row must have
+    how: str  # how it was decided, for messages
+    images: ImageInputs | None
 
 
 @dataclass
 class SFTLayout(Layout[Example]):
-    """SFT examples: ``input_ids``, ``loss_mask`` and ``targets`` (trained predictions, for normalisers)."""
+    """SFT rows into examples whose ``loss_mask`` marks the tokens to train on; stored as ``input_ids``,
+    ``loss_mask`` and ``targets`` (trained predictions, for normalisers).
+
+    ``format="auto"`` takes the format from the first row (the first well-formed one when skipping bad
+    rows); every row must then have that format's fields. A row longer than ``max_length`` is a bad row with
+    ``truncation="error"`` and is cut with ``"truncate"``. Bad rows raise :class:`DataError` unless
+    ``skip_bad_rows``, which counts them; template problems raise :class:`ChatTemplateError` regardless. Rows
+    with images need the model's image side (``images`` in :meth:`prepare`, see :mod:`padless.data.images`);
+    without it they are bad rows. ``per_turn`` makes each assistant turn of a chat its own example (see
+    :meth:`SftEncoder.turn_rows`). ``stop_ids``: the tokens the model stops at besides the tokenizer's eos
+    (its generation config's), which end a chat turn.
+    """
 
     name: ClassVar[str] = "sft"
-    fingerprinted = (
-        "max_length",
-        "format",
-        "truncation",
-        "completion_only_loss",
-        "per_turn",
-        "skip_bad_rows",
-        "stop_ids",
-    )
     max_length: int
-    format: str = "auto"
+    format: SftFormat = "auto"
     truncation: Truncation = "error"
     completion_only_loss: bool = True
     per_turn: bool = False
     skip_bad_rows: bool = False
     stop_ids: tuple[int, ...] = ()
-    _state: tuple[SftEncoder, str, str] | None = field(default=None, repr=False)
+    _state: _Prepared | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_sft_args(self.format, self.max_length, self.truncation)
+        if self.format not in ("auto", *FORMAT_FIELDS):
+            raise ValueError(f"unknown SFT format {self.format!r}; valid: auto, {', '.join(FORMAT_FIELDS)}")
+        if self.truncation not in ("error", "truncate"):
+            raise ValueError(f"unknown truncation {self.truncation!r}; valid: error, truncate")
+        if not isinstance(self.max_length, int) or self.max_length <= 0:
+            raise ValueError(f"max_length must be a positive integer, got {self.max_length!r}")
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        fmt, how = sft_format(raw, self.format, self.skip_bad_rows)
-        self._state = (SftEncoder(tokenizer, self.stop_ids), fmt, how)
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        fmt, how = sft_format(rows, self.format, self.skip_bad_rows)
+        self._state = _Prepared(SftEncoder(tokenizer, self.stop_ids), fmt, how, images)
 
-    def example(self, row: Row) -> Example:
-        (example,) = self.examples(row)  # per-turn rows go through examples()
-        return example
+    @property
+    def prepared(self) -> _Prepared:
+        """The encoder and the format :meth:`prepare` decided."""
+        assert self._state is not None, "prepare() first"
+        return self._state
 
     def examples(self, row: Row) -> list[Example]:
-        assert self._state is not None, "prepare() first"
-        enc, fmt, how = self._state
-        return sft_examples(
-            row,
-            enc,
-            fmt,
-            how,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            completion_only_loss=self.completion_only_loss,
-            per_turn=self.per_turn,
-        )
+        """A row's examples: one, or with ``per_turn`` one per assistant turn of a chat."""
+        enc, fmt, how, images = self.prepared
+        _check_fields(row, fmt, how)
+        pictures: list[Any] = []
+        if images is None:
+            reject_images(row)
+        else:
+            prepared = images.prepare(row)
+            row, pictures = prepared.row, prepared.images
+        if fmt == "messages" and self.per_turn:
+            parts = enc.turn_rows(row)
+            parts = [(ids, mask, _images_in(row.data["messages"][:n])) for ids, mask, n in parts]
+        elif fmt == "messages":
+            parts = [(*enc.messages_row(row), len(pictures))]
+        elif fmt == "prompt_completion":
+            parts = [(*enc.prompt_completion_row(row, self.completion_only_loss), len(pictures))]
+        else:
+            parts = [(*enc.text_row(row), len(pictures))]
+        out = []
+        for ids, mask, seen in parts:
+            meta = {"row": row.index, "source": row.source}
+            if images is None:
+                out.append(Example(*_fit(row, ids, mask, self.max_length, self.truncation), meta))
+                continue
+            ids, mask, vision = images.expand(row, ids, mask, pictures[:seen])
+            if self.truncation == "truncate":
+                ids, mask, vision = images.fit(row, ids, mask, vision, self.max_length)
+            ids, mask = _fit(row, ids, mask, self.max_length, self.truncation)
+            out.append(images.example(ids, mask, vision, meta))
+        return out
 
     def columns(self, item: Example) -> dict[str, Any]:
         return {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "targets": item.num_targets}
@@ -405,19 +348,3 @@ class SFTLayout(Layout[Example]):
             Example(ids, mask, {"row": row, "source": source})
             for row, ids, mask in zip(columns["row"], columns["input_ids"], columns["loss_mask"], strict=True)
         ]
-
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[Example], SkipStats]:
-        return tokenize_sft(
-            rows,
-            tokenizer,
-            format=self.format,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            completion_only_loss=self.completion_only_loss,
-            per_turn=self.per_turn,
-            skip_bad_rows=self.skip_bad_rows,
-            images=images,
-            stop_ids=self.stop_ids,
-        )

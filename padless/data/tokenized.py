@@ -7,32 +7,36 @@ is all that planning micro-batches needs. :func:`load_set` is the entry point: i
 tokenizer and settings, builds the set on a cache miss (:mod:`padless.data.cache`) and returns an
 :class:`ArrowSet` with the report of skipped rows.
 
-Each task lays its items out in columns with a :class:`Layout`, which sits beside the task's rows
-(``SFTLayout`` in :mod:`padless.data.sft`, ``PairLayout`` in :mod:`padless.data.preference`,
-``PromptLayout`` in :mod:`padless.data.prompts`). A layout makes each item with the task's own per-row
-function — the very code of the in-memory drivers (``tokenize_sft``, ``tokenize_preference``,
-``tokenize_prompts``) — and turns it into columns and back, so both paths give the same examples and the same
+Each task has one tokenizing driver, its :class:`Layout`, which sits beside the task's rows (``SFTLayout`` in
+:mod:`padless.data.sft`, ``PairLayout`` and ``ScoringLayout`` in :mod:`padless.data.preference`,
+``PromptLayout`` in :mod:`padless.data.prompts`, ``UnpairedLayout`` in :mod:`padless.data.unpaired`) and
+whose fields are the task's data options, each named once. A layout is prepared once (the first rows decide
+the format; the tokenizer and, for vision-language models, the processor make the encoder), makes each row's
+items, and turns items into columns and back. The Arrow build maps :meth:`Layout.examples` over the rows;
+:meth:`Layout.tokenize` runs the very same preparation and per-row code over rows in memory (rows with
+images, the embedded image sets, rows a caller holds), so both paths give the same examples and the same
 errors. Errors are not raised inside the workers: a bad row becomes a row of error columns, and once the map
-is done the error the row-by-row driver would have raised first is raised (any unreadable line, then the
+is done the error the in-memory driver would have raised first is raised (any unreadable line, then the
 first bad row), or the bad rows are counted as skipped, in row order, whatever the number of processes.
 
 What recipes plan micro-batches from is an :class:`ExampleSet`: an :class:`ArrowSet` reads only its
 ``length`` column to plan, and a micro-batch's items become Python objects only when it runs
 (:meth:`ExampleSet.select` gives a sequence read each time it is iterated, never kept); an
 :class:`InMemory` set is a list with the same interface. Rows with images (vision-language models) and the
-embedded image sets stay on the in-memory path: their items hold pixel tensors.
+embedded image sets stay in memory: their items hold pixel tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
@@ -45,6 +49,7 @@ from padless.data.records import (
     RawRows,
     Row,
     SkipStats,
+    good_rows,
     no_rows,
     open_source,
     raw_rows,
@@ -71,30 +76,46 @@ READ, FATAL, SKIPPED = 0, 1, 2  # error_kind: an unreadable line, an error to ra
 
 
 class Layout(ABC, Generic[T]):
-    """How one task's items are made from rows, stored in columns and read back.
+    """One task's tokenizing driver: how its items are made from rows (its dataclass fields are the task's
+    data options), stored in columns and read back.
 
     Every set also has ``row`` (the row's number in its source) and ``length`` (tokens of the item).
     """
 
     name: ClassVar[str]
-    fingerprinted: ClassVar[tuple[str, ...]]  # the settings that change a set's content
     skip_bad_rows: bool
 
     def settings(self) -> dict[str, Any]:
-        """The settings that change the set's content (part of its fingerprint)."""
-        return {k: getattr(self, k) for k in self.fingerprinted}
+        """The options, which make the set's content (part of its fingerprint): the layout's public fields."""
+        names = (f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return {n: getattr(self, n) for n in names if not n.startswith("_")}
 
     @abstractmethod
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        """Decide what the first rows decide (the format...) and build the encoder, in the main process."""
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        """Decide what the first rows decide (the format...) and build the encoder, in the main process.
+        ``images``: the model's image side (vision-language models; their rows are tokenized in memory)."""
+
+    def store(self, raw: RawRows) -> None:
+        """Decide what the stored columns depend on besides the options (a source's own column types), before
+        an Arrow build; nothing by default."""
 
     @abstractmethod
-    def example(self, row: Row) -> T:
-        """One row's item; a bad row raises :class:`DataError` (the task's per-row function)."""
-
     def examples(self, row: Row) -> list[T]:
-        """One row's items: one, unless the layout makes several of a row (SFT's per-turn mode)."""
-        return [self.example(row)]
+        """One row's items (one, unless the layout makes several of a row, as SFT's per-turn mode does); a
+        bad row raises :class:`DataError`. After :meth:`prepare`."""
+
+    def tokenize(
+        self, rows: Sequence[Row], tokenizer: Any, images: ImageInputs | None = None
+    ) -> tuple[list[T], SkipStats]:
+        """The items of ``rows``, tokenized in memory, row by row: bad rows raise :class:`DataError`, or with
+        ``skip_bad_rows`` are counted in the returned :class:`SkipStats`; template and tokenizer problems
+        raise whatever the setting, as in the Arrow build."""
+        stats = SkipStats()
+        if not rows:
+            return [], stats
+        self.prepare(rows, tokenizer, images)
+        made = good_rows(rows, self.examples, self.skip_bad_rows, stats)
+        return [item for items in made for item in items], stats
 
     @abstractmethod
     def columns(self, item: T) -> dict[str, Any]:
@@ -111,12 +132,6 @@ class Layout(ABC, Generic[T]):
     @abstractmethod
     def decode(self, columns: dict[str, list[Any]], source: str) -> list[T]:
         """Items back from a batch of columns."""
-
-    @abstractmethod
-    def in_memory(
-        self, rows: list[Row], tokenizer: Any, images: ImageInputs | None
-    ) -> tuple[list[T], SkipStats]:
-        """The row-by-row driver with these settings (rows with images take this path)."""
 
     def shared(self, dataset: datasets.Dataset) -> np.ndarray:
         """Tokens per item that a tree row computes once although its sequences all hold them
@@ -345,7 +360,7 @@ class _Tokenize:
 
 
 def _error(record: dict[str, Any], source: str) -> ValueError:
-    """An error row of the map back as the exception the row-by-row driver raises."""
+    """An error row of the map back as the exception the in-memory driver raises."""
     attrs = {"source": source, "index": record["row"], "field": record["error_field"]}
     attrs["reason"] = record["error_reason"]
     return cache.error_from({"type": record["error_type"], "message": record["error"], "attrs": attrs})
@@ -360,7 +375,7 @@ def default_processes() -> int:
 def _build(
     raw: RawRows, layout: Layout[Any], out: Path, workdir: Path, num_proc: int | None
 ) -> dict[str, Any]:
-    """Tokenize ``raw`` into a set saved at ``out``; raise what the row-by-row driver would raise first.
+    """Tokenize ``raw`` into a set saved at ``out``; raise what the in-memory driver would raise first.
     Returns what to record about the build."""
     started = time.perf_counter()
     rows = len(raw.dataset)
@@ -466,8 +481,8 @@ def load_set(
 
     Built once per fingerprint into ``cache_dir`` (default: ``padless/`` in the ``datasets`` cache) by
     ``num_proc`` processes (default: one per core, at most 8, and at most one per 2,000 rows), then
-    memory-mapped. With ``images`` (a vision-language model), and for the embedded image sets, rows are
-    tokenized in memory, row by row, as they always were.
+    memory-mapped. With ``images`` (a vision-language model), and for the embedded image sets, the same
+    layout tokenizes the rows in memory (:meth:`Layout.tokenize`).
     """
     source_spec, selected = sliced(spec)
     source = open_source(source_spec, split)
@@ -476,7 +491,7 @@ def load_set(
         rows = every[selected]
         if not rows:
             raise no_rows(spec, len(every))
-        items, stats = layout.in_memory(rows, tokenizer, images)
+        items, stats = layout.tokenize(rows, tokenizer, images)
         return InMemory(items), stats
     settings = layout.settings()
     key = cache.digest(
@@ -500,6 +515,7 @@ def load_set(
         try:
             raw = raw_rows(source, selected, spec, workdir)
             layout.prepare(raw, tokenizer)
+            layout.store(raw)
             log.info("data %s: not in the cache; tokenizing %d rows into %s", spec, len(raw.dataset), path)
             done = _build(raw, layout, out, workdir, num_proc)
         finally:

@@ -14,22 +14,22 @@ Each completion is an :class:`Example` of prompt + completion ids whose loss mas
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from padless.data.images import ImageInputs
 from padless.data.preference import (
+    PairLayout,
     _fit_completion,
     _fit_prompt,
     _PairEncoder,
     _require,
     check_args,
-    pair_example,
-    pair_fields,
 )
-from padless.data.records import RawRows, Row, SkipStats, Truncation, good_rows, present_fields, reject_images
+from padless.data.records import Row, Truncation, present_fields, reject_images
 from padless.data.tokenized import ArrowSet, ExampleSet, Layout, ids_feature
 from padless.forward.packing import Example
 
@@ -37,85 +37,19 @@ UNPAIRED = ("prompt", "completion", "label")
 Form = Literal["unpaired", "pairs"]
 
 
-def unpaired_form(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[Form, tuple[str, ...], str]:
-    """Whether rows are unpaired completions (the first row — the first with 'completion' or 'chosen' when
-    skipping bad rows — has a 'completion') or pairs, the fields every row needs and how that was decided."""
+def unpaired_form(rows: Iterable[Row], skip_bad_rows: bool) -> tuple[Form, Row]:
+    """Whether rows are unpaired completions or pairs, and the row that decided it: the first row (the first
+    with 'completion' or 'chosen' when skipping bad rows) is unpaired if it has a 'completion'."""
     rows = iter(rows)
     first = next(rows)
     if skip_bad_rows and not {"completion", "chosen"} & present_fields(first):
         first = next((r for r in rows if {"completion", "chosen"} & present_fields(r)), first)
-    if "completion" in present_fields(first):
-        return "unpaired", UNPAIRED, f"unpaired rows (as {first.where} has a 'completion')"
-    needed, how = pair_fields([first], skip_bad_rows)
-    return "pairs", needed, how
+    return ("unpaired" if "completion" in present_fields(first) else "pairs"), first
 
 
 def _labelled(example: Example, desirable: bool) -> Example:
     meta = {"row": example.meta["row"], "source": example.meta["source"], "desirable": desirable}
     return Example(example.input_ids, example.loss_mask, meta)
-
-
-def unpaired_examples(
-    row: Row,
-    enc: _PairEncoder,
-    form: Form,
-    needed: tuple[str, ...],
-    how: str,
-    *,
-    max_length: int,
-    truncation: Truncation,
-) -> list[Example]:
-    """The row's labelled completions (two for a pair); a bad row raises
-    :class:`~padless.data.records.DataError`."""
-    if form == "pairs":
-        pair = pair_example(
-            row, enc, needed, how, max_length=max_length, truncation=truncation, require_margin=False
-        )
-        return [_labelled(pair.chosen, True), _labelled(pair.rejected, False)]
-    _require(row, needed, how)
-    reject_images(row)
-    label = row.data["label"]
-    if not isinstance(label, bool):
-        raise row.error(
-            "label",
-            f"must be true (a desirable completion) or false (an undesirable one), got {label!r}",
-            reason="wrong type",
-        )
-    prompt_ids, messages = enc.prompt(row, row.data["prompt"])
-    completion = enc.completion(row, "completion", row.data["completion"], prompt_ids, messages)
-    _fit_prompt(row, prompt_ids, "prompt", max_length)
-    completion = _fit_completion(row, "completion", len(prompt_ids), completion, max_length, truncation)
-    mask = [False] * len(prompt_ids) + [True] * len(completion)
-    return [
-        Example(prompt_ids + completion, mask, {"row": row.index, "source": row.source, "desirable": label})
-    ]
-
-
-def tokenize_unpaired(
-    rows: Sequence[Row],
-    tokenizer: Any,
-    *,
-    max_length: int,
-    truncation: Truncation = "error",
-    skip_bad_rows: bool = False,
-) -> tuple[list[Example], SkipStats]:
-    """Tokenize unpaired rows (or pairs, two completions each) into labelled completions; bad rows as in
-    :func:`padless.data.preference.tokenize_preference`."""
-    check_args(max_length, truncation)
-    stats = SkipStats()
-    if not rows:
-        return [], stats
-    form, needed, how = unpaired_form(rows, skip_bad_rows)
-    enc = _PairEncoder(tokenizer)
-    made = good_rows(
-        rows,
-        lambda row: unpaired_examples(
-            row, enc, form, needed, how, max_length=max_length, truncation=truncation
-        ),
-        skip_bad_rows,
-        stats,
-    )
-    return [e for got in made for e in got], stats
 
 
 def prompt_length(example: Example) -> int:
@@ -133,31 +67,56 @@ def desirable_flags(items: ExampleSet[Example]) -> np.ndarray:
 
 @dataclass
 class UnpairedLayout(Layout[Example]):
-    """Labelled completions: ``prompt_ids``, ``completion_ids`` and ``desirable``."""
+    """Unpaired rows (or pairs, two completions each) into labelled completions; stored as ``prompt_ids``,
+    ``completion_ids`` and ``desirable``. ``max_length``, ``truncation`` and bad rows as in
+    :class:`~padless.data.preference.PairLayout`, which makes the completions of pairs."""
 
     name: ClassVar[str] = "unpaired"
-    fingerprinted = ("max_length", "truncation", "skip_bad_rows")
     max_length: int
     truncation: Truncation = "error"
     skip_bad_rows: bool = False
-    _state: tuple[_PairEncoder, Form, tuple[str, ...], str] | None = field(default=None, repr=False)
+    _state: tuple[_PairEncoder, str] | PairLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_args(self.max_length, self.truncation)
 
-    def prepare(self, raw: RawRows, tokenizer: Any) -> None:
-        self._state = (_PairEncoder(tokenizer), *unpaired_form(raw, self.skip_bad_rows))
-
-    def example(self, row: Row) -> Example:
-        (example,) = self.examples(row)  # pairs go through examples()
-        return example
+    def prepare(self, rows: Iterable[Row], tokenizer: Any, images: ImageInputs | None = None) -> None:
+        if images is not None:
+            raise ValueError("unpaired (KTO) rows are text only; tokenize them without a model's image side")
+        form, first = unpaired_form(rows, self.skip_bad_rows)
+        if form == "pairs":
+            pairs = PairLayout(max_length=self.max_length, truncation=self.truncation)
+            pairs.prepare([first], tokenizer)  # the first row decides the form of every pair
+            self._state = pairs
+        else:
+            self._state = (_PairEncoder(tokenizer), f"unpaired rows (as {first.where} has a 'completion')")
 
     def examples(self, row: Row) -> list[Example]:
+        """The row's labelled completions (two for a pair); a bad row raises
+        :class:`~padless.data.records.DataError`."""
         assert self._state is not None, "prepare() first"
-        enc, form, needed, how = self._state
-        return unpaired_examples(
-            row, enc, form, needed, how, max_length=self.max_length, truncation=self.truncation
+        if isinstance(self._state, PairLayout):
+            pair = self._state.pair(row)
+            return [_labelled(pair.chosen, True), _labelled(pair.rejected, False)]
+        enc, how = self._state
+        _require(row, UNPAIRED, how)
+        reject_images(row)
+        label = row.data["label"]
+        if not isinstance(label, bool):
+            raise row.error(
+                "label",
+                f"must be true (a desirable completion) or false (an undesirable one), got {label!r}",
+                reason="wrong type",
+            )
+        prompt_ids, messages = enc.prompt(row, row.data["prompt"])
+        completion = enc.completion(row, "completion", row.data["completion"], prompt_ids, messages)
+        _fit_prompt(row, prompt_ids, "prompt", self.max_length)
+        completion = _fit_completion(
+            row, "completion", len(prompt_ids), completion, self.max_length, self.truncation
         )
+        mask = [False] * len(prompt_ids) + [True] * len(completion)
+        meta = {"row": row.index, "source": row.source, "desirable": label}
+        return [Example(prompt_ids + completion, mask, meta)]
 
     def columns(self, item: Example) -> dict[str, Any]:
         n = prompt_length(item)
@@ -194,12 +153,3 @@ class UnpairedLayout(Layout[Example]):
                 strict=True,
             )
         ]
-
-    def in_memory(self, rows: list[Row], tokenizer: Any, images: Any) -> tuple[list[Example], SkipStats]:
-        return tokenize_unpaired(
-            rows,
-            tokenizer,
-            max_length=self.max_length,
-            truncation=self.truncation,
-            skip_bad_rows=self.skip_bad_rows,
-        )

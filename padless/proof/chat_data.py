@@ -11,7 +11,7 @@ tool-call rows would be refused because the template drops the calls.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from padless import tiny
@@ -19,7 +19,7 @@ from padless.data import sources
 from padless.data.chat import ChatTemplateError
 from padless.data.images import ImageInputs
 from padless.data.records import REASONING_KEYS, TRAIN_FLAGS, Row, load_rows
-from padless.data.sft import SftEncoder, SftFormat, sft_examples, sft_format
+from padless.data.sft import SftFormat, SFTLayout
 from padless.errors import DataError, InputError
 from padless.forward.vision import is_vision_config
 
@@ -85,22 +85,6 @@ class DataReport:
         return self.rows - self.trained
 
 
-def _examples(
-    row: Row, enc: SftEncoder, fmt: str, how: str, per_turn: bool, images: ImageInputs | None
-) -> None:
-    sft_examples(
-        row,
-        enc,
-        fmt,
-        how,
-        max_length=NO_LIMIT,
-        truncation="error",
-        completion_only_loss=True,
-        per_turn=per_turn,
-        images=images,
-    )
-
-
 def check_data(
     spec: str,
     tokenizer: Any,
@@ -113,25 +97,26 @@ def check_data(
     """Every row of ``spec`` through the SFT tokenizing of ``tokenizer`` (and ``images``, a vision-language
     model's), counted; ``per_turn``: as ``data.per_turn: true`` does."""
     rows = load_rows(spec)
-    fmt, how = sft_format(rows, format, skip_bad_rows=True)
-    enc = SftEncoder(tokenizer, stop_ids)
-    report = DataReport(spec, enc.stop_names, per_turn_mode=per_turn)
+    layout = SFTLayout(NO_LIMIT, format=format, per_turn=per_turn, skip_bad_rows=True, stop_ids=stop_ids)
+    layout.prepare(rows, tokenizer, images)
+    turns = replace(layout, per_turn=True)  # the same prepared encoder, in per-turn mode
+    report = DataReport(spec, layout.prepared.enc.stop_names, per_turn_mode=per_turn)
     for row in rows:
         report.rows += 1
         holding = holds(row)
         for h in holding:
             report.by_holding.setdefault(h, Counter())["rows"] += 1
         try:
-            _examples(row, enc, fmt, how, per_turn, images)
+            layout.examples(row)
         except (DataError, ChatTemplateError) as e:
             reason = e.reason if isinstance(e, DataError) else e.behaviour
             cause = report.causes.setdefault(reason, Cause(message=str(e)))
             cause.rows += 1
             if len(cause.first) < FIRST_ROWS:
                 cause.first.append(row.index)
-            if not per_turn and fmt == "messages":
+            if not per_turn and layout.prepared.fmt == "messages":
                 try:
-                    _examples(row, enc, fmt, how, True, images)
+                    turns.examples(row)
                     report.per_turn.append(row.index)
                 except (DataError, ChatTemplateError):
                     pass

@@ -86,7 +86,7 @@ def score_file(
         model,
         tokenize_scoring(
             rows, tokenizer, max_length=max_length, images=images, stop_ids=stop_token_ids(model_path)
-        ),
+        )[0],
     )
     scored = [{**row.data, "score": s} for row, s in zip(rows, scores, strict=True)]
     if out is not None and out.endswith(".parquet"):  # keeps images held as raw bytes

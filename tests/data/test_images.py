@@ -210,7 +210,7 @@ def test_scoring_and_rl_prompts_carry_images(inputs):
         type(r)({**r.data, "response": [{"role": "assistant", "content": "It is red."}]}, r.source, r.index)
         for r in rows
     ]
-    examples = tokenize_scoring(scoring, inputs.tokenizer, max_length=100, images=inputs)
+    examples, _ = tokenize_scoring(scoring, inputs.tokenizer, max_length=100, images=inputs)
     assert all(ex.vision is not None and ex.loss_mask is None for ex in examples)
 
 

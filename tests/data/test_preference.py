@@ -373,7 +373,7 @@ def test_embedded_datasets_tokenize(name: str) -> None:
 def test_scoring_sequence_equals_the_chosen_sequence(prompt: Any, completion: Any) -> None:
     other = " 5." if isinstance(completion, str) else [BAD]
     (pair,), _ = _pairs(_rows({"prompt": prompt, "chosen": completion, "rejected": other}))
-    (scored,) = tokenize_scoring(_rows({"prompt": prompt, "response": completion}), TOK, max_length=2048)
+    (scored,), _ = tokenize_scoring(_rows({"prompt": prompt, "response": completion}), TOK, max_length=2048)
     assert scored.input_ids == pair.chosen.input_ids
     assert scored.loss_mask is None and scored.meta == {"row": 1, "source": "mem.jsonl"}
 
@@ -383,10 +383,9 @@ def test_scoring_errors_and_skips() -> None:
     with pytest.raises(DataError, match=r"row 2 .*field 'response' is missing") as info:
         tokenize_scoring(rows, TOK, max_length=2048)
     assert info.value.field == "response"
-    stats = SkipStats()
-    scored = tokenize_scoring(rows, TOK, max_length=2048, skip_bad_rows=True, stats=stats)
+    scored, stats = tokenize_scoring(rows, TOK, max_length=2048, skip_bad_rows=True)
     assert [e.meta["row"] for e in scored] == [1] and stats.skipped == 2
     assert stats.reasons == {"missing field": 2}  # LONG has no 'response' either
     long_row = _rows({"prompt": LONG["prompt"], "response": LONG["chosen"]})
-    (cut,) = tokenize_scoring(long_row, TOK, max_length=30, truncation="truncate")
+    (cut,), _ = tokenize_scoring(long_row, TOK, max_length=30, truncation="truncate")
     assert len(cut) == 30

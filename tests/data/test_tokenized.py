@@ -19,10 +19,11 @@ from padless.data import (
     tokenize_sft,
 )
 from padless.data import tokenized as tk
-from padless.data.preference import PairLayout
+from padless.data.preference import PairLayout, ScoringLayout
 from padless.data.prompts import PromptLayout
 from padless.data.sft import SFTLayout
 from padless.data.tokenized import ArrowSet, InMemory, load_set
+from padless.data.unpaired import UnpairedLayout
 from padless.tiny import tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -99,6 +100,31 @@ def test_same_examples_as_the_row_by_row_driver(name: str, processes: int, tmp_p
     assert list(got) == want  # every token, mask, meta (row, source, side) and field
     assert got.lengths.tolist() == [len(x) for x in want]
     _same_stats(stats, want_stats)
+
+
+def test_scoring_and_unpaired_rows_from_arrow_are_the_in_memory_items(tmp_path: Path) -> None:
+    """The layouts without a trainer test of their own through the cache: scoring rows, KTO's unpaired
+    completions, and KTO reading preference pairs."""
+    pairs = [r.data for r in load_rows("tiny:preference[:40]")]
+    rows = [
+        {"prompt": p["prompt"], "response": p["chosen"], "completion": p[side], "label": side == "chosen"}
+        for i, p in enumerate(pairs)
+        for side in (("chosen", "rejected")[i % 2],)
+    ]
+    path = str(_jsonl(tmp_path / "scored.jsonl", rows))
+    for spec, layout in (
+        (path, lambda: ScoringLayout(max_length=2048)),
+        (path, lambda: UnpairedLayout(max_length=2048)),
+        ("tiny:preference[:40]", lambda: UnpairedLayout(max_length=2048)),
+    ):
+        got, stats = _load(spec, layout(), tmp_path)
+        want, want_stats = layout().tokenize(load_rows(spec), TOK)
+        assert isinstance(got, ArrowSet) and len(got) == len(want) >= 40
+        assert list(got) == want
+        _same_stats(stats, want_stats)
+    assert {e.meta["desirable"] for e in got} == {True, False} and len(got) == 80
+    with pytest.raises(ValueError, match="text only"):
+        UnpairedLayout(max_length=2048).tokenize(load_rows(path), TOK, images=object())  # type: ignore[arg-type]
 
 
 def test_skipped_rows_and_their_report_match_in_order(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from padless.config.schema import (
     TrainSettings,
 )
 from padless.data import PairExample, load_rows, tokenize_preference
-from padless.data.unpaired import prompt_length, tokenize_unpaired
+from padless.data.unpaired import UnpairedLayout, prompt_length
 from padless.forward.engine import ModelEngine
 from padless.forward.packing import Example
 from padless.losses import orpo_loss
@@ -113,7 +113,7 @@ def step(recipe, model, micros, normaliser) -> tuple[float, dict[str, float]]:
 @pytest.fixture(scope="module")
 def completions(tokenizer):
     """Unpaired completions read from preference pairs (a desirable and an undesirable one per row)."""
-    items, _ = tokenize_unpaired(load_rows("tiny:preference_eval")[:5], tokenizer, max_length=2048)
+    items, _ = UnpairedLayout(max_length=2048).tokenize(load_rows("tiny:preference_eval")[:5], tokenizer)
     assert sorted(e.meta["desirable"] for e in items) == [False] * 5 + [True] * 5
     return items
 

@@ -4,6 +4,7 @@ reward model through checkpoint and resume."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from padless.rl.sample import Passes, Sample, Scored
 from padless.rl.sampling import ENGINES, make_engine
 from padless.rl.setup import RolloutSetup, start_rl
 from padless.run.checkpoint import _checksum, recipe_file
-from padless.run.loop import Trainer
+from padless.run.loop import MicroBatch, Trainer
 from padless.run.session import Session
 from padless.tiny import build_tiny_model, tiny_tokenizer
 from padless.trainers import grpo
@@ -357,10 +358,12 @@ def test_a_rollout_without_signal_trains_nothing(tmp_path, monkeypatch):
     """Every completion of the untrained model scores 0, so every advantage is 0, and at the rollout's first
     step the policy is the reference: the true gradient is 0. The stored reference and old log-probs run on
     the very micro-batches the steps train (the same computation on the same weights), so the KL and the
-    ratio are exactly 0 and so is every step's gradient: exact equality is the claim. The same passes packed
-    their own way (as they were, each rank its own share) differ by fp32 round-off (9.5e-7 in log-probs), a
-    gradient of 1.4e-7 that Adam, dividing by its running RMS, turned into steps of the whole learning rate
-    (KL 2.9e-4 a step later); which round-off depended on the number of ranks."""
+    ratio are exactly 0 and so is every step's gradient: exact equality is the claim. Passes packed another
+    way differ by fp32 round-off: packed per rank, as they were, 9.5e-7 in log-probs and a gradient of
+    1.4e-7 on 1 process, 0.0 on 2, that Adam, dividing by its running RMS, turned into steps of the whole
+    learning rate (KL 2.9e-4 a step later). The planted layout here, each row's sequences in reverse order,
+    gave 2.0e-7 (how much round-off a layout gives depends on the engine's kernels: as of e59e15b the tree
+    rows give the per-rank packing and each sample alone the steps' very bits)."""
     overrides = [
         "model.name=tiny-llama",
         "train.learning_rate=1e-3",
@@ -383,8 +386,12 @@ def test_a_rollout_without_signal_trains_nothing(tmp_path, monkeypatch):
     rollout, *trained = steps("planned", 2)
     assert rollout["rollout/reward"] == 0 and rollout["rollout/reward_std"] == 0  # no signal at all
     assert [(r["train/grad_norm"], r["train/loss"], r["train/kl"]) for r in trained] == [(0.0, 0.0, 0.0)] * 2
-    store = grpo.GRPORecipe.store  # planted: the passes packed on their own, not on the plan
-    monkeypatch.setattr(grpo.GRPORecipe, "store", lambda self, samples, plan: store(self, samples, []))
+    store = grpo.GRPORecipe.store  # planted: the passes run on the plan's micro-batches in reverse order
+
+    def reversed_rows(self, samples: list[Sample], plan: list[MicroBatch]) -> None:
+        store(self, samples, [dataclasses.replace(m, data=list(m.data)[::-1]) for m in plan])
+
+    monkeypatch.setattr(grpo.GRPORecipe, "store", reversed_rows)
     _, first = steps("planted", 1)
     assert first["train/grad_norm"] > 0
 

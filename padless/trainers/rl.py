@@ -175,7 +175,9 @@ class RolloutRecipe(Recipe):
         index = {id(s): i for i, s in enumerate(samples)}
         mine: list[tuple[int, dict[str, list[float]]]] = []
         with torch.no_grad():
-            for chunk, real in lockstep(chunks[self.topology.rank :: self.topology.world], samples[:1]):
+            # a filler runs a real planned chunk: the same layout (tree rows) as every other pass, so sharded
+            # engines (ZeRO-3 traces each forward's parameters) see the same forwards on every rank
+            for chunk, real in lockstep(chunks[self.topology.rank :: self.topology.world], chunks[0]):
                 values = run(chunk)
                 if real:
                     mine += [(index[id(s)], v) for s, v in zip(chunk, values, strict=True)]

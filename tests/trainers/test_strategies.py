@@ -271,8 +271,12 @@ def test_strategy_really_runs_and_matches_one_process(strategy, one_process, tmp
         for step in want:
             assert norms[step] == pytest.approx(want[step], rel=norm_rel), (kind, "grad_norm", step)
         last = max(one)
+        # Adam (lr 1e-3) moves an element whose gradient is round-off by up to a whole lr per step, whichever
+        # sign the round-off takes: weights are held to a fifth of one step (DPO's tree rows, run as parts
+        # merged through their log-sum-exp, differ by up to 1.08e-4 on 2 processes, in one o_proj element,
+        # while every loss matches to 1e-5); a lost or doubled micro-batch moves weights by whole steps
         assert_weights_close(
-            weights(tmp_path / kind, last), weights(one_process[kind], last), 1e-4, 1e-5, f"{kind} vs 1 proc"
+            weights(tmp_path / kind, last), weights(one_process[kind], last), 2e-4, 1e-5, f"{kind} vs 1 proc"
         )
 
         if kind not in RESUME_FROM:

@@ -139,14 +139,16 @@ def arithmetic8(tmp_path_factory):
 
 @pytest.mark.slow
 def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic8):
-    """Fifteen rollouts of 8 prompts x 8 samples: exact plus partial-credit reward rises by more than 0.1
-    (measured +0.22 and +0.31 with seeds 42 and 1; the rollout-to-rollout noise is about 0.1)."""
+    """Twenty-five rollouts of 8 prompts x 8 samples: exact plus partial-credit reward, mean of the last 8
+    against the first 3, rises by more than 0.1. The rollout-to-rollout noise is about 0.1, so fifteen
+    rollouts (last 5 vs first 3: +0.22 and +0.31 with seeds 42 and 1 once) left it within reach of round-off:
+    the same run in the full suite measured +0.087 and alone +0.185 (step 2 on differed in round-off)."""
     data, model = arithmetic8
     overrides = [
         f"model.name={model}",
         f"data.train={data}",
         f"train.output_dir={tmp_path / 'run'}",
-        "train.max_steps=15",
+        "train.max_steps=25",
         "train.learning_rate=5e-4",
         "rollout.prompts_per_step=8",
         "rollout.num_generations=8",
@@ -157,8 +159,8 @@ def test_grpo_raises_mean_reward_on_arithmetic(tmp_path, arithmetic8):
     ]
     run_grpo(load_config(GRPOConfig, None, overrides))
     rewards = [r["rollout/reward"] for r in rollout_records(tmp_path / "run")]
-    assert len(rewards) == 15
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert len(rewards) == 25
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-8:]) / 8
     assert last > first + 0.1, rewards
 
 

@@ -167,7 +167,19 @@ def _force_on_cpu(accelerator: Accelerator, strategy: str, plugins: dict[str, An
     state.deepspeed_plugins = plugin
     plugin.set_mixed_precision(precision)  # DeepSpeed casts the weights itself: bf16 runs on CPU too
     plugin.select(_from_accelerator_state=True)
+    without_shm_kernel()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+
+def without_shm_kernel() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce kernel when it starts: a C++
+    compile (about 25 s on 2 cores; again whenever another environment rebuilt the torch-extensions cache
+    with other flags) for one caller only, the all-reduce of tensor-parallel inference, which padless never
+    runs. Every collective ZeRO runs goes through torch.distributed (gloo) with or without it. DeepSpeed
+    keeps which ops can be built in one dict for the process, read when its backend starts."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def verify_strategy(accelerator: Accelerator, model: torch.nn.Module, strategy: str) -> None:

@@ -82,12 +82,16 @@ def zero3_gathers() -> None:
     """The body of the test above, in its own process."""
     import deepspeed
 
+    from padless.run.strategy import without_shm_kernel
+
+    without_shm_kernel()  # as padless starts DeepSpeed: no C++ compile of a kernel nothing here calls
     policy = lora_policy()
     want = {name: tensor.clone() for name, tensor in inference_weights(policy)}
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
         deepspeed.initialize(model=policy, config=config)
+        assert deepspeed.comm.comm.cdb.shm_comm_op is None  # started without building the kernel
         assert all(p.numel() == 0 for p in policy.parameters())  # partitioned: nothing readable at rest
         got = {name: tensor.clone() for name, tensor in inference_weights(policy)}
         assert all(p.numel() == 0 for p in policy.parameters())  # ... and partitioned again after

@@ -53,7 +53,7 @@ class Session:
             trust_remote_code=self.model_cfg.trust_remote_code,
             pad_id=pad_token_id(self.tokenizer),
             varlen_kernel=self.settings.varlen_kernel,
-            tree_packing=self.settings.probed_tree(),
+            settings=self.settings,
         )
         return model if trainable else model.requires_grad_(False)
 
@@ -153,7 +153,7 @@ def load_trainable(
         trust_remote_code=model_cfg.trust_remote_code,
         pad_id=pad_id,
         varlen_kernel=settings.varlen_kernel,
-        tree_packing=settings.probed_tree(),
+        settings=settings,
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

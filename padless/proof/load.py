@@ -14,7 +14,7 @@ from padless.data import sources
 from padless.forward import hybrid
 from padless.forward.attention import assert_attention, hf_name, pin_kernel, require_backend
 from padless.forward.engine import EngineSettings
-from padless.proof import reuse
+from padless.proof.probe import prove
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -80,7 +80,7 @@ def load_model(
     model.padless_attention = attn_implementation
     if probe:
         tree = settings is not None and settings.runs_tree(model, attn_implementation)
-        model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
+        model.padless_probe = prove(model, attn_implementation, tree)  # what ran: the log says it
     else:
         hybrid.require_packing(model)  # what the probe refuses first, without it
         assert_attention(model, attn_implementation)

@@ -22,7 +22,7 @@ from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.routers import SPLIT_ROWS, RouterLoss
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
-from padless.run.logs import describe_run, log_to_file, setup_logging
+from padless.run.logs import describe_run, setup_logging
 from padless.run.reporting import remember_config
 from padless.run.strategy import expected_strategy, prepare_frozen, start_accelerator
 
@@ -103,7 +103,7 @@ def start_session(
     accelerator = start_accelerator(config.train.max_grad_norm)
     setup_logging(config.train.log_level, accelerator.is_main_process)
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
-    log_to_file(output_dir, accelerator.is_main_process)
+    rundir.log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
     settings = EngineSettings(

@@ -29,7 +29,7 @@ from padless.forward.tree import (
 from padless.forward.varlen import varlen_attention_forward
 from padless.proof.check import gradient_delta
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import LOGIT_TARGET, scale_head
 from padless.testing.kernels import fused_kernels_on_cpu
 

@@ -78,10 +78,13 @@ class EngineSettings:
                 f"unknown tree_packing {self.tree_packing!r}; choose one of {', '.join(TREE_PACKING)}"
             )
 
-    def probed_tree(self) -> str:
-        """The ``tree_packing`` a model of these engines is loaded and proven with: as set, ``off`` where
-        rows are split over a sequence-parallel group (no tree then, see :func:`resolve_tree`)."""
-        return self.tree_packing if self.topology.degree == 1 else "off"
+    def runs_tree(self, model: torch.nn.Module, backend: str) -> bool:
+        """Whether ``model`` on ``backend`` runs tree rows in these engines (:func:`resolve_tree`: ``on``
+        where a tree cannot run is refused, with the reason). ``off`` is decided here, so that a flat run
+        calls no code of :mod:`padless.forward.tree`."""
+        if self.tree_packing == "off":
+            return False
+        return resolve_tree(model, backend, self.tree_packing == "on", self.topology.degree)
 
 
 @dataclass(frozen=True)
@@ -593,10 +596,8 @@ class ModelEngine(torch.nn.Module):
         self.routers = [_active_router(m, self.settings.router_aux_loss_coef) for m in (model, value)]
         self._record: RouterRecord | None = None  # the training micro-batch being recorded (recording())
         # whether packed batches run as tree rows (train.tree_packing), decided once per engine
-        self.tree = self.settings.tree_packing != "off" and all(
-            resolve_tree(m, loaded_backend(m), self.settings.tree_packing, self.topology.degree)
-            for m in (model, value)
-            if m is not None
+        self.tree = all(
+            self.settings.runs_tree(m, loaded_backend(m)) for m in (model, value) if m is not None
         )
         split = self.topology.sequence_parallel  # the group every packed forward is split over
         if split is not None:

@@ -219,7 +219,7 @@ class _PerSequence:
 
     def identity(self) -> tuple[Any, ...]:
         """What decides how this wrapper runs (its runner is looked up by kind at each call), for
-        :mod:`padless.proof.reuse`, which reuses a proof only where the code that runs is the same."""
+        :func:`padless.proof.probe.prove`, which reuses a proof only where the code that runs is the same."""
         return type(self), self.kind, self.hooked, self.forward.__func__
 
     def _where(self, kwargs: dict[str, Any]) -> dict[str, Any]:

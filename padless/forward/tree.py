@@ -284,18 +284,17 @@ def tree_problem(model: torch.nn.Module, backend: str, degree: int = 1) -> str |
     return None
 
 
-def resolve_tree(model: torch.nn.Module, backend: str, mode: str, degree: int = 1) -> bool:
-    """Whether ``model`` runs tree rows under ``train.tree_packing`` = ``mode``: ``off`` never; ``on``
-    always, or a refusal with the reason (:func:`tree_problem`); ``auto`` wherever it can, the log saying
-    which layout runs and why."""
-    if mode == "off":
-        return False
+def resolve_tree(model: torch.nn.Module, backend: str, required: bool, degree: int = 1) -> bool:
+    """Whether ``model`` runs tree rows where ``train.tree_packing`` asks for them (``off`` never asks:
+    :meth:`padless.forward.engine.EngineSettings.runs_tree`): ``required`` (``on``) always, or a refusal
+    with the reason (:func:`tree_problem`); else (``auto``) wherever it can, the log saying which layout
+    runs and why."""
     problem = tree_problem(model, backend, degree)
     name = type(getattr(model, "module", model)).__name__
     if problem is None:
         _log_once(f"tree packing on for {name}: a prefix its packed sequences share is computed once")
         return True
-    if mode == "on":
+    if required:
         raise AttentionError(
             f"train.tree_packing: on, but {name} on {backend!r} cannot run tree rows: {problem}; set "
             "train.tree_packing: auto (flat rows where a tree cannot run) or off"

@@ -4,7 +4,7 @@ tree layout (sequences sharing prefixes computed once, :mod:`padless.forward.tre
 Reference: each sequence run alone with ``eager`` attention, transformers' own textbook kernel, which
 implements every argument of its architecture and has nothing to get wrong for one unpadded sequence.
 Every cell reports the largest per-token |delta log-prob| against it, beside its bound
-(:mod:`padless.proof.tolerance`: the dtype's epsilon times the size of the logits compared).
+(:func:`padless.proof.probe.bound`: the dtype's epsilon times the size of the logits compared).
 
 A backend either produces its cells or is reported as unavailable on this machine (no CUDA, package
 missing) or refused for this model (loading it would stop: padless's probe or transformers said no,
@@ -48,13 +48,14 @@ from padless.forward.engine import (
 from padless.forward.packing import IGNORE_INDEX, Example, PackedBatch, pack, to_padded
 from padless.forward.tree import tree_problem
 from padless.proof.probe import (
+    FORMULA,
     ReferenceForwardError,
+    bound,
     model_name,
     probe_reference,
     prove_packing,
     tree_sequences,
 )
-from padless.proof.tolerance import FORMULA, bound
 from padless.proof.zoo import LOGIT_TARGET, build_zoo_model, exercises, scale_head, zoo_names
 
 LAYOUTS = ("alone", "left", "right", "packed")
@@ -229,7 +230,7 @@ def gradient_delta(
     want: Sequence[torch.Tensor], got: Sequence[torch.Tensor], dtype: torch.dtype
 ) -> tuple[float, float]:
     """The largest |difference| between two computations of a model's gradients, and its bound: round-off
-    of the model's largest |gradient| (:func:`padless.proof.tolerance.bound`). A gradient is a sum over
+    of the model's largest |gradient| (:func:`padless.proof.probe.bound`). A gradient is a sum over
     every token, summed in another order by another layout; parameter by parameter that order moved
     up to 10 eps times the parameter's own largest |gradient|, while a branch that sees a sibling moves
     gradients by a percent of the largest."""

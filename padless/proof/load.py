@@ -13,8 +13,8 @@ from padless.config.choices import DTYPE_NAMES
 from padless.data import sources
 from padless.forward import hybrid
 from padless.forward.attention import assert_attention, hf_name, pin_kernel, require_backend
-from padless.forward.tree import resolve_tree
-from padless.proof import reuse
+from padless.forward.engine import EngineSettings
+from padless.proof.probe import prove
 
 Task = Literal["causal-lm", "score"]
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -51,7 +51,7 @@ def load_model(
     pad_id: int | None = None,
     trust_remote_code: bool = False,
     varlen_kernel: str | None = None,
-    tree_packing: str = "off",
+    settings: EngineSettings | None = None,
 ) -> PreTrainedModel:
     """Load a model whose attention is proven to be ``attn_implementation`` and to isolate packed sequences.
 
@@ -61,8 +61,8 @@ def load_model(
     scores are read at the last token that is not it, as transformers' sequence classifiers read them.
     ``varlen_kernel`` is the kernel pinned behind ``varlen`` on the model (``None``: ``auto``): it travels
     with the model (:func:`padless.forward.attention.pin_kernel`) and is checked and proven here.
-    ``tree_packing`` (``train.tree_packing``): where the engine will run tree rows
-    (:func:`padless.forward.engine.resolve_tree`), the probe proves that layout too.
+    ``settings``: those of the engines the model will run in; where they run tree rows
+    (:meth:`~padless.forward.engine.EngineSettings.runs_tree`), the probe proves that layout too.
     """
     kernel = varlen_kernel or "auto"
     require_backend(attn_implementation, device, training, kernel)
@@ -79,8 +79,8 @@ def load_model(
     model.train(training)
     model.padless_attention = attn_implementation
     if probe:
-        tree = tree_packing != "off" and resolve_tree(model, attn_implementation, tree_packing)
-        model.padless_probe = reuse.prove(model, attn_implementation, tree)  # what ran: the log says it
+        tree = settings is not None and settings.runs_tree(model, attn_implementation)
+        model.padless_probe = prove(model, attn_implementation, tree)  # what ran: the log says it
     else:
         hybrid.require_packing(model)  # what the probe refuses first, without it
         assert_attention(model, attn_implementation)

@@ -41,11 +41,9 @@ from padless.errors import InputError
 from padless.faults import ChangedFile, doing
 from padless.forward.engine import inner_engine
 from padless.forward.vision import model_keys
-from padless.run.runfiles import own
+from padless.run.rundir import STATE_FILE, own
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "trainer_state.json"
 
 
 def recipe_file(path: Path, rank: int) -> Path:

@@ -67,23 +67,20 @@ def setup_logging(level: str | None = None, main_process: bool = True) -> loggin
     return logger
 
 
-def log_to_file(output_dir: str | Path | None, main_process: bool = True) -> Path | None:
-    """Append the ``padless`` logger's records to ``<output_dir>/log.txt`` (main process), replacing any
-    earlier run's file; ``None`` closes the file."""
+def write_to(path: Path | None) -> None:
+    """Append the ``padless`` logger's records to ``path`` too, replacing any earlier run's file; ``None``
+    closes it. The run's own file, ``<output_dir>/log.txt``, is opened by
+    :func:`padless.run.rundir.log_to_file`."""
     logger = logging.getLogger(_ROOT)
-    if output_dir is None or not main_process:
+    if path is None:
         _replace(logger, _FileHandler, None)
-        return None
+        return
     from padless.faults import doing
-    from padless.run.runfiles import own
 
-    path = Path(output_dir) / LOG_FILE
-    own(output_dir, LOG_FILE)
     with doing("opening the run's log file", path, setting="train.output_dir"):
         handler = _FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FILE_FORMAT))
     _replace(logger, _FileHandler, handler)
-    return path
 
 
 def log_failure(message: str) -> None:

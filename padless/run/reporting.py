@@ -26,7 +26,7 @@ from padless.config.choices import TRACKERS
 from padless.data import DataError, SkipStats
 from padless.errors import InputError
 from padless.faults import doing, write_atomic
-from padless.run.runfiles import own
+from padless.run.rundir import own
 
 log = logging.getLogger(__name__)
 _pending: dict[Path, dict[str, float]] = {}  # run folder -> data metrics for its first record

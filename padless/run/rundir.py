@@ -2,8 +2,12 @@
 
 - A run starts only in an empty (or new) ``train.output_dir``; a folder holding anything else is refused
   unless the run resumes from it (``train.resume_from_checkpoint``) or ``train.overwrite_output_dir: true``
-  asks to delete what padless wrote there before: what its manifest (:mod:`padless.run.runfiles`) lists,
-  never a file by its name alone (the user's own ``config.yaml`` stays).
+  asks to delete what padless wrote there before: what its manifest lists, never a file by its name
+  alone (the user's own ``config.yaml`` stays).
+- The manifest, ``padless-manifest.json``: a run folder may hold the user's own files (the config the run
+  was started from, notes, data), and a name alone does not say who wrote a file, so every writer of the
+  folder (the saved config, metrics, TensorBoard, the loss plot, the log, checkpoints, predictions,
+  set-aside branches) records the entry's name there (:func:`own`) before it writes it.
 - Resuming from a checkpoint older than the folder's newest is a branch: once the resume is accepted, the
   newer checkpoints and a copy of the metrics and TensorBoard logs so far are moved into
   ``superseded-<time>/``, never deleted.
@@ -32,19 +36,42 @@ from pathlib import Path
 from typing import Any
 
 from padless.errors import InputError
-from padless.faults import FileFault, doing
-from padless.run.checkpoint import STATE_FILE  # written last into a checkpoint: present means complete
-from padless.run.logs import log_to_file
-from padless.run.runfiles import MANIFEST, own, owned
+from padless.faults import FileFault, doing, write_atomic
+from padless.run.logs import LOG_FILE, write_to
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+MANIFEST = "padless-manifest.json"
+# written last into a checkpoint (:mod:`padless.run.checkpoint`): present means complete
+STATE_FILE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-checkpoint-\d+$")
 # Names only a padless run writes: a folder holding them without a manifest was written by an older padless.
 _RUN_NAMES = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|tensorboard|predictions-step\d+\.jsonl)$")
 _held: dict[Path, Path] = {}  # run folder -> its lock file, for the locks this process holds
+
+
+def owned(folder: str | os.PathLike[str]) -> set[str]:
+    """Names of the entries padless wrote into ``folder`` (empty without a manifest)."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        return set()
+    with doing("reading the run folder's manifest", path, corrupt_fix=f"delete {path} and the run files"):
+        names = json.loads(path.read_text())
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{path}: not a list of file names; fix: delete it and the run files it listed")
+    return set(names)
+
+
+def own(folder: str | os.PathLike[str], *names: str) -> None:
+    """Record that padless writes ``names`` (top-level entries of ``folder``)."""
+    known = owned(folder)
+    if set(names) <= known:
+        return
+    path = Path(folder) / MANIFEST
+    with doing("writing the run folder's manifest", path, setting="train.output_dir"):
+        write_atomic(path, json.dumps(sorted(known | set(names)), indent=1))
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
@@ -284,6 +311,16 @@ def save_run_config(config: Any, root: Path) -> Path:
     own(root, name)
     with doing("writing the resolved config", root / name, setting="train.output_dir"):
         return save_config(config, root / name)
+
+
+def log_to_file(output_dir: str | Path | None, main_process: bool = True) -> None:
+    """Append the ``padless`` logger's records to ``<output_dir>/log.txt`` (main process; listed in the
+    manifest), replacing any earlier run's file; ``None`` closes the file."""
+    if output_dir is None or not main_process:
+        write_to(None)
+        return
+    own(output_dir, LOG_FILE)
+    write_to(Path(output_dir) / LOG_FILE)
 
 
 def release(output_dir: str | Path) -> None:

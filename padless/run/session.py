@@ -22,7 +22,7 @@ from padless.forward.engine import EngineSettings, ModelEngine
 from padless.forward.routers import SPLIT_ROWS, RouterLoss
 from padless.proof.load import Task, load_model, load_tokenizer, pad_token_id, resolve_dtype
 from padless.run import rundir
-from padless.run.logs import describe_run, log_to_file, setup_logging
+from padless.run.logs import describe_run, setup_logging
 from padless.run.reporting import remember_config
 from padless.run.strategy import expected_strategy, prepare_frozen, start_accelerator
 
@@ -53,7 +53,7 @@ class Session:
             trust_remote_code=self.model_cfg.trust_remote_code,
             pad_id=pad_token_id(self.tokenizer),
             varlen_kernel=self.settings.varlen_kernel,
-            tree_packing=self.settings.probed_tree(),
+            settings=self.settings,
         )
         return model if trainable else model.requires_grad_(False)
 
@@ -103,7 +103,7 @@ def start_session(
     accelerator = start_accelerator(config.train.max_grad_norm)
     setup_logging(config.train.log_level, accelerator.is_main_process)
     rundir.claim(accelerator, config.train)  # the folder is this run's (or it stops here); ends in end_run
-    log_to_file(output_dir, accelerator.is_main_process)
+    rundir.log_to_file(output_dir, accelerator.is_main_process)
     set_seed(seed)
     topology = ranks.start(config.train.sequence_parallel)  # handed down with every engine of this run
     settings = EngineSettings(
@@ -153,7 +153,7 @@ def load_trainable(
         trust_remote_code=model_cfg.trust_remote_code,
         pad_id=pad_id,
         varlen_kernel=settings.varlen_kernel,
-        tree_packing=settings.probed_tree(),
+        settings=settings,
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -50,7 +50,7 @@ class DPORecipe(PairRecipe):
     def bind(self, model: torch.nn.Module) -> None:
         """With ``precompute_ref_logps``, store reference log-probs in each pair's meta once, through the
         prepared engines, so training needs no reference forward; the reference model is then freed.
-        The pass is split between ranks (each runs its share of the packed batches) and summed once."""
+        The pass is split between ranks (each runs its share of the packed batches) and gathered."""
         super().bind(model)
         if not self.dpo.precompute_ref_logps or self.reference_free:
             return
@@ -58,15 +58,16 @@ class DPORecipe(PairRecipe):
             if not pairs:
                 continue
 
-            def run(group: list[int], pairs=pairs) -> torch.Tensor:
+            def run(group: list[int], pairs=pairs) -> list[tuple[float, float]]:
                 chunk = pairs.take(group)
-                return self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2)
+                return [
+                    tuple(r)
+                    for r in self.reference_logps(model, chunk, self.collate(chunk)).view(-1, 2).tolist()
+                ]
 
             topology, budget = inner_engine(model).topology, self.cfg.max_tokens_per_batch
             ref = lockstep_pass(range(len(pairs)), self.lengths(pairs), run, budget, share=topology)
-            pairs.set_meta(
-                "ref_logps", [tuple(r.tolist()) for r in ref]
-            )  # pairs are read from disk when used
+            pairs.set_meta("ref_logps", ref)  # pairs are read from disk when used
         self.ref_model = None
 
     def loss(

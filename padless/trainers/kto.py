@@ -141,16 +141,16 @@ class KTORecipe(Recipe):
         if self.baseline is not None and self.baseline[0] == key:
             return self.baseline[1]
 
-        def run(group: list[int]) -> torch.Tensor:
+        def run(group: list[int]) -> list[float]:
             pairs = side.kl_pairs([indices[i] for i in group])
             batch = pack(pairs, device=self.device)
             with torch.no_grad():
                 logps = sequence_logps(model, batch, self.layout)[0]
-            return (logps - self.reference_logps(model, pairs, batch))[:, None]
+            return (logps - self.reference_logps(model, pairs, batch)).tolist()
 
         lengths, budget = side.items.lengths[indices], self.cfg.max_tokens_per_batch
         ratios = lockstep_pass(range(len(indices)), lengths, run, budget, share=self.topology)
-        z = max(torch.stack(ratios).mean().item(), 0.0)
+        z = max(torch.tensor(ratios, dtype=torch.float64).mean().item(), 0.0)
         self.baseline = (key, z)
         return z
 
@@ -163,23 +163,19 @@ class KTORecipe(Recipe):
             if side is None:
                 continue
 
-            def run(group: list[int], side: Completions = side) -> torch.Tensor:
+            def run(group: list[int], side: Completions = side) -> list[tuple[float, float]]:
                 own, pairs = side.items.take(group), side.kl_pairs(group)
                 batches = pack(own, device=self.device), pack(pairs, device=self.device)
-                return torch.stack(
-                    [
-                        self.reference_logps(model, own, batches[0]),
-                        self.reference_logps(model, pairs, batches[1]),
-                    ],
-                    1,
+                ref = (
+                    self.reference_logps(model, own, batches[0]),
+                    self.reference_logps(model, pairs, batches[1]),
                 )
+                return list(zip(ref[0].tolist(), ref[1].tolist(), strict=True))
 
             budget = self.cfg.max_tokens_per_batch
-            ref = torch.stack(
-                lockstep_pass(range(len(side.items)), side.items.lengths, run, budget, share=self.topology)
-            )
-            side.items.set_meta("ref_logps", ref[:, 0].tolist())
-            side.items.set_meta("ref_kl_logps", ref[:, 1].tolist())
+            ref = lockstep_pass(range(len(side.items)), side.items.lengths, run, budget, share=self.topology)
+            side.items.set_meta("ref_logps", [own for own, _ in ref])
+            side.items.set_meta("ref_kl_logps", [kl for _, kl in ref])
         self.ref_model = None
 
     def loss(

@@ -25,7 +25,8 @@ import torch
 
 from padless.forward.engine import inner_engine, reference_engine
 from padless.forward.packing import PackedBatch, pack
-from padless.forward.ranks import equal_share, gather_shares, lockstep
+from padless.forward.passes import lockstep_pass
+from padless.forward.ranks import equal_share, gather_shares
 from padless.forward.tree import plan_batches
 from padless.rl.correction import correct
 from padless.rl.sample import Sample, per_target, summary
@@ -147,8 +148,9 @@ class RolloutRecipe(Recipe):
         sample's targets' values in its :class:`~padless.rl.sample.Passes` field of that name, on every rank.
 
         The passes run on the very micro-batches of ``plan`` (the rollout's global plan) that its first
-        pass over the rollout trains, dealt out between ranks in lockstep and gathered; samples no step of
-        that pass trains (a rollout that does not split evenly into mini-batches) are packed on their own.
+        pass over the rollout trains, dealt out between ranks in lockstep and gathered
+        (:func:`~padless.forward.passes.lockstep_pass`); samples no step of that pass trains (a rollout that
+        does not split evenly into mini-batches) are packed on their own.
         A sample's values then come from the same packed row whatever the number of ranks, and at a
         rollout's first step (the weights that ran the passes) the training forward gives them back
         exactly: a round-off difference there (~1e-6, from another packing) is a gradient from nothing
@@ -167,23 +169,17 @@ class RolloutRecipe(Recipe):
                     start += s.num_targets
             return out
 
-        first = [list(m.data) for m in plan if m.step is not None and m.step < self.mini_batches]
-        trained = {id(s) for chunk in first for s in chunk}
-        rest = [s for s in samples if id(s) not in trained]
-        budget = self.cfg.train.max_tokens_per_batch
-        chunks = first + [[rest[i] for i in b] for b in plan_batches(rest, budget, self.tree)]
         index = {id(s): i for i, s in enumerate(samples)}
-        mine: list[tuple[int, dict[str, list[float]]]] = []
-        with torch.no_grad():
-            # a filler runs a real planned chunk: the same layout (tree rows) as every other pass, so sharded
-            # engines (ZeRO-3 traces each forward's parameters) see the same forwards on every rank
-            for chunk, real in lockstep(chunks[self.topology.rank :: self.topology.world], chunks[0]):
-                values = run(chunk)
-                if real:
-                    mine += [(index[id(s)], v) for s, v in zip(chunk, values, strict=True)]
-        for i, values in gather_shares(mine, self.topology):
+        first = [
+            [index[id(s)] for s in m.data] for m in plan if m.step is not None and m.step < self.mini_batches
+        ]
+        lengths, budget = [len(s) for s in samples], self.cfg.train.max_tokens_per_batch
+        stored = lockstep_pass(
+            samples, lengths, run, budget, share=self.topology, tree=self.tree, planned=first
+        )
+        for sample, values in zip(samples, stored, strict=True):
             for key, kept in values.items():
-                setattr(samples[i].passes, key, kept)
+                setattr(sample.passes, key, kept)
 
     def bind(self, model: torch.nn.Module) -> None:
         """Sample and score through the prepared engine from now on; plan micro-batches by the tokens of

@@ -26,7 +26,7 @@ from padless.proof.load import pad_token_id
 from padless.rl.generate import generate
 from padless.run.loop import MicroBatch, Recipe, Trainer
 from padless.run.reporting import report_data
-from padless.run.runfiles import own
+from padless.run.rundir import own
 from padless.run.session import start_session
 
 

@@ -5,7 +5,7 @@ each run on every sequence alone.
 Logits are scaled to |logit| about 30 (real models' size, where fp32 round-off is largest). A divergence
 sums ``p (log p - log q)`` over the vocabulary, so a log-prob error ``delta`` moves it by at most about
 ``2 delta`` (through ``log p`` and ``log q``; ``p`` sums to 1), with ``delta = bound(fp32, M)`` for log-probs
-of size ``M`` (:mod:`padless.proof.tolerance`); tolerances are ``4 bound``.
+of size ``M`` (:func:`padless.proof.probe.bound`); tolerances are ``4 bound``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from padless.forward.engine import ModelEngine
 from padless.forward.packing import IGNORE_INDEX, Example, pack
 from padless.losses import generalized_jsd, top_k_kl
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import scale_head
 
 LOGIT = 30.0

@@ -15,7 +15,7 @@ from padless.forward.engine import (
 )
 from padless.forward.packing import Example, pack, to_padded
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.tiny import build_tiny_model, tiny_tokenizer
 
 
@@ -105,7 +105,7 @@ def test_packed_text_rows_of_an_m_rope_model_get_rope_rows_and_images_without_th
 
     from padless.forward.engine import hidden_states
     from padless.proof.check import alone_logps
-    from padless.proof.tolerance import bound
+    from padless.proof.probe import bound
 
     model = load_model("tiny-qwen2.5-vl", attn_implementation="sdpa")
     batch = pack([Example(s) for s in probe_seqs])
@@ -123,7 +123,7 @@ def test_packed_text_rows_of_an_m_rope_model_get_rope_rows_and_images_without_th
 def test_head_takes_the_hidden_states_in_its_own_dtype_as_the_model_does(probe_seqs):
     """Mamba's last norm returns fp32 under a bf16 head; its forward casts before the head, and so must
     padless's (it crashed with 'expected m1 and m2 to have the same dtype' in bf16)."""
-    from padless.proof.tolerance import bound
+    from padless.proof.probe import bound
     from padless.proof.zoo import build_zoo_model
 
     model = build_zoo_model("mamba", "eager", dtype=torch.bfloat16)

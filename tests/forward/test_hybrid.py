@@ -2,7 +2,7 @@
 outputs equal to each sequence alone per token (values and gradients), a state carried over one boundary
 refused by the load-time probe, and what padless does not cover still refused.
 
-The bound is :func:`padless.proof.tolerance.bound` at the size of the compared numbers, as for attention:
+The bound is :func:`padless.proof.probe.bound` at the size of the compared numbers, as for attention:
 grouping sequences into other batch shapes changes only fp32 round-off (a few ulps of each number).
 """
 
@@ -19,8 +19,7 @@ from padless.forward.engine import ModelEngine, forward_packed
 from padless.forward.hybrid import packing_problem
 from padless.forward.packing import Example, pack
 from padless.proof.check import alone_logps, zoo_model
-from padless.proof.probe import probe_attention
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound, probe_attention
 from padless.proof.zoo import build_zoo_model
 
 # zoo architecture -> the stateful kind its tiny config has, and the decoder class that holds it

@@ -18,8 +18,7 @@ from padless.forward.engine import forward_packed
 from padless.forward.packing import Example, pack
 from padless.proof.check import zoo_model
 from padless.proof.load import load_model
-from padless.proof.probe import probe_attention
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound, probe_attention
 from padless.testing.state_kernels import (
     reference_causal_conv1d_fn,
     reference_chunk_gated_delta_rule,

@@ -17,7 +17,7 @@ from padless.forward.packing import Example, pack, to_padded
 from padless.forward.routers import RouterLoss
 from padless.losses import load_balancing_loss, sft_token_weights
 from padless.proof.check import alone_logps, zoo_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import build_zoo_model
 
 COEF = 0.02

@@ -2,7 +2,7 @@
 
 The multi-process checks run ``sp_worker.py`` on 2 CPU processes over gloo: a packed row of 4 sequences
 (137 tokens, padded to 138, chunk boundary inside the second sequence) through the engine split over 2
-ranks against the same engine unsplit. Tolerance: :func:`padless.proof.tolerance.bound` (16 fp32 eps times the
+ranks against the same engine unsplit. Tolerance: :func:`padless.proof.probe.bound` (16 fp32 eps times the
 largest compared magnitude): the split run attends the same tokens with the same kernel but in head
 groups, so only summation order changes; a token attending across a boundary, a lost or duplicated
 token or a label shifted by one moves log-probs by 1e-2 and up. Gradients: the split run's per-rank
@@ -31,7 +31,7 @@ from padless.forward.ranks import Topology
 from padless.forward.sequence_parallel import SequenceParallel, SequenceParallelError
 from padless.forward.varlen import varlen_attention_forward
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import build_zoo_model
 
 WORKER = Path(__file__).parent / "sp_worker.py"

@@ -29,7 +29,7 @@ from padless.forward.tree import (
 from padless.forward.varlen import varlen_attention_forward
 from padless.proof.check import gradient_delta
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import LOGIT_TARGET, scale_head
 from padless.testing.kernels import fused_kernels_on_cpu
 
@@ -300,11 +300,11 @@ def test_a_planted_sibling_leak_fails(policy, tokenizer, sibling_leak):
 def test_stateful_layers_and_other_backends_run_flat_with_the_reason(caplog):
     hybrid = load_model("tiny-qwen3.5", probe=False)
     assert "state" in tree_problem(hybrid, "varlen")
-    assert resolve_tree(hybrid, "varlen", "auto") is False
+    assert resolve_tree(hybrid, "varlen", required=False) is False
     with pytest.raises(AttentionError, match=r"tree_packing: on.*state"):
-        resolve_tree(hybrid, "varlen", "on")
+        resolve_tree(hybrid, "varlen", required=True)
     plain = load_model("tiny-llama", probe=False)
-    assert tree_problem(plain, "varlen") is None and resolve_tree(plain, "varlen", "auto") is True
+    assert tree_problem(plain, "varlen") is None and resolve_tree(plain, "varlen", required=False) is True
     assert "flash_attention_2" in tree_problem(plain, "flash_attention_2")
     assert "sequence parallelism" in tree_problem(plain, "varlen", degree=2)
-    assert resolve_tree(plain, "varlen", "off") is False
+    assert EngineSettings(tree_packing="off").runs_tree(plain, "varlen") is False  # nothing asked

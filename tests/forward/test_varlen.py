@@ -36,9 +36,9 @@ from padless.forward.varlen import (
 )
 from padless.proof.load import load_model
 from padless.proof.probe import (
+    bound,
     probe_attention,
 )
-from padless.proof.tolerance import bound
 from padless.tiny import tiny_config
 
 FP32_TOL = 1e-5
@@ -742,7 +742,7 @@ def _kernel_params():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_varlen_fused_kernel_bf16_matches_alone(name, kernel, probe_seqs, pad_id, per_token_delta):
     from padless.proof.check import alone_logps, layout_logps
-    from padless.proof.tolerance import bound
+    from padless.proof.probe import bound
 
     model = load_model(
         name, attn_implementation="varlen", dtype="bfloat16", device="cuda", varlen_kernel=kernel

@@ -36,9 +36,9 @@ from padless.proof.check import (
 )
 from padless.proof.load import load_model
 from padless.proof.probe import (
+    bound,
     count_attention_calls,
 )
-from padless.proof.tolerance import bound
 
 MODELS = ("tiny-qwen2", "tiny-llama")
 CPU_BACKENDS = ("varlen", "sdpa", "eager", "flex_attention")

@@ -21,7 +21,7 @@ from padless.forward.engine import (
 )
 from padless.forward.packing import IGNORE_INDEX, Example, pack, to_padded, unpad
 from padless.proof.load import DTYPES, disable_dropout, load_model, load_tokenizer, resolve_dtype
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 
 FP32_TOL = 1e-5
 CHUNK = 7  # does not divide any sequence length or the total: chunks straddle sequence boundaries
@@ -179,7 +179,7 @@ def test_head_whole_chunked_and_fused_equal_full_logits(case):
     """Every way the head runs (whole or in chunks of 7 rows that straddle ignored positions; the fused
     weighted path or autograd) gives the full-logits reference's log-probs, entropy and gradients wrt
     the hidden states and the head weight, at |logit| 30. Bound: 16 eps * the compared values' size
-    (padless.proof.tolerance); measured at most 1.1 eps * |logit| on log-probs and entropy. A gradient
+    (padless.proof.probe.bound); measured at most 1.1 eps * |logit| on log-probs and entropy. A gradient
     is built from p = softmax(z / T): a round-off dz in a logit moves p by p dz / T, so its error is
     relative to |z / T| times the size of the terms it sums (|dL/dz| times |W| or |h|): bound 16 eps *
     |z / T| * terms. Measured at most 0.81 eps of that (35 eps of the terms at |z / T| 43, where a 7-row

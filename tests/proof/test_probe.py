@@ -1,17 +1,22 @@
-"""The load-time probe: the requested kernel runs, and it isolates packed sequences."""
+"""The load-time probe: the requested kernel runs, and it isolates packed sequences; its round-off bound; its
+proof reused within a process only where the model, the backend and the code that runs are the same."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
 
+import padless.forward.varlen as varlen
 import padless.proof.probe as probe
 from padless.cli import main
 from padless.errors import describe, exit_code
@@ -30,6 +35,9 @@ from padless.forward.varlen import (
 from padless.proof.check import layout_logps, max_delta, run_matrix
 from padless.proof.load import load_model
 from padless.proof.probe import (
+    FORMULA,
+    ROUNDING_FACTOR,
+    bound,
     count_attention_calls,
     probe_attention,
 )
@@ -365,3 +373,82 @@ def test_the_tree_layout_is_proven_where_it_runs():
 def test_a_sibling_leak_fails_the_tree_probe(sibling_leak):
     with pytest.raises(AttentionError, match="tree packing on 'varlen' is not exact"):
         probe_attention(load_model("tiny-llama", probe=False), "varlen", tree=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The bound on per-token differences: the dtype's epsilon times the size of what is compared
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bound_scales_with_epsilon_and_magnitude(dtype):
+    eps = torch.finfo(dtype).eps
+    assert bound(dtype, 30.0) == pytest.approx(ROUNDING_FACTOR * eps * 30.0)
+    assert bound(dtype, 60.0) == pytest.approx(2 * bound(dtype, 30.0))
+    # Below 1 the bound stays at 16 eps: a difference is never known more precisely than eps itself.
+    assert bound(dtype, 0.01) == bound(dtype, 1.0) == pytest.approx(ROUNDING_FACTOR * eps)
+
+
+def test_bound_values_where_real_models_live():
+    # |logit| 30: fp32 allows 5.7e-5 (contamination moves log-probs by 1e-2 and more) ...
+    assert bound(torch.float32, 30.0) == pytest.approx(5.72e-5, rel=1e-2)
+    # ... while bf16 round-off alone reaches a nat there: one bf16 ulp of 30 is 0.125.
+    assert bound(torch.bfloat16, 30.0) == pytest.approx(3.75)
+
+
+def test_docs_state_the_formula_in_use():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "proof.md").read_text()
+    assert f"bound = {ROUNDING_FACTOR:g} · eps(dtype) · max(M, 1)" in page
+    assert FORMULA.startswith(f"bound = {ROUNDING_FACTOR:g} * eps(dtype) * max(M, 1)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The proof reused within a process only where everything it proved is the same: a changed kernel, library
+# function or weight is proven again, and a broken one refused
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _proof(model: torch.nn.Module) -> dict:
+    return {k: v for k, v in model.padless_probe.items() if k != "reused"}
+
+
+def test_an_identical_load_reuses_the_proof_and_runs_no_forward():
+    first = load_model("tiny-llama")
+    before = Counter(KERNEL_CALLS)
+    second = load_model("tiny-llama", training=True)  # the probe runs in eval mode either way
+    assert second.padless_probe["reused"] is True and _proof(second) == _proof(first)
+    assert before == KERNEL_CALLS  # no forward ran
+    assert "reused" not in load_model("tiny-llama", seed=1).padless_probe  # other weights: proven
+
+
+def _counted(fn, calls: list[str]):
+    def wrapper(*args, **kwargs):
+        calls.append(fn.__name__)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"),
+    [
+        (F, "scaled_dot_product_attention"),  # torch, under padless's varlen kernel
+        (modeling_llama, "apply_rotary_pos_emb"),  # the model's own modeling code
+        (varlen, "_grouped_causal"),  # padless
+    ],
+)
+def test_a_replaced_function_is_proven_again(owner, name, monkeypatch):
+    """The same model as a proven one, with one function the probe runs replaced (by a counting wrapper):
+    the proof is not reused, the probe runs through the replacement."""
+    load_model("tiny-llama")
+    calls: list[str] = []
+    monkeypatch.setattr(owner, name, _counted(getattr(owner, name), calls))
+    model = load_model("tiny-llama")
+    assert "reused" not in model.padless_probe and calls
+
+
+def test_a_kernel_broken_after_an_identical_model_was_proven_is_refused(monkeypatch):
+    load_model("tiny-llama")
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, VARLEN_NAME, _leaky_varlen)
+    with pytest.raises(AttentionError, match="leaks between packed sequences"):
+        load_model("tiny-llama")

@@ -32,8 +32,7 @@ from padless.proof.check import (
     zoo_failures,
     zoo_model,
 )
-from padless.proof.probe import prove_packing
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound, prove_packing
 from padless.proof.zoo import (
     LOGIT_TARGET,
     ZOO,

@@ -27,7 +27,7 @@ from padless.forward.engine import ModelEngine, forward_packed
 from padless.forward.packing import Example, pack
 from padless.proof.check import alone_logps, layout_logps
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.rl.environments import Environment, Step, Tools, Turn
 from padless.rl.episodes import EpisodeRunner
 from padless.rl.generate import Completion, HFEngine
@@ -382,7 +382,7 @@ def sampled(tokenizer):
 
 
 def test_sampled_logps_equal_the_training_forward_on_packed_episodes(sampled):
-    """Bound: padless.proof.tolerance with M the largest |logit / temperature| (or |log-prob|) compared;
+    """Bound: padless.proof.probe.bound with M the largest |logit / temperature| (or |log-prob|) compared;
     measured 3.1e-6 against a bound of 3.0e-5 (the sampler decodes on sdpa with a KV cache, the trainer packs
     on varlen: summation order only)."""
     model, _recipe, examples = sampled
@@ -662,10 +662,10 @@ def logps_gap(examples: list[Example], trained: torch.Tensor) -> float:
 def test_vlm_sampled_logps_equal_the_training_forward_on_packed_episodes(vlm_sampled):
     """The images stay in every turn: each turn's ``generate`` gets the episode's pixels (the prompt's, then
     the tool's) and computes M-RoPE positions over prompt, earlier turns and tool turns; the packed training
-    forward (padless's per-sample M-RoPE rows) gives the sampler's log-probs within padless.proof.tolerance's
-    bound, M the largest |logit / T| or |log-prob| (the sampler decodes on sdpa with a KV cache in a
-    left-padded batch, the trainer packs on varlen: summation order only). Measured 5.7e-6 against a bound
-    of 4.0e-5."""
+    forward (padless's per-sample M-RoPE rows) gives the sampler's log-probs within
+    padless.proof.probe.bound, M the largest |logit / T| or |log-prob| (the sampler decodes on sdpa with a
+    KV cache in a left-padded batch, the trainer packs on varlen: summation order only). Measured 5.7e-6
+    against a bound of 4.0e-5."""
     _model, _prompts, examples, limit = vlm_sampled
     gap = logps_gap(examples, torch.tensor([v for e in examples for v in e.passes.old_logps]))
     print(f"vlm episodes: max |sampler - trainer| = {gap:.2e}, bound {limit:.2e}")

@@ -18,7 +18,7 @@ from padless.config.loading import load_config
 from padless.config.schema import SFTConfig, TrainSettings
 from padless.errors import InputError
 from padless.run import rundir
-from padless.run.runfiles import own, owned
+from padless.run.rundir import own, owned
 from padless.trainers.sft import run_sft
 
 FAST = ["model.name=tiny-llama", "data.train=tiny:sft_eval", "train.progress_bar=false"]

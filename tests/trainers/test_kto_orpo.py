@@ -8,7 +8,7 @@ on a copy of the same tiny Llama (same seed, sdpa on padded rows). Its LM head i
 |logit| is about 30, where real models live and round-off is largest.
 
 Tolerances. A summed completion log-prob of ``n`` tokens differs by at most ``n * bound(fp32, M)`` between
-the padded and packed forwards (``M`` about 30, see :mod:`padless.proof.tolerance`); KTO's and ORPO's losses
+the padded and packed forwards (``M`` about 30, :func:`padless.proof.probe.bound`); KTO's and ORPO's losses
 are sigmoids of ``beta`` times such differences (slope at most ``beta / 4``, ORPO's mean log-probs divide by
 ``n``), so a loss is known to ``beta * n * bound`` — about 1e-4 here, far below what a wrong pairing, KL
 baseline or normaliser moves (0.01 and up). Gradients sum such terms over every token; they are compared at
@@ -43,7 +43,7 @@ from padless.forward.engine import ModelEngine
 from padless.forward.packing import Example
 from padless.losses import orpo_loss
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import scale_head
 from padless.run.loop import MicroBatch
 from padless.tiny import build_tiny_model

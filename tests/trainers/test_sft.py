@@ -178,7 +178,7 @@ def test_tree_rows_only_where_asked_and_equal_to_flat(tmp_path, monkeypatch, cap
     """SFT examples share only a template header: ``tree_packing: auto`` runs them flat (and says so);
     ``on`` lays them out as tree rows, which must train the same numbers as flat rows."""
     from padless.forward import engine
-    from padless.proof.tolerance import bound
+    from padless.proof.probe import bound
 
     trees = []
     real = engine.tree_row

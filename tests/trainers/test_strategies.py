@@ -93,7 +93,7 @@ TRAINERS = {
         "train.max_steps=3",
         "train.save_steps=2",
     ],
-    "dpo_pre": [  # reference log-probs precomputed: each rank runs its share of the pass, summed once
+    "dpo_pre": [  # reference log-probs precomputed: each rank runs its share of the pass, gathered
         "data.train=tiny:preference_eval",
         "data.max_length=1024",
         "dpo.precompute_ref_logps=true",

@@ -18,7 +18,7 @@ from padless.forward.packing import pack
 from padless.forward.tree import share_prefixes
 from padless.proof.check import gradient_delta
 from padless.proof.load import load_model
-from padless.proof.tolerance import bound
+from padless.proof.probe import bound
 from padless.proof.zoo import LOGIT_TARGET, scale_head
 from padless.rl.generate import HFEngine
 from padless.rl.sample import Sample

@@ -8,11 +8,13 @@ adds the traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
 import sys
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -395,6 +397,20 @@ def debug_from_env() -> bool:
     )
 
 
+def settle(commands: Iterable[str]) -> None:
+    """Import the code that runs of ``commands`` run (DeepSpeed's too where the launcher asked for it), then
+    leave every object alive now out of the garbage collector's scans (``gc.freeze``): for a process that
+    holds nothing short-lived yet. Code and module state live as long as the process, yet every full
+    collection would walk them again, and DeepSpeed's ZeRO-3 runs one at each engine start (the trained
+    model's and each frozen model's): a 2-process ZeRO-3 launch of 20 runs took 48 s, 41 s settled."""
+    for command in commands:
+        _load(TRAINERS[command][1])
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import deepspeed  # noqa: F401
+
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure becomes one message on stderr and an exit code, never a traceback
     (unless ``--debug`` / ``PADLESS_DEBUG=1``). ``--debug`` may stand anywhere on the line. Ctrl-C and
@@ -409,6 +425,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
+    own_process = argv is None  # the console script, ``python -m padless.cli``: one command per process
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -418,6 +435,8 @@ def _command(argv: list[str] | None) -> int:
         command = f"padless {args.command}"
         debug = debug_from_env() or debug
         setup_logging()
+        if own_process and args.command in TRAINERS:
+            settle([args.command])
         return args.func(args)
     except SystemExit as e:  # argparse printed the usage error (or --help)
         return e.code if isinstance(e.code, int) else 2

@@ -24,6 +24,7 @@ leaves its error beside the folder, and every waiting process raises the same on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # the folder layout; the code hash below covers what the columns hold
 META_FILE = "padless.json"  # written last into a set's folder
 POLL_S = 0.5
+SEEN_WAIT_S = 10.0  # how long a failed builder waits for the waiting processes to read its error
 # Errors a failed build hands to the processes waiting for it (all input errors, raised again as such).
 _PORTABLE: dict[str, type[ValueError]] = {
     "DataError": DataError,
@@ -127,13 +129,28 @@ def _raise_recorded(failure: Path) -> None:
         recorded = json.loads(failure.read_text())
     except (OSError, ValueError):  # being written or removed: not (yet) a verdict
         return
+    with contextlib.suppress(OSError):  # the builder may exit now (it waits a bounded time without it)
+        failure.with_name(f"{failure.name}.seen-{os.getpid()}").touch()
     raise error_from(recorded)
 
 
-def _record_failure(failure: Path, error: ValueError) -> None:
+def _record_failure(failure: Path, error: ValueError, waiters: int) -> None:
+    """Record ``error`` for the ``waiters`` processes waiting on this build and wait (at most
+    :data:`SEEN_WAIT_S`) until each has read it: a launcher stops the other processes as soon as one exits
+    with an error, so a builder that exited at once would leave them killed mid-wait, with no message."""
     tmp = failure.with_name(f".{failure.name}.{os.getpid()}")
     tmp.write_text(json.dumps(error_record(error)))
     os.replace(tmp, failure)
+    deadline = time.monotonic() + SEEN_WAIT_S
+    while len(seen := _seen(failure)) < waiters and time.monotonic() < deadline:
+        time.sleep(POLL_S / 10)
+    for mark in seen:
+        mark.unlink(missing_ok=True)
+
+
+def _seen(failure: Path) -> list[Path]:
+    """The marks of the waiting processes that have read ``failure``."""
+    return sorted(failure.parent.glob(f"{failure.name}.seen-*"))
 
 
 class Damaged(Exception):
@@ -190,13 +207,14 @@ def set_aside(path: Path, why: str) -> None:
     )
 
 
-def publish(path: Path, build: Callable[[Path], None], share_failure: bool = False) -> None:
+def publish(path: Path, build: Callable[[Path], None], waiters: int = 0) -> None:
     """Build into a temporary folder next to ``path`` (``build`` writes the set, :data:`META_FILE` last),
-    then rename it into place. An input error is raised, and recorded for waiting processes if
-    ``share_failure``."""
+    then rename it into place. An input error is raised, recorded first for the ``waiters`` processes
+    waiting for the set."""
     path.parent.mkdir(parents=True, exist_ok=True)
     failure = _failure_file(path)
-    failure.unlink(missing_ok=True)
+    for stale in (failure, *_seen(failure)):
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -210,8 +228,8 @@ def publish(path: Path, build: Callable[[Path], None], share_failure: bool = Fal
             if not _complete(path):
                 raise
     except ValueError as e:
-        if share_failure:
-            _record_failure(failure, e)
+        if waiters:
+            _record_failure(failure, e, waiters)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -235,21 +253,23 @@ def load_or_build(
     build: Callable[[Path], None],
     what: str,
     builder: bool | None = None,
-    shared: bool | None = None,
+    waiters: int | None = None,
 ) -> bool:
     """Make sure the set at ``path`` exists: built by the ``builder`` (default: this machine's main
-    process), waited for by the others, who get its error if it fails (``shared``: other processes wait,
-    by default when there are several). Returns whether the set was there already (a cache hit)."""
+    process), waited for by the others, who get its error if it fails (``waiters``: how many wait, by
+    default the machine's other processes). Returns whether the set was there already (a cache hit)."""
     if _complete(path):
         return True
-    if builder is None or shared is None:
+    if builder is None or waiters is None:
         from accelerate import PartialState
 
         state = PartialState()
         builder = state.is_local_main_process if builder is None else builder
-        shared = state.num_processes > 1 if shared is None else shared
+        # the launcher says how many processes run on this machine; without it, every other process
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+        waiters = local - 1 if waiters is None else waiters
     if builder:
-        publish(path, build, share_failure=shared)
+        publish(path, build, waiters)
     else:
         wait_for(path, what)
     return False

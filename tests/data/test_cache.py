@@ -38,7 +38,7 @@ def _slow_build(log: Path, fail: bool = False):
 def _wait(path: Path, result: Path) -> None:
     """A waiting rank: records what it got."""
     try:
-        hit = cache.load_or_build(path, lambda out: None, "data x", builder=False, shared=True)
+        hit = cache.load_or_build(path, lambda out: None, "data x", builder=False, waiters=0)
         result.write_text(json.dumps({"hit": hit, "data": (path / "data.arrow").read_text()}))
     except DataError as e:
         result.write_text(json.dumps({"error": str(e), "attrs": [e.source, e.index, e.field, e.reason]}))
@@ -54,9 +54,9 @@ def test_one_process_builds_while_the_others_wait(tmp_path: Path, fail: bool) ->
     build = _slow_build(log, fail)
     if fail:
         with pytest.raises(DataError, match="row 3"):
-            cache.load_or_build(path, build, "data x", builder=True, shared=True)
+            cache.load_or_build(path, build, "data x", builder=True, waiters=2)
     else:
-        assert cache.load_or_build(path, build, "data x", builder=True, shared=True) is False
+        assert cache.load_or_build(path, build, "data x", builder=True, waiters=2) is False
     for w in waiters:
         w.join(timeout=30)
         assert w.exitcode == 0
@@ -80,7 +80,7 @@ def test_racing_builders_both_succeed_and_one_set_is_kept(tmp_path: Path) -> Non
     path, log = tmp_path / "store" / "sft-abc", tmp_path / "builds.log"
 
     def build_alone() -> None:
-        cache.load_or_build(path, _slow_build(log), "data x", builder=True, shared=False)
+        cache.load_or_build(path, _slow_build(log), "data x", builder=True, waiters=0)
 
     other = FORK.Process(target=build_alone)
     other.start()
@@ -95,9 +95,7 @@ def test_racing_builders_both_succeed_and_one_set_is_kept(tmp_path: Path) -> Non
 def test_a_failure_alone_leaves_nothing_behind(tmp_path: Path) -> None:
     path = tmp_path / "store" / "sft-abc"
     with pytest.raises(DataError):
-        cache.load_or_build(
-            path, _slow_build(tmp_path / "log", fail=True), "data x", builder=True, shared=False
-        )
+        cache.load_or_build(path, _slow_build(tmp_path / "log", fail=True), "data x", builder=True, waiters=0)
     assert list(path.parent.iterdir()) == []
 
 

@@ -27,6 +27,7 @@ from padless.errors import InputError, describe, exit_code
 from padless.forward.attention import backend_problem, validate_backend_name
 from padless.run.interrupts import handled, interruption
 from padless.run.logs import log_failure, setup_logging
+from padless.run.strategy import deepspeed_requested
 
 
 def _check_data(args: argparse.Namespace) -> int:
@@ -405,7 +406,7 @@ def settle(commands: Iterable[str]) -> None:
     model's and each frozen model's): a 2-process ZeRO-3 launch of 20 runs took 48 s, 41 s settled."""
     for command in commands:
         _load(TRAINERS[command][1])
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if deepspeed_requested():
         import deepspeed  # noqa: F401
 
     gc.freeze()

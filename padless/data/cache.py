@@ -19,7 +19,8 @@ aside to ``.damaged-<name>-<pid>`` and rebuilt, and the log says so: it is never
 With several processes, the main process of each machine builds while the others wait, then every process
 memory-maps the result. The others wait by watching the folder rather than in a collective call, because
 a build can take longer than a process group's timeout; when the build fails on the data, the builder
-leaves its error beside the folder, and every waiting process raises the same one.
+leaves its error beside the folder, and every waiting process raises the same one; the builder exits only
+once each has read it (or after a bounded wait), since a launcher stops the others when one process exits.
 """
 
 from __future__ import annotations

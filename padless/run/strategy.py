@@ -34,10 +34,15 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
+def deepspeed_requested() -> bool:
+    """Whether the launcher asked for DeepSpeed (accelerate's environment)."""
+    return _env_flag("ACCELERATE_USE_DEEPSPEED")
+
+
 def requested_strategy() -> str:
     """The strategy the launcher asked for, from accelerate's environment variables."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+    if deepspeed_requested():
         return "zero"  # the stage is read from the plugin
     if _env_flag("ACCELERATE_USE_FSDP"):
         version = os.environ.get("FSDP_VERSION", "1")
